@@ -1,0 +1,248 @@
+"""The engine's configuration tree: built and validated once at start-up, frozen, passed down.
+
+Nothing below the engine constructor reads environment variables or mutates these objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message names the field."""
+
+
+def parse_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """bf16 on CUDA and fp32 on CPU unless overridden."""
+    if name is None or name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"dtype: unknown value {name!r}; choose one of {sorted(_DTYPES)} or 'auto'") from None
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default" | "llama3" | "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder, read from a Hugging Face config.json."""
+
+    path: str
+    family: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2, some Llamas)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    rope: RopeConfig
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @staticmethod
+    def from_pretrained(path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError(f"model: no config.json in {str(path)!r}")
+        raw = json.loads(cfg_file.read_text())
+        return ModelConfig.from_dict(raw, str(path))
+
+    @staticmethod
+    def from_dict(raw: dict, path: str = "") -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None:
+            raise ConfigError(
+                f"model.architectures: {archs!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def need(key: str):
+            if key not in raw:
+                raise ConfigError(f"model config: missing field {key!r}")
+            return raw[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        if heads % kv_heads:
+            raise ConfigError(f"model config: num_attention_heads {heads} not divisible by num_key_value_heads {kv_heads}")
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return ModelConfig(
+            path=path,
+            family=family,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            rope=_parse_rope(raw),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            bos_token_id=raw.get("bos_token_id"),
+        )
+
+
+def _parse_rope(raw: dict) -> RopeConfig:
+    # transformers 5 folds theta and scaling into `rope_parameters`; 4.x uses rope_theta + rope_scaling.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ConfigError(f"model config: rope_scaling.rope_type {rope_type!r} is not supported (default, llama3, linear)")
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Either an explicit block count or a memory budget; num_blocks wins when both are set.
+    num_blocks: int | None = None
+    kv_memory_gb: float | None = None
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits above it)
+    max_model_len: int = 4096
+    async_scheduling: bool = False
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    device: str = "cpu"
+    dtype: str = "auto"
+    cuda_graphs: bool = True  # only meaningful on CUDA
+    max_graph_batch_size: int = 256
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype, self.torch_device)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+
+    def __post_init__(self) -> None:
+        s, c = self.scheduler, self.cache
+        if s.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs: must be >= 1")
+        if c.block_size < 1 or c.block_size & (c.block_size - 1):
+            raise ConfigError("block_size: must be a power of two")
+        if s.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens: must be >= 1")
+        if s.max_model_len < 2:
+            raise ConfigError("max_model_len: must be >= 2")
+        if c.num_blocks is not None and c.num_blocks < 1:
+            raise ConfigError("num_blocks: must be >= 1")
+        if self.runner.torch_device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device: CUDA requested but torch.cuda.is_available() is False")
+
+    @staticmethod
+    def build(
+        model_path: str | Path,
+        *,
+        device: str | None = None,
+        dtype: str = "auto",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_memory_gb: float | None = None,
+        enable_prefix_caching: bool = True,
+        async_scheduling: bool = False,
+        cuda_graphs: bool = True,
+    ) -> "EngineConfig":
+        model = ModelConfig.from_pretrained(model_path)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        max_len = min(max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(block_size, num_blocks, kv_memory_gb, enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_len, async_scheduling),
+            runner=RunnerConfig(device=device, dtype=dtype, cuda_graphs=cuda_graphs),
+        )
+
+    def with_(self, **kw) -> "EngineConfig":
+        """A copy with sub-configs replaced (tests build variants this way)."""
+        return replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class Env:
+    """Environment variables, read once at start-up and typed."""
+
+    log_level: str = "INFO"
+    cache_dir: str = "~/.cache/omnistream"
+
+    @staticmethod
+    def read() -> "Env":
+        return Env(
+            log_level=os.environ.get("OMNISTREAM_LOG_LEVEL", "INFO").upper(),
+            cache_dir=os.environ.get("OMNISTREAM_CACHE_DIR", "~/.cache/omnistream"),
+        )
