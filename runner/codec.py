@@ -1,0 +1,470 @@
+"""Codec stage: Orpheus audio tokens -> SNAC codes -> 24 kHz PCM, streamed exactly once.
+
+Per request the stage turns sampled token ids into SNAC frames (7 tokens per frame), asks
+`streaming.audio.FrameCursor` which windows are ready, and decodes the ready windows of all
+requests together, one batched SNAC call per distinct window length. The window rule
+(documented in streaming/audio.py) makes the streamed PCM equal to `offline_decode` of the
+complete code sequence under the same policy.
+
+SNAC's decoder injects noise (`NoiseBlock`: x + randn * linear(x)). With fresh random noise
+per call, a window decoded in a batch, alone, or offline would differ, so the stage runs
+the decoder itself and draws that noise from a counter-based hash of (seed, block, absolute
+sample position): every sample gets the same noise whichever window, batch or step
+produces it, and the model still sees noise of the trained distribution.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from snac import SNAC
+from snac.layers import DecoderBlock, NoiseBlock
+
+from streaming.audio import FrameCursor, WindowJob, WindowPolicy, plan_offline
+
+# Orpheus interleaving of one frame's 7 tokens into SNAC's 3 levels (strides 4, 2, 1):
+# level 0 gets token 0, level 1 tokens 1 and 4, level 2 tokens 2, 3, 5, 6 (time order).
+ORPHEUS_LEVELS: tuple[tuple[int, ...], ...] = ((0,), (1, 4), (2, 3, 5, 6))
+
+
+class CodecError(ValueError):
+    """The codec folder or configuration is unusable; the message names the field."""
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    path: str  # local SNAC folder: config.json + pytorch_model.bin (or model.safetensors)
+    audio_token_offset: int = 128266
+    codebook_size: int = 4096
+    end_token_id: int = 128258
+    tokens_per_frame: int = 7
+    sample_rate: int = 24000
+    samples_per_frame: int = 2048
+    policy: WindowPolicy = field(default_factory=WindowPolicy)
+    noise_seed: int = 0  # default seed of the positional decoder noise (see module doc)
+    max_batch_windows: int = 128  # windows per SNAC call; bounds activation memory
+
+    def __post_init__(self) -> None:
+        for name in ("codebook_size", "sample_rate", "samples_per_frame", "max_batch_windows"):
+            if getattr(self, name) < 1:
+                raise CodecError(f"CodecConfig.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.audio_token_offset < 0:
+            raise CodecError(f"CodecConfig.audio_token_offset: must be >= 0, got {self.audio_token_offset}")
+        if self.tokens_per_frame != sum(len(g) for g in ORPHEUS_LEVELS):
+            raise CodecError(f"CodecConfig.tokens_per_frame: the Orpheus SNAC layout needs 7, got {self.tokens_per_frame}")
+        lo, hi = self.audio_token_offset, self.audio_token_offset + self.tokens_per_frame * self.codebook_size
+        if lo <= self.end_token_id < hi:
+            raise CodecError(f"CodecConfig.end_token_id: {self.end_token_id} lies inside the audio token range [{lo}, {hi})")
+        if not isinstance(self.policy, WindowPolicy):
+            raise CodecError(f"CodecConfig.policy: expected WindowPolicy, got {type(self.policy).__name__}")
+
+
+# ---------------------------------------------------------------- token <-> code mapping
+
+
+def audio_token_range(cfg: CodecConfig, audio_index: int) -> tuple[int, int]:
+    """[lo, hi) of valid ids for the audio token at `audio_index` (0-based among audio tokens)."""
+    lo = cfg.audio_token_offset + (audio_index % cfg.tokens_per_frame) * cfg.codebook_size
+    return lo, lo + cfg.codebook_size
+
+
+def invalid_token_reason(cfg: CodecConfig, token: int, audio_index: int) -> str:
+    lo, hi = audio_token_range(cfg, audio_index)
+    return (
+        f"invalid audio token {token} at audio index {audio_index} "
+        f"(expected range [{lo}, {hi}) or end token {cfg.end_token_id})"
+    )
+
+
+def tokens_to_codes(cfg: CodecConfig, token_ids: list[int]) -> np.ndarray:
+    """Audio token ids (no end token) -> codes (n_frames, 7) int64 in Orpheus token order.
+
+    A trailing incomplete frame is dropped. Raises ValueError on an out-of-range token.
+    """
+    toks = np.asarray(token_ids, dtype=np.int64)
+    pos = np.arange(toks.size) % cfg.tokens_per_frame
+    codes = toks - cfg.audio_token_offset - pos * cfg.codebook_size
+    bad = np.flatnonzero((codes < 0) | (codes >= cfg.codebook_size))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(invalid_token_reason(cfg, int(toks[i]), i))
+    n = toks.size // cfg.tokens_per_frame
+    return codes[: n * cfg.tokens_per_frame].reshape(n, cfg.tokens_per_frame)
+
+
+def codes_to_tokens(cfg: CodecConfig, codes: np.ndarray) -> list[int]:
+    """Inverse of tokens_to_codes: (n_frames, 7) codes -> flat Orpheus token ids."""
+    codes = np.asarray(codes, dtype=np.int64)
+    if codes.ndim != 2 or codes.shape[1] != cfg.tokens_per_frame:
+        raise ValueError(f"codes must have shape (n, {cfg.tokens_per_frame}), got {codes.shape}")
+    if codes.size and (codes.min() < 0 or codes.max() >= cfg.codebook_size):
+        raise ValueError(f"codes must lie in [0, {cfg.codebook_size})")
+    offs = cfg.audio_token_offset + np.arange(cfg.tokens_per_frame) * cfg.codebook_size
+    return (codes + offs).reshape(-1).tolist()
+
+
+def frames_to_levels(codes: torch.Tensor) -> list[torch.Tensor]:
+    """(B, W, 7) frame codes -> SNAC levels [(B, W), (B, 2W), (B, 4W)] (long)."""
+    b, w, _ = codes.shape
+    return [codes[:, :, list(idx)].reshape(b, w * len(idx)) for idx in ORPHEUS_LEVELS]
+
+
+def float_to_s16(audio: torch.Tensor) -> torch.Tensor:
+    """Float PCM in [-1, 1] -> int16: clip, scale by 32767, round half to even."""
+    return torch.round(audio.float().clamp(-1.0, 1.0) * 32767.0).to(torch.int16)
+
+
+# ---------------------------------------------------------------- loading SNAC
+
+
+def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    st = folder / "model.safetensors"
+    if st.is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(st), device="cpu")
+    pt = folder / "pytorch_model.bin"
+    if pt.is_file():
+        return torch.load(pt, map_location="cpu", weights_only=True)
+    raise CodecError(f"CodecConfig.path: {folder} has neither model.safetensors nor pytorch_model.bin")
+
+
+def load_snac(cfg: CodecConfig, device: torch.device, dtype: torch.dtype = torch.float32) -> SNAC:
+    """Build SNAC from a local folder (never the hub), check it matches cfg, bake weight norm.
+
+    The published checkpoints store weight norm as weight_g/weight_v; torch's parametrized
+    weight_norm converts those on load, so both key layouts load with strict=True.
+    """
+    folder = Path(cfg.path)
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise CodecError(f"CodecConfig.path: {cfg_file} not found")
+    snac_cfg = json.loads(cfg_file.read_text())
+    model = SNAC(**snac_cfg)
+    model.load_state_dict(_read_state_dict(folder), strict=True)
+
+    hop = int(model.hop_length)
+    strides = list(model.vq_strides)
+    checks = {
+        "sample_rate": (cfg.sample_rate, model.sampling_rate),
+        "codebook_size": (cfg.codebook_size, model.codebook_size),
+        "samples_per_frame": (cfg.samples_per_frame, hop * strides[0]),
+    }
+    for name, (want, got) in checks.items():
+        if want != got:
+            raise CodecError(f"CodecConfig.{name}: {want} does not match the SNAC model in {folder} ({got})")
+    if len(strides) != len(ORPHEUS_LEVELS) or any(strides[0] // s != len(g) for s, g in zip(strides, ORPHEUS_LEVELS)):
+        raise CodecError(f"CodecConfig.path: SNAC vq_strides {strides} do not fit the Orpheus 1/2/4 layout")
+    if model.attn_window_size is not None:
+        # LocalMHA attends in fixed blocks of the latent sequence, which windowed decoding
+        # would misalign; the 24 kHz model has none.
+        raise CodecError(f"CodecConfig.path: SNAC with local attention (attn_window_size={model.attn_window_size}) is not supported")
+
+    # Only the quantizer's from_codes and the decoder are used: drop the encoder, and bake
+    # weight norm into plain weights (recomputing it every forward is pure overhead).
+    model.encoder = torch.nn.Identity()
+    for m in model.modules():
+        if torch.nn.utils.parametrize.is_parametrized(m):
+            for name in list(m.parametrizations.keys()):
+                torch.nn.utils.parametrize.remove_parametrizations(m, name, leave_parametrized=True)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def make_tiny_snac(path: str | Path, seed: int = 0) -> Path:
+    """Write a tiny random SNAC (24 kHz layout: hop 512, strides [4, 2, 1]) to `path`.
+
+    Same topology as snac_24khz (depthwise, noise, no attention, rates 8/8/4/2) so frames are
+    2048 samples and the receptive field is the real one; only the widths are tiny
+    (decoder 32 -> 2 channels, codebook 64) so a 12-frame window decodes in ~20 ms on one
+    CPU core. Saved as config.json + pytorch_model.bin with legacy weight_g/weight_v keys
+    (what torch.nn.utils.weight_norm checkpoints such as the published one hold), so tests
+    exercise the legacy-key conversion; parametrized keys load too.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "sampling_rate": 24000,
+        "encoder_dim": 4,
+        "encoder_rates": [2, 4, 8, 8],
+        "latent_dim": 32,
+        "decoder_dim": 32,
+        "decoder_rates": [8, 8, 4, 2],
+        "attn_window_size": None,
+        "codebook_size": 64,
+        "codebook_dim": 8,
+        "vq_strides": [4, 2, 1],
+        "noise": True,
+        "depthwise": True,
+    }
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = SNAC(**config)
+        with torch.no_grad():
+            # Random Snake alphas so the toy output is a busy signal (|x| ~ 0.4 on average,
+            # rarely clipped): a near-silent toy would make PCM comparisons vacuous.
+            for m in model.decoder.modules():
+                if hasattr(m, "alpha") and isinstance(m.alpha, torch.nn.Parameter):
+                    m.alpha.uniform_(0.5, 3.0)
+    finally:
+        torch.random.set_rng_state(gen_state)
+    sd = {}
+    for k, v in model.state_dict().items():
+        k = k.replace("parametrizations.weight.original0", "weight_g").replace("parametrizations.weight.original1", "weight_v")
+        sd[k] = v.contiguous()
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    torch.save(sd, path / "pytorch_model.bin")
+    return path
+
+
+# ---------------------------------------------------------------- positional noise
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    # x * c mod 2^32 for int64 x in [0, 2^32), split in 16-bit halves so no product
+    # exceeds 2^48 (int64 overflow would be undefined behaviour in the kernels).
+    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    # A 32-bit integer finaliser (xorshift-multiply); inputs/outputs int64 in [0, 2^32).
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _hash32_int(x: int) -> int:
+    return int(_hash32(torch.tensor([x & _M32], dtype=torch.int64))[0])
+
+
+def positional_noise(seeds: torch.Tensor, block: int, start: torch.Tensor, length: int) -> torch.Tensor:
+    """Standard normal noise (B, 1, length) keyed on (seed, block, absolute position).
+
+    seeds, start: (B,) int64 on the target device; start is the absolute index (at this
+    block's sample rate) of the window's first position. Same key -> same value, bitwise,
+    on one device, so overlapping windows agree wherever they cover the same sample.
+    """
+    pos = (start[:, None] + torch.arange(length, device=start.device)) & _M32  # (B, T)
+    salt_a, salt_b = _hash32_int(2 * block + 0x9E37), _hash32_int(2 * block + 1 + 0x9E37)
+    base = _hash32(pos ^ _hash32(seeds[:, None] & _M32))
+    h1 = _hash32(base ^ salt_a)
+    h2 = _hash32(base ^ salt_b)
+    # Top 24 bits -> uniforms in (0, 1) that float32 represents exactly; Box-Muller.
+    u1 = ((h1 >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    u2 = ((h2 >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
+    return z[:, None, :]
+
+
+# ---------------------------------------------------------------- windowed decoder
+
+
+class SnacWindowDecoder:
+    """Decodes batches of equal-length frame windows with positional decoder noise."""
+
+    def __init__(self, model: SNAC, samples_per_frame: int) -> None:
+        self.model = model
+        self.samples_per_frame = samples_per_frame
+        self.latent_per_frame = int(model.vq_strides[0])
+        # Samples per frame at each DecoderBlock's output rate (frame = 4 latent steps).
+        self._block_rates: list[int] = []
+        r = self.latent_per_frame
+        for layer in model.decoder.model:
+            if isinstance(layer, DecoderBlock):
+                r *= int(layer.block[1].stride[0])  # block = [Snake, ConvTranspose, ...]
+                self._block_rates.append(r)
+        if not self._block_rates or self._block_rates[-1] != samples_per_frame:
+            raise CodecError(f"SNAC decoder rates give {r} samples per frame, expected {samples_per_frame}")
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+
+    @torch.inference_mode()
+    def decode(self, codes: torch.Tensor, window_start: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+        """codes (B, W, 7) long; window_start, seeds (B,) long -> float audio (B, W * spf).
+
+        Output sample i of row b is absolute sample window_start[b] * spf + i (all SNAC
+        decoder layers are length-preserving 'same' convs or exact x-stride upsamplers).
+        """
+        z = self.model.quantizer.from_codes(frames_to_levels(codes))  # (B, latent, 4W)
+        x = z.to(self.dtype)
+        block = 0
+        for layer in self.model.decoder.model:
+            if not isinstance(layer, DecoderBlock):
+                x = layer(x)
+                continue
+            rate = self._block_rates[block]
+            for sub in layer.block:
+                if isinstance(sub, NoiseBlock):
+                    noise = positional_noise(seeds, block, window_start * rate, x.shape[-1]).to(x.dtype)
+                    x = x + noise * sub.linear(x)  # NoiseBlock.forward with positional noise
+                else:
+                    x = sub(x)
+            block += 1
+        return x[:, 0, :]  # (B, W * spf); the decoder ends in tanh, so values lie in [-1, 1]
+
+    def decode_jobs(self, windows: list[np.ndarray], jobs: list[WindowJob], seeds: list[int]) -> list[np.ndarray]:
+        """Decode equal-length windows in one call; return each job's emitted int16 PCM.
+
+        windows[i]: (W, 7) codes of jobs[i]'s window. Float results of a row do not depend
+        on the other rows except through kernel choice/blocking for a different batch size,
+        i.e. float rounding: after int16 rounding that is at most 1 LSB, and sample counts
+        are always exact.
+        """
+        codes = torch.from_numpy(np.stack(windows)).to(self.device)
+        starts = torch.tensor([j.window_start for j in jobs], dtype=torch.int64, device=self.device)
+        seed_t = torch.tensor(seeds, dtype=torch.int64, device=self.device)
+        pcm = float_to_s16(self.decode(codes, starts, seed_t))  # (B, W * spf) int16
+        # Cut on the device and copy only emitted samples to the host, in one transfer.
+        cuts = [j.emit_slice(self.samples_per_frame) for j in jobs]
+        flat = torch.cat([pcm[i, lo:hi] for i, (lo, hi) in enumerate(cuts)]).cpu().numpy()
+        return np.split(flat, np.cumsum([hi - lo for lo, hi in cuts])[:-1])
+
+
+def offline_decode(decoder: SnacWindowDecoder, codes: np.ndarray, policy: WindowPolicy, seed: int = 0) -> np.ndarray:
+    """The reference: the window rule over the complete (n, 7) code sequence, one window at a time."""
+    codes = np.asarray(codes, dtype=np.int64)
+    out = [np.zeros(0, dtype=np.int16)]
+    for job in plan_offline(policy, codes.shape[0]):
+        out += decoder.decode_jobs([codes[job.window_start : job.window_end]], [job], [seed])
+    return np.concatenate(out)
+
+
+# ---------------------------------------------------------------- the stage
+
+
+@dataclass
+class StageResult:
+    pcm: np.ndarray  # int16 mono samples emitted this step, in order (may be empty)
+    done: bool  # the stage has finished with this key and forgotten it
+    error: str | None = None  # why the request's audio failed (done is then True)
+
+
+@dataclass
+class _Request:
+    cursor: FrameCursor
+    seed: int
+    codes: np.ndarray  # (capacity, 7) int64; rows [0, n_frames) are complete frames
+    n_frames: int = 0
+    partial: list[int] = field(default_factory=list)  # codes of the incomplete frame
+    audio_index: int = 0  # audio tokens accepted so far
+    ended: bool = False  # end token seen or close() called: no more frames
+    error: str | None = None
+
+
+class CodecStage:
+    """Streams PCM for many requests, decoding ready windows in batched SNAC calls."""
+
+    def __init__(self, cfg: CodecConfig, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+        self.cfg = cfg
+        self.decoder = SnacWindowDecoder(load_snac(cfg, device, dtype), cfg.samples_per_frame)
+        self._reqs: dict[object, _Request] = {}
+
+    # -- request lifecycle -------------------------------------------------------------
+
+    def open(self, key: object, seed: int | None = None) -> None:
+        """A request that wants audio starts; `seed` overrides cfg.noise_seed for it."""
+        if key in self._reqs:
+            raise KeyError(f"codec request {key!r} is already open")
+        self._reqs[key] = _Request(
+            cursor=FrameCursor(self.cfg.policy),
+            seed=self.cfg.noise_seed if seed is None else seed,
+            codes=np.zeros((64, self.cfg.tokens_per_frame), dtype=np.int64),
+        )
+
+    def push(self, key: object, token_ids: list[int]) -> None:
+        """Newly sampled tokens of a request. The end token finishes its stream and later
+        tokens are ignored; so are tokens for unknown keys (a late output after abort)."""
+        req = self._reqs.get(key)
+        if req is None or req.ended or req.error is not None:
+            return
+        cfg = self.cfg
+        for tok in token_ids:
+            tok = int(tok)
+            if tok == cfg.end_token_id:
+                req.ended = True
+                return
+            lo, hi = audio_token_range(cfg, req.audio_index)
+            if not lo <= tok < hi:
+                req.error = invalid_token_reason(cfg, tok, req.audio_index)
+                return
+            req.partial.append(tok - lo)
+            req.audio_index += 1
+            if len(req.partial) == cfg.tokens_per_frame:
+                if req.n_frames == req.codes.shape[0]:
+                    req.codes = np.concatenate([req.codes, np.zeros_like(req.codes)])  # amortised growth
+                req.codes[req.n_frames] = req.partial
+                req.n_frames += 1
+                req.partial = []
+
+    def close(self, key: object) -> None:
+        """The request finished (stop/length): remaining frames become ready with truncated
+        right context; an incomplete trailing frame is dropped. Unknown keys are ignored."""
+        req = self._reqs.get(key)
+        if req is not None:
+            req.ended = True
+
+    def abort(self, key: object) -> None:
+        """Drop all state of the request; nothing more is emitted for it."""
+        self._reqs.pop(key, None)
+
+    def allowed_token_range(self, num_audio_tokens: int) -> tuple[int, int]:
+        """[lo, hi) of valid ids for the next audio token after `num_audio_tokens` audio
+        tokens; the end token (cfg.end_token_id) is also valid and lies outside it."""
+        return audio_token_range(self.cfg, num_audio_tokens)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._reqs
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    # -- decoding ----------------------------------------------------------------------
+
+    def step(self) -> dict[object, StageResult]:
+        """Decode every ready window of every request; return results for keys with news
+        (PCM, completion or error). Keys reported done are forgotten."""
+        results: dict[object, StageResult] = {}
+        # Jobs grouped by window length: equal-length windows share one SNAC call.
+        groups: dict[int, list[tuple[object, WindowJob]]] = defaultdict(list)
+        finished: list[object] = []
+        for key, req in self._reqs.items():
+            if req.error is not None:
+                results[key] = StageResult(np.zeros(0, dtype=np.int16), done=True, error=req.error)
+                finished.append(key)
+                continue
+            for job in req.cursor.ready(req.n_frames, req.ended):
+                groups[job.window_frames].append((key, job))
+            if req.cursor.finished:
+                finished.append(key)
+
+        pieces: dict[object, list[tuple[int, np.ndarray]]] = defaultdict(list)
+        step_max = self.cfg.max_batch_windows
+        for items in groups.values():
+            for i in range(0, len(items), step_max):
+                batch = items[i : i + step_max]
+                reqs = [self._reqs[k] for k, _ in batch]
+                jobs = [j for _, j in batch]
+                windows = [r.codes[j.window_start : j.window_end] for r, j in zip(reqs, jobs)]
+                pcm = self.decoder.decode_jobs(windows, jobs, [r.seed for r in reqs])
+                for (key, job), p in zip(batch, pcm):
+                    pieces[key].append((job.chunk_index, p))
+
+        for key, parts in pieces.items():
+            parts.sort(key=lambda t: t[0])  # chunk order; groups were decoded in any order
+            results[key] = StageResult(np.concatenate([p for _, p in parts]), done=False)
+        for key in finished:
+            if key not in results:
+                results[key] = StageResult(np.zeros(0, dtype=np.int16), done=True)
+            results[key].done = True
+            del self._reqs[key]
+        return results
