@@ -1,0 +1,258 @@
+"""Llama-family decoder (Llama 2/3.x, Qwen2, Qwen3) over a flattened, paged batch.
+
+Inputs are T new tokens from any number of sequences, flattened (no batch dim); attention
+reaches earlier tokens through the paged KV cache described by `AttentionMetadata`.
+Numerics follow transformers (RMSNorm in fp32, RoPE cos/sin from fp32 tables cast to the
+model dtype, residual adds in model dtype) so outputs match it within dtype tolerance.
+
+The forward pass never syncs with the host (no .item()/.tolist(), no branching on tensor
+values): decode steps are meant to be captured in a CUDA graph. Python-level variants
+(bias, q/k-norm, tied head) are fixed at construction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.attention import AttentionMetadata, make_attention_backend
+from runner.config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same order of operations as transformers: normalise in fp32, cast back, then scale.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies, computed the way transformers does (on CPU, fp32)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "default":
+        return inv_freq
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
+        old_len = rope.original_max_position_embeddings
+        low_freq_wavelen = old_len / rope.low_freq_factor
+        high_freq_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"rope_type {rope.rope_type!r} is not supported")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables [max_position_embeddings, head_dim] in fp32, indexed by position.
+
+    The tables are non-persistent buffers so they never appear in checkpoints; after building
+    on the meta device call `reset(device)` to compute them for real.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.rope = rope
+        if torch.empty(0).device.type == "meta":
+            # Built under `torch.device("meta")`: shapes only; reset() fills them after to_empty.
+            self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+            self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        else:
+            self.register_buffer("cos", torch.empty(0), persistent=False)
+            self.register_buffer("sin", torch.empty(0), persistent=False)
+            self.reset(torch.empty(0).device)
+
+    def reset(self, device: torch.device | str | None) -> None:
+        # Tables are computed on the CPU in fp32 whatever the target device, then moved.
+        inv_freq = rope_inv_freq(self.rope, self.head_dim)  # [D/2], CPU fp32
+        pos = torch.arange(self.max_positions, dtype=torch.int64, device="cpu").float()
+        freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2], same product as HF computes per step
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q [T, Hq, D], k [T, Hkv, D], positions [T]; HF casts cos/sin to the activation dtype.
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, attn, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        # Fused q|k|v on the output dim: one GEMM per layer instead of three.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_proj_has_bias(cfg))
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.attn = attn
+        # Shared, not owned: a plain attribute keeps it out of this module's state_dict.
+        self._rotary = (rotary,)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2*kv_size]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # Qwen3: per-head RMSNorm over head_dim, before RoPE
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self._rotary[0](q, k, positions)
+        out = self.attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+def o_proj_has_bias(cfg: ModelConfig) -> bool:
+    # Qwen2 biases q/k/v only; Llama and Qwen3 apply `attention_bias` to o_proj as well.
+    return cfg.attention_bias and cfg.family != "qwen2"
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate | up
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, attn, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx, attn, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # Unfused residual adds in HF's order, so bf16 rounding matches transformers.
+        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names mirror HF's minus the split projections (qkv_proj, gate_up_proj)."""
+
+    def __init__(self, cfg: ModelConfig, attn=None):
+        super().__init__()
+        self.cfg = cfg
+        self.attn = attn if attn is not None else make_attention_backend(torch.get_default_device())
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.attn, self.rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tied = cfg.tie_word_embeddings
+        if not self.tied:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.tied else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Returns (final hidden after the norm [T, H], {layer: [T, H]}).
+
+        Layer indices follow transformers' output_hidden_states: 0 = embeddings, i = output of
+        decoder layer i-1, num_layers = final output after the norm.
+        """
+        n = len(self.layers)
+        captured: dict[int, torch.Tensor] = {}
+        h = self.embed_tokens(input_ids)  # [T, H]
+        if 0 in capture_layers:
+            captured[0] = h
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions, kv_caches[i], meta)
+            if i + 1 < n and (i + 1) in capture_layers:
+                captured[i + 1] = h
+        h = self.norm(h)
+        if n in capture_layers:
+            captured[n] = h
+        return h, captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, V] float32 (matmul in model dtype like HF, then upcast)."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """Compute the non-parameter state (RoPE tables) on `device`; needed after meta init."""
+        self.rotary.reset(device)
+
+
+def build_empty_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, attn=None) -> LlamaForCausalLM:
+    """Allocate the model on `device` in `dtype` with uninitialised parameters (no init kernels,
+    no CPU copy); RoPE tables are computed for real."""
+    device = torch.device(device)
+    if attn is None:
+        attn = make_attention_backend(device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, attn)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.reset_buffers(device)
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def build_random_model(
+    cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int = 0, attn=None
+) -> LlamaForCausalLM:
+    """Random weights (std 0.02, biases 0, norms 1) generated directly on `device`, for benchmarks."""
+    model = build_empty_model(cfg, device, dtype, attn)
+    gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    return model

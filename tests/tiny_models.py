@@ -1,0 +1,130 @@
+"""Tiny random-weight transformers checkpoints for tests (helpers, not a test module).
+
+The weights are re-drawn from a seeded generator with larger stds than transformers' init
+(and non-unit norm weights, non-zero biases) so every tensor matters to the output: a swapped
+or dropped tensor changes logits, and greedy decoding does not collapse to one token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+BOS_ID = 1
+EOS_ID = 2
+
+
+def _hf_config(
+    family: str,
+    *,
+    tie: bool,
+    vocab_size: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    rope_llama3: bool,
+    max_pos: int,
+    head_dim: int | None,
+):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=0,
+    )
+    if head_dim is not None:
+        common["head_dim"] = head_dim
+    if family == "llama":
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        if rope_llama3:
+            # original_max_position_embeddings is small so that, with a tiny head_dim, some
+            # frequencies are kept, some divided by `factor` and some interpolated.
+            rope = {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        return LlamaConfig(**common, rope_parameters=rope)
+    if family == "qwen2":
+        return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if family == "qwen3":
+        return Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    raise ValueError(f"unknown family {family!r}")
+
+
+@torch.no_grad()
+def _reinit(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+        elif "embed_tokens" in name or name.endswith(".bias"):
+            p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+        else:
+            # Projections larger than the embeddings: with tied embeddings a small residual
+            # update makes every token predict itself and greedy output repeats one id.
+            p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+
+
+def make_tiny_model(
+    family: str,
+    path,
+    *,
+    tie: bool = False,
+    vocab_size: int = 512,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    seed: int = 0,
+    rope_llama3: bool = False,
+    max_pos: int = 512,
+    head_dim: int | None = None,
+) -> Path:
+    """Save a random transformers model of `family` ("llama", "qwen2", "qwen3") to `path`."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _hf_config(
+        family,
+        tie=tie,
+        vocab_size=vocab_size,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate=intermediate,
+        rope_llama3=rope_llama3,
+        max_pos=max_pos,
+        head_dim=head_dim,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _reinit(model, seed)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_hf(path):
+    """The saved model as transformers loads it: fp32, eval mode, eager attention."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
