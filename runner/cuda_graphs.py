@@ -1,0 +1,109 @@
+"""CUDA graphs for decode steps.
+
+A pure-decode batch of B <= max sequences replays the graph of the smallest captured bucket
+>= B. Inputs live in persistent device buffers that the graph reads; padded rows (B..bucket-1)
+write their K/V into a scratch block that the block manager never hands out, have seq_len 0
+(the decode kernel writes zeros for them) and their logits are ignored.
+
+Captured: embedding -> layers -> norm -> lm_head, i.e. logits for every row. Sampling stays
+outside (per-request generators cannot live in a graph).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from runner.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+def graph_buckets(max_bs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 128, 16)) + list(range(128, 1025, 32))
+    return [s for s in sizes if s < max_bs] + [max_bs]
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_bs: int, max_blocks: int,
+                 scratch_block: int, block_size: int, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.max_bs = max_bs
+        self.buckets = graph_buckets(max_bs)
+        self.device = device
+        self.scratch_slot = scratch_block * block_size
+        self.scratch_block = scratch_block
+        self.block_size = block_size
+        # persistent inputs, sliced per bucket
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_bs,), self.scratch_slot, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.block_tables = torch.full((max_bs, max_blocks), scratch_block, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.max_blocks = max_blocks
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            block_tables=self.block_tables[:b],
+            slot_mapping=self.slot_mapping[:b],
+            max_query_len=1,
+            max_seq_len=self.max_blocks * self.block_size,  # unused by the decode kernel
+        )
+
+    def _forward(self, b: int) -> torch.Tensor:
+        hidden, _ = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one shared memory pool."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up (Triton autotune/compile, cuBLAS handles)
+                self._forward(self.buckets[-1])
+                self._forward(self.buckets[0])
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        for b in reversed(self.buckets):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self.logits[b] = self._forward(b)
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[b] = g
+        torch.cuda.synchronize(self.device)
+        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def bucket_for(self, b: int) -> int | None:
+        if b > self.max_bs:
+            return None
+        for s in self.buckets:
+            if s >= b:
+                return s
+        return None
+
+    def run(self, bucket: int, b: int, ids: torch.Tensor, pos: torch.Tensor, slot_map: torch.Tensor,
+            seq_lens: torch.Tensor, tables: np.ndarray, to_dev) -> torch.Tensor:
+        """Fill the persistent buffers (rows [0, b) real, [b, bucket) padding), replay, and
+        return the logits of the real rows ([b, V] float32, a view of the graph's output)."""
+        self.input_ids[:b].copy_(ids, non_blocking=True)
+        self.positions[:b].copy_(pos, non_blocking=True)
+        self.slot_mapping[:b].copy_(slot_map, non_blocking=True)
+        self.seq_lens[:b].copy_(seq_lens, non_blocking=True)
+        nb = tables.shape[1]
+        self.block_tables[:b, :nb].copy_(to_dev(tables), non_blocking=True)
+        if bucket > b:  # padding rows: scratch slot, empty sequence
+            self.slot_mapping[b:bucket].fill_(self.scratch_slot)
+            self.seq_lens[b:bucket].zero_()
+        self.graphs[bucket].replay()
+        return self.logits[bucket][:b]

@@ -1,0 +1,280 @@
+"""In-process engine: add_request / abort_request / step().
+
+One step reads like its description: schedule, execute, sample, emit. With async scheduling the
+emit of step N happens after step N+1 was scheduled and launched, so the device never waits
+for the host to look at step N's tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from runner.config import EngineConfig
+from runner.ipc import EngineStats, RequestOutput
+from runner.kv_cache import BlockManager
+from runner.model_runner import AsyncOutput, ModelRunner, StepResult
+from runner.orpheus import OrpheusCodeConstraint
+from runner.request import FinishReason, Request
+from runner.sampling_params import InvalidRequest, SamplingParams
+from runner.scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    sched: SchedulerOutput
+    out: AsyncOutput
+
+
+def num_kv_blocks(cfg: EngineConfig, bytes_per_token: int) -> int:
+    """Blocks from an explicit count, a memory budget, or (default) enough for every sequence
+    at full length, capped by 90% of free device memory on CUDA / 2 GiB on the CPU."""
+    c, s = cfg.cache, cfg.scheduler
+    if c.num_blocks is not None:
+        return c.num_blocks
+    per_block = bytes_per_token * c.block_size
+    if c.kv_memory_gb is not None:
+        return max(1, int(c.kv_memory_gb * 2**30) // per_block)
+    want = s.max_num_seqs * -(-s.max_model_len // c.block_size)
+    if cfg.runner.torch_device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(cfg.runner.torch_device)
+        cap = int(free * 0.9) // per_block
+    else:
+        cap = (2 * 2**30) // per_block
+    return max(1, min(want, cap))
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, model: torch.nn.Module | None = None, codec=None):
+        from runner.attention import kv_bytes_per_token
+        from runner.loader import load_model
+
+        self.cfg = cfg
+        self.device = cfg.runner.torch_device
+        self.model = model if model is not None else load_model(cfg.model, self.device, cfg.runner.torch_dtype)
+        self.num_blocks = num_kv_blocks(cfg, kv_bytes_per_token(cfg.model, cfg.runner.torch_dtype))
+        self.blocks = BlockManager(self.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg.scheduler, self.blocks, frozenset(cfg.model.eos_token_ids))
+        self.codec = codec
+        constraint = None
+        if codec is not None:
+            c = codec.cfg
+            constraint = OrpheusCodeConstraint(c.audio_token_offset, c.codebook_size, c.tokens_per_frame, c.end_token_id)
+        self.runner = ModelRunner(cfg, self.model, self.num_blocks, constraint, lambda r: r.audio)
+        self.requests: dict[str, Request] = {}
+        self._pending: _Pending | None = None
+        self._finished_out: list[RequestOutput] = []  # outputs produced outside a step (aborts)
+        self._audio_open: dict[int, Request] = {}  # codec streams not yet fully emitted
+        self.step_count = 0
+        self.num_requests_total = 0
+        self.num_aborted_total = 0
+        self.num_generated_total = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams | None = None,
+        hidden_state_layers: tuple[int, ...] | list[int] = (),
+        audio: bool = False,
+    ) -> None:
+        """Validate and queue a request. Raises InvalidRequest naming the field; the engine and
+        the other requests are unaffected."""
+        sampling = sampling or SamplingParams()
+        m, s = self.cfg.model, self.cfg.scheduler
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest("request_id", "must be a non-empty string")
+        if request_id in self.requests:
+            raise InvalidRequest("request_id", f"{request_id!r} is already in use by a running request")
+        if not prompt_token_ids:
+            raise InvalidRequest("prompt_token_ids", "must not be empty")
+        for i, t in enumerate(prompt_token_ids):
+            if not isinstance(t, int) or not (0 <= t < m.vocab_size):
+                raise InvalidRequest("prompt_token_ids", f"token {t!r} at index {i} is outside the vocabulary [0, {m.vocab_size})")
+        if len(prompt_token_ids) >= s.max_model_len:
+            raise InvalidRequest(
+                "prompt_token_ids", f"prompt of {len(prompt_token_ids)} tokens leaves no room under max_model_len={s.max_model_len}"
+            )
+        if len(prompt_token_ids) + 1 > self.num_blocks * self.cfg.cache.block_size:
+            raise InvalidRequest("prompt_token_ids", "prompt does not fit in the KV cache")
+        sampling.validate(m.vocab_size)
+        layers = tuple(hidden_state_layers)
+        for l in layers:
+            if not (-(m.num_layers + 1) <= l <= m.num_layers):
+                raise InvalidRequest("hidden_state_layers", f"layer {l} out of range [-{m.num_layers + 1}, {m.num_layers}]")
+        if audio:
+            if self.codec is None:
+                raise InvalidRequest("audio", "this engine has no codec stage loaded")
+            end = self.codec.cfg.end_token_id
+            if end not in sampling.stop_token_ids:
+                sampling = _replace(sampling, stop_token_ids=[*sampling.stop_token_ids, end])
+        req = Request(request_id, list(prompt_token_ids), sampling, layers, audio)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.num_requests_total += 1
+        if audio:
+            self.codec.open(id(req), seed=sampling.seed)
+            self._audio_open[id(req)] = req
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a live request: its blocks and slot are free before the next step. Returns
+        False when the id is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.num_aborted_total += 1
+        if not req.is_finished:
+            self.scheduler.finish(req, FinishReason.ABORT)
+        if self._audio_open.pop(id(req), None) is not None:
+            self.codec.abort(id(req))
+        self._finished_out.append(self._output(req, [], finished=True))
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or self._pending is not None or bool(self._finished_out)
+
+    # ---- the step --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        out = None
+        if not sched.is_empty:
+            self.runner.execute_model(sched)
+            out = self.runner.sample_tokens()
+            self.step_count += 1
+        if self.cfg.scheduler.async_scheduling:
+            prev, self._pending = self._pending, (_Pending(sched, out) if out is not None else None)
+        else:
+            prev = _Pending(sched, out) if out is not None else None
+        results = self._emit(prev) if prev is not None else []
+        if self.codec is not None and self._audio_open:
+            results = self._merge(results, self._codec_step())
+        for req in self.scheduler.failed:
+            self._forget(req)
+            if self._audio_open.pop(id(req), None) is not None:
+                self.codec.abort(id(req))
+            self._finished_out.append(self._output(req, [], finished=True))
+        self.scheduler.failed.clear()
+        if self._finished_out:
+            results, self._finished_out = self._finished_out + results, []
+        return results
+
+    def _emit(self, p: _Pending) -> list[RequestOutput]:
+        res: StepResult = p.out.get()
+        accepted = self.scheduler.update_from_output(p.sched, res.sampled)
+        by_req: dict[int, RequestOutput] = {}
+        for req, toks in accepted:
+            self.num_generated_total += len(toks)
+            o = by_req[id(req)] = self._output(req, toks, finished=False)
+            if req.audio:
+                self.codec.push(id(req), toks)
+                if req.is_finished:
+                    self.codec.close(id(req))
+            elif req.is_finished:
+                o.finished, o.finish_reason = True, req.finish_reason.value
+                o.error = req.finish_message or None
+                self._forget(req)
+        for rid, (first, rows) in res.hidden.items():
+            req = next((e.req for e in p.sched.scheduled if id(e.req) == rid), None)
+            if req is None or (req.finish_reason is FinishReason.ABORT):
+                continue
+            o = by_req.get(rid) or by_req.setdefault(rid, self._output(req, [], finished=False))
+            o.hidden, o.hidden_positions = rows, (first, first + rows.shape[0])
+        return list(by_req.values())
+
+    def _codec_step(self) -> list[RequestOutput]:
+        outs = []
+        for key, r in self.codec.step().items():
+            req = self._audio_open.get(key)
+            if req is None:
+                continue
+            o = self._output(req, [], finished=False)
+            if r.pcm is not None and len(r.pcm):
+                o.audio = r.pcm
+            if r.error is not None:
+                if not req.is_finished:
+                    self.scheduler.finish(req, FinishReason.ERROR, r.error)
+                o.finished, o.finish_reason, o.error = True, FinishReason.ERROR.value, r.error
+            elif r.done:
+                o.finished, o.finish_reason = True, req.finish_reason.value
+                o.error = req.finish_message or None
+            if o.finished:
+                if r.error:
+                    self.codec.abort(key)
+                del self._audio_open[key]
+                self._forget(req)
+            if o.audio is not None or o.finished:
+                outs.append(o)
+        return outs
+
+    @staticmethod
+    def _merge(a: list[RequestOutput], b: list[RequestOutput]) -> list[RequestOutput]:
+        """Fold codec outputs into the step's token outputs (one output per request per step)."""
+        idx = {o.request_id: o for o in a}
+        for o in b:
+            t = idx.get(o.request_id)
+            if t is None:
+                a.append(o)
+                continue
+            t.audio = o.audio
+            t.finished, t.finish_reason, t.error = o.finished, o.finish_reason, o.error
+        return a
+
+    def _forget(self, req: Request) -> None:
+        # by identity: the id may already belong to a newer request
+        if self.requests.get(req.request_id) is req:
+            del self.requests[req.request_id]
+
+    def _output(self, req: Request, toks: list[int], finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=toks,
+            finished=finished,
+            finish_reason=req.finish_reason.value if finished and req.finish_reason else None,
+            error=(req.finish_message or None) if finished else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    # ---- introspection -----------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=self.blocks.num_free_blocks,
+            num_total_blocks=self.num_blocks,
+            num_requests_total=self.num_requests_total,
+            num_aborted_total=self.num_aborted_total,
+            num_preemptions_total=self.scheduler.num_preemptions,
+            num_prefix_cache_hit_tokens=self.blocks.hit_tokens_total,
+            num_generated_tokens_total=self.num_generated_total,
+            step_count=self.step_count,
+            active_request_ids=sorted(self.requests),
+        )
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
+        """Convenience for tests and benchmarks: run prompts to completion, return output ids."""
+        sps = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
+        ids = [f"gen-{self.num_requests_total + i}" for i in range(len(prompts))]
+        for rid, p, sp in zip(ids, prompts, sps):
+            self.add_request(rid, p, sp)
+        got: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished:
+            for o in self.step():
+                got[o.request_id].extend(o.new_token_ids)
+        return [got[r] for r in ids]
+
+
+def _replace(sp: SamplingParams, **kw) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(sp, **kw)

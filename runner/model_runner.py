@@ -1,0 +1,294 @@
+"""The model runner: turns a SchedulerOutput into a forward pass and sampled tokens.
+
+Two phases, as in the engine step's description:
+  execute_model(sched)  prepare inputs, run the forward pass, compute logits; keeps ExecuteState.
+  sample_tokens()       sample, record the ids in device-side slot state, start the device->host
+                        copies (sampled ids, and hidden rows only for requests that asked) and
+                        return an AsyncOutput without waiting for them.
+
+Sampled ids never need the host to feed the next step: a decode position whose token is still in
+flight reads it from `SlotState.last_token[slot]` on the device.
+
+CPU and CUDA differ only in `OutputCopier`, picked once at construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+
+from runner.attention import AttentionMetadata, allocate_kv_cache
+from runner.cuda_graphs import DecodeGraphs
+from runner.config import EngineConfig
+from runner.request import Request
+from runner.sampler import Sampler, SamplingBatch, SlotState, make_generator
+from runner.scheduler import ScheduledRequest, SchedulerOutput
+
+
+class LogitsConstraint(Protocol):
+    """A model-declared sampling rule applied before the sampler's own stages.
+
+    rows: batch rows it applies to ([R] int64, device); out_index: index among the request's
+    outputs of the token being sampled ([R] int64, device); history: the request's true output
+    ids so far ([R, max_model_len] int64, device, valid below out_index) even in async mode."""
+
+    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, out_index: torch.Tensor, history: torch.Tensor) -> None: ...
+
+
+@dataclass
+class ExecuteState:
+    sched: SchedulerOutput
+    sample_entries: list[ScheduledRequest]
+    logits: torch.Tensor  # [S, V] float32, one row per sampling entry
+    hidden: torch.Tensor | None  # [R, n_capture, H] rows of requests that want hidden states
+    hidden_spans: list[tuple[Request, int, int, int, tuple[int, ...]]]  # (req, row0, nrows, first_pos, layer idx)
+
+
+@dataclass
+class StepResult:
+    sampled: list[int]  # one per sampling entry, in order
+    hidden: dict[int, tuple[int, np.ndarray]]  # id(req) -> (first position, [n, n_layers, H])
+
+
+class AsyncOutput:
+    """Handle to a step's outputs being copied to the host; `get()` waits only for this copy."""
+
+    def __init__(self, sampled: torch.Tensor, hidden: torch.Tensor | None, spans, event: torch.cuda.Event | None):
+        self._sampled, self._hidden, self._spans, self._event = sampled, hidden, spans, event
+
+    def get(self) -> StepResult:
+        if self._event is not None:
+            self._event.synchronize()
+        sampled = self._sampled.tolist()
+        hidden: dict[int, tuple[int, np.ndarray]] = {}
+        if self._hidden is not None:
+            h = self._hidden
+            if h.dtype == torch.bfloat16:
+                h = h.view(torch.uint16)  # numpy has no bf16: ship the raw bits
+            arr = h.numpy()
+            for req, row0, n, first_pos, layer_idx in self._spans:
+                hidden[id(req)] = (first_pos, arr[row0 : row0 + n][:, layer_idx, :])
+        return StepResult(sampled, hidden)
+
+
+class OutputCopier:
+    """CPU: results are already on the host."""
+
+    def copy(self, sampled: torch.Tensor, hidden: torch.Tensor | None, spans) -> AsyncOutput:
+        return AsyncOutput(sampled, hidden, spans, None)
+
+
+class CudaOutputCopier(OutputCopier):
+    """Copies on a side stream into pinned buffers and records an event, so the compute stream
+    moves on to the next step while the copy runs."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
+
+    def copy(self, sampled: torch.Tensor, hidden: torch.Tensor | None, spans) -> AsyncOutput:
+        main = torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            s_host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            s_host.copy_(sampled, non_blocking=True)
+            sampled.record_stream(self.stream)
+            h_host = None
+            if hidden is not None:
+                h_host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+                h_host.copy_(hidden, non_blocking=True)
+                hidden.record_stream(self.stream)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return AsyncOutput(s_host, h_host, spans, event)
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model: torch.nn.Module, num_blocks: int,
+                 constraint: LogitsConstraint | None = None,
+                 wants_constraint: Callable[[Request], bool] | None = None):
+        self.cfg = cfg
+        self.model = model
+        self.device = cfg.runner.torch_device
+        self.dtype = cfg.runner.torch_dtype
+        self.block_size = cfg.cache.block_size
+        self.max_blocks_per_seq = -(-cfg.scheduler.max_model_len // self.block_size)
+        # one extra block at index num_blocks: the scratch block padded graph rows write into
+        self.kv_caches = allocate_kv_cache(cfg.model, num_blocks + 1, self.block_size, self.device, self.dtype)
+        S = cfg.scheduler.max_num_seqs
+        self.slots = SlotState(S, cfg.model.vocab_size, cfg.scheduler.max_model_len, self.device)
+        self.sampler = Sampler(self.device)
+        self.slot_owner: list[Request | None] = [None] * S
+        self.generators: list[torch.Generator | None] = [None] * S
+        self.copier = CudaOutputCopier(self.device) if self.device.type == "cuda" else OutputCopier()
+        self.constraint = constraint
+        self.wants_constraint = wants_constraint or (lambda r: False)
+        self.eos = cfg.model.eos_token_ids
+        self._state: ExecuteState | None = None
+        self.pin = self.device.type == "cuda"
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and cfg.runner.cuda_graphs:
+            self.graphs = DecodeGraphs(model, self.kv_caches, min(cfg.runner.max_graph_batch_size, S),
+                                       self.max_blocks_per_seq, num_blocks, self.block_size, self.device)
+            self.graphs.capture()
+        # GPU timeline (bench): (start, end) CUDA events per step when enabled
+        self.record_timeline = False
+        self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._t0: torch.cuda.Event | None = None
+
+    def _to_dev(self, arr: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(arr)
+        if self.pin:
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    # ---- phase 1 ---------------------------------------------------------------------------
+
+    def _admit(self, e: ScheduledRequest) -> None:
+        """Reset device slot state when a request (re)starts. A request re-admitted after
+        preemption keeps its generator, so its random stream continues where it was."""
+        req = e.req
+        if self.slot_owner[req.slot] is not req:
+            self.slot_owner[req.slot] = req
+            seed = req.sampling.seed
+            self.generators[req.slot] = make_generator(seed, self.device) if seed is not None else None
+        self.slots.admit(req.slot, req.prompt_token_ids, req.output_token_ids, req.sampling.uses_penalties)
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> None:
+        assert self._state is None, "sample_tokens() must follow execute_model()"
+        entries = sched.scheduled
+        B = len(entries)
+        bs = self.block_size
+        T = sched.num_batched_tokens
+        ids = np.zeros(T, dtype=np.int64)
+        pos = np.empty(T, dtype=np.int64)
+        slot_map = np.empty(T, dtype=np.int64)
+        qsl = np.zeros(B + 1, dtype=np.int32)
+        seq_lens = np.empty(B, dtype=np.int32)
+        max_blocks = max(len(e.req.block_ids) for e in entries)
+        tables = np.zeros((B, max_blocks), dtype=np.int32)
+        dev_rows: list[int] = []  # flat rows whose token is still on the device
+        dev_slots: list[int] = []
+        logits_rows: list[int] = []
+        sample_entries: list[ScheduledRequest] = []
+        hidden_spans = []
+        hidden_rows: list[np.ndarray] = []
+        capture: set[int] = set()
+        t = 0
+        for b, e in enumerate(entries):
+            req = e.req
+            if e.new_admission:
+                self._admit(e)
+            n, s = e.num_tokens, e.start
+            known = len(req.prompt_token_ids) + len(req.output_token_ids)
+            p = np.arange(s, s + n, dtype=np.int64)
+            pos[t : t + n] = p
+            k_end = min(s + n, known)
+            if k_end > s:
+                ids[t : t + k_end - s] = req.all_token_ids[s:k_end]
+            if s + n > known:  # the last position's token is in flight: take it on the device
+                assert s + n == known + 1
+                dev_rows.append(t + n - 1)
+                dev_slots.append(req.slot)
+            blk = np.asarray(req.block_ids, dtype=np.int64)
+            slot_map[t : t + n] = blk[p // bs] * bs + p % bs
+            tables[b, : len(blk)] = blk
+            seq_lens[b] = s + n
+            qsl[b + 1] = t + n
+            if req.wants_hidden_states:
+                first = max(s, req.num_hidden_emitted)
+                if first < s + n:
+                    layers = tuple(l if l >= 0 else self.cfg.model.num_layers + 1 + l for l in req.hidden_state_layers)
+                    capture.update(layers)
+                    hidden_spans.append((req, first, s + n - first, layers))
+                    hidden_rows.append(np.arange(t + first - s, t + n, dtype=np.int64))
+                    req.num_hidden_emitted = s + n
+            if e.sample:
+                logits_rows.append(t + n - 1)
+                sample_entries.append(e)
+            t += n
+
+        if self.record_timeline:
+            self._t0 = torch.cuda.Event(enable_timing=True)
+            self._t0.record()
+        input_ids = self._to_dev(ids)
+        if dev_rows:
+            rows = torch.tensor(dev_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            src = torch.tensor(dev_slots, dtype=torch.int64).to(self.device, non_blocking=True)
+            input_ids[rows] = self.slots.last_token[src]
+        bucket = None
+        if self.graphs is not None and T == B and len(logits_rows) == B and not hidden_spans:
+            bucket = self.graphs.bucket_for(B)
+        if bucket is not None:
+            # pure decode: every row samples, rows are in entry order
+            logits = self.graphs.run(bucket, B, input_ids, self._to_dev(pos), self._to_dev(slot_map),
+                                     self._to_dev(seq_lens), tables, self._to_dev)
+            captured = {}
+        else:
+            meta = AttentionMetadata(
+                query_start_loc=self._to_dev(qsl),
+                seq_lens=self._to_dev(seq_lens),
+                block_tables=self._to_dev(tables),
+                slot_mapping=self._to_dev(slot_map),
+                max_query_len=int(np.max(np.diff(qsl))),
+                max_seq_len=int(seq_lens.max()),
+            )
+            cap = tuple(sorted(capture))
+            hidden, captured = self.model(input_ids, self._to_dev(pos), self.kv_caches, meta, cap)
+            logits = None
+            if logits_rows:
+                logits = self.model.compute_logits(hidden[self._to_dev(np.asarray(logits_rows, dtype=np.int64))])
+
+        h_out = None
+        spans = []
+        if hidden_spans:
+            stacked = torch.stack([captured[l] for l in cap], dim=1)  # [T, n_capture, H]
+            rows = np.concatenate(hidden_rows)
+            h_out = stacked[self._to_dev(rows)]
+            r0 = 0
+            for req, first, n, layers in hidden_spans:
+                spans.append((req, r0, n, first, [cap.index(l) for l in layers]))
+                r0 += n
+        self._state = ExecuteState(sched, sample_entries, logits, h_out, spans)
+
+    # ---- phase 2 ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def sample_tokens(self) -> AsyncOutput:
+        st, self._state = self._state, None
+        assert st is not None, "execute_model() must come first"
+        entries = st.sample_entries
+        if not entries:
+            return self.copier.copy(torch.empty(0, dtype=torch.int64, device=self.device), st.hidden, st.hidden_spans)
+        reqs = [e.req for e in entries]
+        slots = [r.slot for r in reqs]
+        # index among outputs of the token sampled now (in-flight count already includes it)
+        out_index = [r.num_outputs_with_inflight - 1 for r in reqs]
+        extra_bias: list[tuple[int, int, float]] = []
+        for row, r in enumerate(reqs):
+            p = r.sampling
+            if out_index[row] < p.min_tokens:  # stop ids may not be sampled yet
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
+                extra_bias.extend((row, tok, float("-inf")) for tok in banned)
+        batch = SamplingBatch.build(
+            [r.sampling for r in reqs], slots, [self.generators[s] for s in slots], extra_bias, self.device
+        )
+        logits = st.logits
+        out_idx_t = self._to_dev(np.asarray(out_index, dtype=np.int64))
+        if self.constraint is not None:
+            c_rows = [i for i, r in enumerate(reqs) if self.wants_constraint(r)]
+            if c_rows:
+                rows_t = self._to_dev(np.asarray(c_rows, dtype=np.int64))
+                slot_t = self._to_dev(np.asarray([slots[i] for i in c_rows], dtype=np.int64))
+                self.constraint(logits, rows_t, out_idx_t[rows_t], self.slots.history[slot_t])
+        sampled = self.sampler(logits, batch, self.slots)
+        self.slots.record(batch.slots, sampled, out_idx_t)
+        if self.record_timeline and self._t0 is not None:
+            t1 = torch.cuda.Event(enable_timing=True)
+            t1.record()
+            self.timeline.append((self._t0, t1))
+            self._t0 = None
+        return self.copier.copy(sampled, st.hidden, st.hidden_spans)

@@ -1,0 +1,35 @@
+"""Orpheus-family sampling rule: the model's own constraint on which ids may come next.
+
+An Orpheus stream is frames of 7 audio tokens; token k of the stream must come from codebook
+slot k % 7, i.e. ids [offset + (k % 7) * codebook_size, offset + (k % 7 + 1) * codebook_size),
+and end-of-speech may only come at a frame boundary (k % 7 == 0). A well-trained model follows
+this anyway; enforcing it means a stream can never stop mid-frame or emit an undecodable id,
+and the embedded random-weight default still produces (noise) audio.
+
+It runs on the device, vectorised over rows, with the true output index of each row (correct
+in async mode, where the host has not seen the previous token yet).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class OrpheusCodeConstraint:
+    def __init__(self, audio_token_offset: int, codebook_size: int, tokens_per_frame: int, end_token_id: int):
+        self.offset = audio_token_offset
+        self.cb = codebook_size
+        self.tpf = tokens_per_frame
+        self.end = end_token_id
+
+    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, out_index: torch.Tensor, history: torch.Tensor) -> None:
+        # logits [B, V]; rows [R]; out_index [R]
+        V = logits.shape[1]
+        k = out_index % self.tpf  # [R]
+        lo = (self.offset + k * self.cb).unsqueeze(1)  # [R, 1]
+        vocab = torch.arange(V, device=logits.device).unsqueeze(0)  # [1, V]
+        allowed = (vocab >= lo) & (vocab < lo + self.cb)
+        if 0 <= self.end < V:
+            allowed[:, self.end] |= k == 0
+        sub = logits[rows]
+        logits[rows] = sub.masked_fill(~allowed, float("-inf"))
