@@ -1,0 +1,200 @@
+"""The engine process: one per device, started by the server as a child (`python -m
+runner.engine_proc ARGS_JSON`), talking ZeroMQ.
+
+Threads:
+  input thread   PULL socket -> decode -> inbound queue (so IPC never waits on the GPU)
+  busy loop      (main thread) apply inbound messages, step the engine, hand outputs over
+  output thread  outputs -> multipart msgpack frames -> PUSH socket
+
+A ready handshake (`Ready`) is sent after the model, KV cache and codec are loaded. SIGTERM /
+SIGINT stop the loop cleanly; a crash in the loop is reported as `EngineDead` before exiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+
+import msgspec
+import zmq
+
+from runner import ipc
+from runner.sampling_params import InvalidRequest
+
+log = logging.getLogger("omnistream.engine")
+
+
+class EngineProcArgs(msgspec.Struct, forbid_unknown_fields=True):
+    model_path: str
+    input_addr: str  # the front end binds PUSH here; we connect PULL
+    output_addr: str  # the front end binds PULL here; we connect PUSH
+    codec_path: str | None = None
+    device: str | None = None
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_memory_gb: float | None = None
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    async_scheduling: bool = True
+    cuda_graphs: bool = True
+    log_level: str = "INFO"
+
+
+def build_engine(args: EngineProcArgs):
+    """Config tree -> model -> codec -> Engine (also used in-process by tests and benchmarks)."""
+    from runner.config import EngineConfig
+    from runner.engine import Engine
+    from runner.model_folder import load_codec_for
+
+    cfg = EngineConfig.build(
+        args.model_path,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_memory_gb=args.kv_memory_gb,
+        enable_prefix_caching=args.enable_prefix_caching,
+        async_scheduling=args.async_scheduling,
+        cuda_graphs=args.cuda_graphs,
+    )
+    codec = load_codec_for(args.model_path, args.codec_path, cfg.runner.torch_device)
+    return Engine(cfg, codec=codec)
+
+
+class EngineLoop:
+    def __init__(self, engine, ctx: zmq.Context, args: EngineProcArgs):
+        self.engine = engine
+        self.inbound: queue.Queue = queue.Queue()
+        self.outbound: queue.Queue = queue.Queue(maxsize=1024)  # bounded: backpressure on a stuck peer
+        self.stop = threading.Event()
+        self.ctx = ctx
+        self.args = args
+
+    # ---- threads ------------------------------------------------------------------------------
+
+    def _input_thread(self) -> None:
+        sock = self.ctx.socket(zmq.PULL)
+        sock.connect(self.args.input_addr)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self.stop.is_set():
+            if not poller.poll(100):
+                continue
+            buf = sock.recv(copy=False)
+            try:
+                msg = ipc.decode_inbound(buf.buffer)
+            except msgspec.DecodeError as e:  # a broken peer message must not kill the engine
+                log.error("dropping undecodable inbound message: %s", e)
+                continue
+            self.inbound.put(msg)
+        sock.close(linger=0)
+
+    def _output_thread(self, sock: zmq.Socket) -> None:
+        while True:
+            frames = self.outbound.get()
+            if frames is None:
+                break
+            sock.send_multipart(frames, copy=False)
+
+    # ---- busy loop ----------------------------------------------------------------------------
+
+    def _apply(self, msg) -> None:
+        eng = self.engine
+        if isinstance(msg, ipc.AddRequest):
+            try:
+                eng.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.hidden_state_layers, msg.audio)
+            except InvalidRequest as e:
+                out = ipc.RequestOutput(msg.request_id, finished=True, finish_reason="error", error=str(e), error_field=e.field)
+                self.outbound.put(ipc.encode_outputs([out]))
+        elif isinstance(msg, ipc.AbortRequests):
+            for rid in msg.request_ids:
+                eng.abort_request(rid)
+        elif isinstance(msg, ipc.GetStats):
+            self.outbound.put(ipc.encode_outbound(eng.stats()))
+        elif isinstance(msg, ipc.Shutdown):
+            self.stop.set()
+
+    def run(self, out_sock: zmq.Socket) -> None:
+        threading.Thread(target=self._input_thread, name="engine-in", daemon=True).start()
+        writer = threading.Thread(target=self._output_thread, args=(out_sock,), name="engine-out", daemon=True)
+        writer.start()
+        eng = self.engine
+        m = eng.cfg.model
+        ready = ipc.Ready(
+            model=os.path.basename(os.path.normpath(m.path)),
+            vocab_size=m.vocab_size,
+            hidden_size=m.hidden_size,
+            num_layers=m.num_layers,
+            max_model_len=eng.cfg.scheduler.max_model_len,
+            max_num_seqs=eng.cfg.scheduler.max_num_seqs,
+            sample_rate=eng.codec.cfg.sample_rate if eng.codec is not None else 0,
+            dtype=str(eng.cfg.runner.torch_dtype).removeprefix("torch."),
+        )
+        self.outbound.put(ipc.encode_outbound(ready))
+        try:
+            while not self.stop.is_set():
+                # block only when idle; otherwise drain without waiting
+                try:
+                    msg = self.inbound.get(timeout=0.05) if not eng.has_unfinished else self.inbound.get_nowait()
+                    self._apply(msg)
+                    while True:
+                        self._apply(self.inbound.get_nowait())
+                except queue.Empty:
+                    pass
+                if eng.has_unfinished:
+                    outs = eng.step()
+                    if outs:
+                        self.outbound.put(ipc.encode_outputs(outs))
+        except BaseException as e:  # report, then die: the front end fails in-flight requests fast
+            if not isinstance(e, KeyboardInterrupt):
+                reason = "".join(traceback.format_exception_only(type(e), e)).strip()
+                log.error("engine loop crashed:\n%s", traceback.format_exc())
+                self.outbound.put(ipc.encode_outbound(ipc.EngineDead(reason)))
+            raise
+        finally:
+            self.stop.set()
+            self.outbound.put(None)
+            writer.join(timeout=5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = msgspec.json.decode(argv[0].encode(), type=EngineProcArgs)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s engine %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, 2000)
+    out_sock.connect(args.output_addr)
+    try:
+        engine = build_engine(args)
+    except Exception as e:  # start-up failure: tell the front end why, then exit non-zero
+        out_sock.send_multipart(ipc.encode_outbound(ipc.EngineDead(f"engine start-up failed: {e}")))
+        log.error("start-up failed:\n%s", traceback.format_exc())
+        out_sock.close()
+        return 1
+    loop = EngineLoop(engine, ctx, args)
+
+    def on_signal(signum, frame):
+        loop.stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    loop.run(out_sock)
+    out_sock.close()
+    ctx.term()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""The aiohttp application: routes, middlewares (request ids, metrics, error shaping, auth,
+admission) and the shared context. `build_app` is the only entry point.
+
+Middleware order (outermost first): request id -> metrics -> errors -> auth -> admission.
+Admission is a counter, not a queue: a generation request or WebSocket session over
+`max_concurrent_requests` gets 429 with Retry-After at once (for a WebSocket, before the
+upgrade), so overload never turns into unbounded waiting.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import uuid
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+from server import completions, generate_ws, info, speech, tts_ws
+from server.context import CTX, ServerContext
+from server.engine_api import EngineClientProtocol, EngineOverloaded, EngineUnavailable
+from runner.sampling_params import InvalidRequest
+from server.errors import APIError, engine_unavailable, internal_error, invalid_request, not_found, overloaded, unauthorized
+from server.metrics import Metrics
+from server.settings import ServerSettings
+from server.tokenizer import TextTokenizer
+from server.voices import SpeechProfile
+from server.ws_common import close_all
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+STATIC_DIR = Path(__file__).parent / "static"
+# Routes that start engine work and so count against max_concurrent_requests.
+ADMITTED_ROUTES = frozenset({"speech", "speech_ws", "elevenlabs_ws", "completions", "generate_ws"})
+# Reachable without an API key: probes, scrapers and the demo page (which asks for the key).
+OPEN_PATHS = frozenset({"/", "/health", "/metrics"})
+
+
+class Admission:
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.active = 0
+
+    def try_enter(self) -> bool:
+        if self.active >= self.limit:
+            return False
+        self.active += 1
+        return True
+
+    def leave(self) -> None:
+        self.active -= 1
+
+
+def _endpoint(request: web.Request) -> str:
+    """Bounded-cardinality label: the route template, never the raw path."""
+    route = request.match_info.route
+    resource = route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def _presented_key(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    if "xi-api-key" in request.headers:
+        return request.headers["xi-api-key"]
+    # Browsers cannot set headers on a WebSocket, so only the upgrade may carry it in the URL.
+    if request.headers.get("Upgrade", "").lower() == "websocket":
+        return request.query.get("api_key") or request.query.get("xi-api-key")
+    return None
+
+
+def build_app(
+    engine: EngineClientProtocol, tokenizer: TextTokenizer, profile: SpeechProfile, settings: ServerSettings
+) -> web.Application:
+    if profile.add_bos and tokenizer.bos_token_id is None:
+        raise ValueError("the speech profile adds BOS but the tokenizer has no BOS token")
+    if engine.info.sample_rate not in (0, profile.sample_rate):
+        raise ValueError(
+            f"the engine's codec produces {engine.info.sample_rate} Hz but the speech profile says {profile.sample_rate} Hz"
+        )
+    ctx = ServerContext(engine=engine, tokenizer=tokenizer, profile=profile, settings=settings, metrics=Metrics())
+    admission = Admission(settings.max_concurrent_requests)
+
+    @web.middleware
+    async def request_id(request: web.Request, handler: Handler) -> web.StreamResponse:
+        rid = request.headers.get("X-Request-Id", "")
+        if not rid or len(rid) > 128 or not rid.isprintable():
+            rid = uuid.uuid4().hex
+        request[REQUEST_ID] = rid
+        return await handler(request)
+
+    @web.middleware
+    async def count_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        except BaseException:
+            status = 499  # cancelled: the client went away (nginx's convention)
+            raise
+        finally:
+            ctx.metrics.requests.labels(_endpoint(request), str(status)).inc()
+
+    @web.middleware
+    async def shape_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as e:
+            return e.response()
+        except InvalidRequest as e:  # an engine-side rejection no handler mapped to a body field
+            return invalid_request(str(e), param=e.field).response()
+        except EngineOverloaded as e:
+            return overloaded(e.retry_after_s, f"The engine is at capacity: {e}").response()
+        except EngineUnavailable:
+            return engine_unavailable(settings.retry_after_s).response()
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            if e.status == 404:
+                return not_found(f"Unknown path: {request.path}").response()
+            return APIError(e.status, f"{e.reason}: {request.method} {request.path}", code=str(e.status)).response()
+        except Exception:
+            # A bug: keep the traceback in the log, give the client a well-formed 500.
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return internal_error().response()
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if settings.api_key is None or request.path in OPEN_PATHS:
+            return await handler(request)
+        key = _presented_key(request)
+        if key is None or not hmac.compare_digest(key.encode(), settings.api_key.encode()):
+            raise unauthorized()
+        return await handler(request)
+
+    @web.middleware
+    async def admit(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.match_info.route.name not in ADMITTED_ROUTES:
+            return await handler(request)
+        if not admission.try_enter():
+            ctx.metrics.rejected.labels(_endpoint(request)).inc()
+            raise overloaded(settings.retry_after_s)
+        try:
+            return await handler(request)
+        finally:
+            admission.leave()
+
+    async def add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+        if REQUEST_ID in request:
+            response.headers["X-Request-Id"] = request[REQUEST_ID]
+
+    async def index(request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC_DIR / "index.html")
+
+    app = web.Application(
+        middlewares=[request_id, count_requests, shape_errors, authenticate, admit],
+        client_max_size=max(2**20, 4 * settings.max_input_chars + 2**16),
+    )
+    app[CTX] = ctx
+    app.on_response_prepare.append(add_request_id_header)
+
+    async def close_websockets(app: web.Application) -> None:
+        await close_all(ctx.websockets)
+
+    app.on_shutdown.append(close_websockets)
+    app.router.add_get("/", index, name="index")
+    app.router.add_post("/v1/audio/speech", speech.create_speech, name="speech")
+    app.router.add_get(tts_ws.SPEECH_WS_ENDPOINT, tts_ws.speech_stream, name="speech_ws")
+    app.router.add_get(tts_ws.ELEVENLABS_ENDPOINT, tts_ws.elevenlabs_stream_input, name="elevenlabs_ws")
+    app.router.add_post("/v1/completions", completions.create_completion, name="completions")
+    app.router.add_get(generate_ws.ENDPOINT, generate_ws.generate_stream, name="generate_ws")
+    app.router.add_get("/v1/models", info.list_models, name="models")
+    app.router.add_get("/v1/models/{model}", info.get_model, name="model")
+    app.router.add_get("/v1/audio/voices", info.list_voices, name="voices")
+    app.router.add_get("/health", info.health, name="health")
+    app.router.add_get("/metrics", info.metrics, name="metrics")
+    app.router.add_get("/v1/engine/stats", info.engine_stats, name="engine_stats")
+    return app

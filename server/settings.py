@@ -1,0 +1,72 @@
+"""The front end's one frozen configuration, built once at start-up and validated there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runner.sampling_params import InvalidRequest, SamplingParams
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # When set, HTTP needs `Authorization: Bearer <key>` (or `xi-api-key: <key>`); WebSockets
+    # may pass it as `?api_key=` / `?xi-api-key=` too because browsers cannot set headers.
+    api_key: str | None = None
+    # Name shown in /v1/models and responses; None -> the engine's model name.
+    served_model_name: str | None = None
+    max_input_chars: int = 4096
+    max_ws_message_bytes: int = 64 * 1024
+    # Generation requests (HTTP) and TTS/generate WebSocket sessions admitted at once; the
+    # next one gets 429 + Retry-After at the door instead of waiting.
+    max_concurrent_requests: int = 256
+    retry_after_s: int = 1
+    # Bound of each request's output queue in the engine client (steps buffered for a slow
+    # reader before the engine client gives up on it).
+    output_queue_size: int = 256
+    # WebSocket TTS: engine requests in flight per session (the one being sent + prefetched
+    # ones), pending text segments before the reader stops reading the socket.
+    ws_max_inflight_utterances: int = 2
+    ws_max_pending_segments: int = 64
+    ws_heartbeat_s: float | None = 20.0
+    # Text segmentation for streamed text (see server.text_segmenter).
+    segment_min_clause_chars: int = 40
+    segment_max_chars: int = 300
+    # Operator override of the speech profile's default sampling (None: use the profile's).
+    speech_sampling: SamplingParams | None = None
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, field: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"ServerSettings.{field}: {what}, got {getattr(self, field)!r}")
+
+        need(bool(self.host), "host", "must be non-empty")
+        need(0 <= self.port <= 65535, "port", "must be in [0, 65535]")
+        need(self.api_key is None or len(self.api_key) > 0, "api_key", "must be None or non-empty")
+        need(self.max_input_chars > 0, "max_input_chars", "must be > 0")
+        need(self.max_ws_message_bytes >= 1024, "max_ws_message_bytes", "must be >= 1024")
+        need(self.max_concurrent_requests > 0, "max_concurrent_requests", "must be > 0")
+        need(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
+        need(self.output_queue_size > 0, "output_queue_size", "must be > 0")
+        need(self.ws_max_inflight_utterances >= 1, "ws_max_inflight_utterances", "must be >= 1")
+        need(self.ws_max_pending_segments >= 1, "ws_max_pending_segments", "must be >= 1")
+        need(self.ws_heartbeat_s is None or self.ws_heartbeat_s > 0, "ws_heartbeat_s", "must be None or > 0")
+        need(self.segment_min_clause_chars >= 1, "segment_min_clause_chars", "must be >= 1")
+        need(
+            self.segment_max_chars > self.segment_min_clause_chars,
+            "segment_max_chars",
+            f"must be > segment_min_clause_chars ({self.segment_min_clause_chars})",
+        )
+        if self.speech_sampling is not None:
+            try:
+                # Token-id ranges are checked per request against the real vocabulary.
+                self.speech_sampling.validate(vocab_size=2**31)
+            except InvalidRequest as e:
+                raise ValueError(f"ServerSettings.speech_sampling: {e}") from None
+
+    @property
+    def ws_hard_message_bytes(self) -> int:
+        """aiohttp's own frame limit: above it the socket closes with 1009 before we can say
+        why, so it sits well above `max_ws_message_bytes`, which we check ourselves."""
+        return 4 * self.max_ws_message_bytes
