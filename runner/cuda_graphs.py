@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
 from runner.attention import AttentionMetadata
@@ -93,7 +92,7 @@ class DecodeGraphs:
         return None
 
     def run(self, bucket: int, b: int, ids: torch.Tensor, pos: torch.Tensor, slot_map: torch.Tensor,
-            seq_lens: torch.Tensor, tables: np.ndarray, to_dev) -> torch.Tensor:
+            seq_lens: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """Fill the persistent buffers (rows [0, b) real, [b, bucket) padding), replay, and
         return the logits of the real rows ([b, V] float32, a view of the graph's output)."""
         self.input_ids[:b].copy_(ids, non_blocking=True)
@@ -101,7 +100,7 @@ class DecodeGraphs:
         self.slot_mapping[:b].copy_(slot_map, non_blocking=True)
         self.seq_lens[:b].copy_(seq_lens, non_blocking=True)
         nb = tables.shape[1]
-        self.block_tables[:b, :nb].copy_(to_dev(tables), non_blocking=True)
+        self.block_tables[:b, :nb].copy_(tables, non_blocking=True)
         if bucket > b:  # padding rows: scratch slot, empty sequence
             self.slot_mapping[b:bucket].fill_(self.scratch_slot)
             self.seq_lens[b:bucket].zero_()

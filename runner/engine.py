@@ -181,9 +181,10 @@ class Engine:
                 o.finished, o.finish_reason = True, req.finish_reason.value
                 o.error = req.finish_message or None
                 self._forget(req)
+        reqs = {id(e.req): e.req for e in p.sched.scheduled} if res.hidden else {}
         for rid, (first, rows) in res.hidden.items():
-            req = next((e.req for e in p.sched.scheduled if id(e.req) == rid), None)
-            if req is None or (req.finish_reason is FinishReason.ABORT):
+            req = reqs[rid]
+            if req.finish_reason is FinishReason.ABORT:
                 continue
             o = by_req.get(rid) or by_req.setdefault(rid, self._output(req, [], finished=False))
             o.hidden, o.hidden_positions = rows, (first, first + rows.shape[0])

@@ -128,6 +128,10 @@ class ModelRunner:
         self.eos = cfg.model.eos_token_ids
         self._state: ExecuteState | None = None
         self.pin = self.device.type == "cuda"
+        # host mirror of every slot's block table; rows are rewritten at admission and
+        # extended as requests grow, so a step copies only the rows it needs
+        self.block_table = np.zeros((S, self.max_blocks_per_seq), dtype=np.int32)
+        self.blocks_written = [0] * S
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and cfg.runner.cuda_graphs:
             self.graphs = DecodeGraphs(model, self.kv_caches, min(cfg.runner.max_graph_batch_size, S),
@@ -163,13 +167,12 @@ class ModelRunner:
         B = len(entries)
         bs = self.block_size
         T = sched.num_batched_tokens
-        ids = np.zeros(T, dtype=np.int64)
-        pos = np.empty(T, dtype=np.int64)
-        slot_map = np.empty(T, dtype=np.int64)
-        qsl = np.zeros(B + 1, dtype=np.int32)
-        seq_lens = np.empty(B, dtype=np.int32)
-        max_blocks = max(len(e.req.block_ids) for e in entries)
-        tables = np.zeros((B, max_blocks), dtype=np.int32)
+        # Host inputs, packed so one pinned copy moves them all:
+        # [ids T | positions T | slot_mapping T | seq_lens B | query_start_loc B+1]
+        pack = np.zeros(3 * T + 2 * B + 1, dtype=np.int64)
+        ids, pos, slot_map = pack[:T], pack[T : 2 * T], pack[2 * T : 3 * T]
+        seq_lens, qsl = pack[3 * T : 3 * T + B], pack[3 * T + B :]
+        slots = np.empty(B, dtype=np.int64)
         dev_rows: list[int] = []  # flat rows whose token is still on the device
         dev_slots: list[int] = []
         logits_rows: list[int] = []
@@ -177,25 +180,44 @@ class ModelRunner:
         hidden_spans = []
         hidden_rows: list[np.ndarray] = []
         capture: set[int] = set()
+        table = self.block_table
         t = 0
         for b, e in enumerate(entries):
             req = e.req
+            slot = req.slot
+            slots[b] = slot
+            blocks = req.block_ids
             if e.new_admission:
                 self._admit(e)
+                table[slot, : len(blocks)] = blocks
+                self.blocks_written[slot] = len(blocks)
+            elif len(blocks) > self.blocks_written[slot]:  # block tables only grow while running
+                w = self.blocks_written[slot]
+                table[slot, w : len(blocks)] = blocks[w:]
+                self.blocks_written[slot] = len(blocks)
             n, s = e.num_tokens, e.start
-            known = len(req.prompt_token_ids) + len(req.output_token_ids)
-            p = np.arange(s, s + n, dtype=np.int64)
-            pos[t : t + n] = p
-            k_end = min(s + n, known)
-            if k_end > s:
-                ids[t : t + k_end - s] = req.all_token_ids[s:k_end]
-            if s + n > known:  # the last position's token is in flight: take it on the device
-                assert s + n == known + 1
-                dev_rows.append(t + n - 1)
-                dev_slots.append(req.slot)
-            blk = np.asarray(req.block_ids, dtype=np.int64)
-            slot_map[t : t + n] = blk[p // bs] * bs + p % bs
-            tables[b, : len(blk)] = blk
+            prompt, outs = req.prompt_token_ids, req.output_token_ids
+            known = len(prompt) + len(outs)
+            if n == 1:  # decode: no per-request arrays
+                pos[t] = s
+                if s < known:
+                    ids[t] = prompt[s] if s < len(prompt) else outs[s - len(prompt)]
+                else:  # its token is in flight: take it on the device
+                    dev_rows.append(t)
+                    dev_slots.append(slot)
+                slot_map[t] = blocks[s // bs] * bs + s % bs
+            else:
+                p = np.arange(s, s + n, dtype=np.int64)
+                pos[t : t + n] = p
+                k_end = min(s + n, known)
+                if k_end > s:
+                    src = prompt[s:k_end] if k_end <= len(prompt) else (prompt + outs)[s:k_end]
+                    ids[t : t + k_end - s] = src
+                if s + n > known:
+                    assert s + n == known + 1
+                    dev_rows.append(t + n - 1)
+                    dev_slots.append(slot)
+                slot_map[t : t + n] = table[slot, p // bs] * bs + p % bs
             seq_lens[b] = s + n
             qsl[b + 1] = t + n
             if req.wants_hidden_states:
@@ -210,34 +232,36 @@ class ModelRunner:
                 logits_rows.append(t + n - 1)
                 sample_entries.append(e)
             t += n
+        max_blocks = -(-int(seq_lens.max()) // bs)
+        tables = table[slots, :max_blocks]
 
         if self.record_timeline:
             self._t0 = torch.cuda.Event(enable_timing=True)
             self._t0.record()
-        input_ids = self._to_dev(ids)
+        pk = self._to_dev(pack)
+        input_ids, pos_d, slot_d = pk[:T], pk[T : 2 * T], pk[2 * T : 3 * T]
+        seq_d, qsl_d = pk[3 * T : 3 * T + B], pk[3 * T + B :]
         if dev_rows:
-            rows = torch.tensor(dev_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-            src = torch.tensor(dev_slots, dtype=torch.int64).to(self.device, non_blocking=True)
-            input_ids[rows] = self.slots.last_token[src]
+            rs = self._to_dev(np.asarray([dev_rows, dev_slots], dtype=np.int64))
+            input_ids[rs[0]] = self.slots.last_token[rs[1]]
         bucket = None
         if self.graphs is not None and T == B and len(logits_rows) == B and not hidden_spans:
             bucket = self.graphs.bucket_for(B)
         if bucket is not None:
             # pure decode: every row samples, rows are in entry order
-            logits = self.graphs.run(bucket, B, input_ids, self._to_dev(pos), self._to_dev(slot_map),
-                                     self._to_dev(seq_lens), tables, self._to_dev)
+            logits = self.graphs.run(bucket, B, input_ids, pos_d, slot_d, seq_d, self._to_dev(tables))
             captured = {}
         else:
             meta = AttentionMetadata(
-                query_start_loc=self._to_dev(qsl),
-                seq_lens=self._to_dev(seq_lens),
+                query_start_loc=qsl_d.to(torch.int32),
+                seq_lens=seq_d.to(torch.int32),
                 block_tables=self._to_dev(tables),
-                slot_mapping=self._to_dev(slot_map),
+                slot_mapping=slot_d,
                 max_query_len=int(np.max(np.diff(qsl))),
                 max_seq_len=int(seq_lens.max()),
             )
             cap = tuple(sorted(capture))
-            hidden, captured = self.model(input_ids, self._to_dev(pos), self.kv_caches, meta, cap)
+            hidden, captured = self.model(input_ids, pos_d, self.kv_caches, meta, cap)
             logits = None
             if logits_rows:
                 logits = self.model.compute_logits(hidden[self._to_dev(np.asarray(logits_rows, dtype=np.int64))])
