@@ -6,7 +6,7 @@ block_table[p // block_size] at offset p % block_size; its flat slot is
 block_id * block_size + offset, which is what `AttentionMetadata.slot_mapping` holds.
 
 Backends share one signature, `forward(q, k, v, kv_cache, meta, scale) -> out`, and are chosen
-once at construction by `make_attention_backend` (a Triton decode kernel will join later).
+once at construction by `make_attention_backend` (runner/triton_attention.py on CUDA).
 """
 
 from __future__ import annotations
@@ -128,6 +128,11 @@ class TorchPagedAttention:
     __call__ = forward
 
 
-def make_attention_backend(device: torch.device | str) -> TorchPagedAttention:
-    """Pick the attention backend for a device once, at model construction."""
+def make_attention_backend(device: torch.device | str):
+    """Pick the attention backend for a device once, at model construction: the Triton paged
+    decode kernel on CUDA (prefill still goes through the torch path), plain torch elsewhere."""
+    if torch.device(device).type == "cuda":
+        from runner.triton_attention import TritonPagedAttention  # needs triton, present with CUDA torch
+
+        return TritonPagedAttention()
     return TorchPagedAttention()

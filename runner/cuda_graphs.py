@@ -68,9 +68,10 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up (Triton autotune/compile, cuBLAS handles)
-                self._forward(self.buckets[-1])
-                self._forward(self.buckets[0])
+            # every bucket once: Triton compiles a variant per split count (which depends on
+            # the batch size) and compilation must not happen inside a capture
+            for b in self.buckets:
+                self._forward(b)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize(self.device)
         for b in reversed(self.buckets):

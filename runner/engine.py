@@ -55,7 +55,11 @@ class Engine:
 
         self.cfg = cfg
         self.device = cfg.runner.torch_device
-        self.model = model if model is not None else load_model(cfg.model, self.device, cfg.runner.torch_dtype)
+        if model is None:
+            from runner.attention import make_attention_backend
+
+            model = load_model(cfg.model, self.device, cfg.runner.torch_dtype, attn=make_attention_backend(self.device))
+        self.model = model
         self.num_blocks = num_kv_blocks(cfg, kv_bytes_per_token(cfg.model, cfg.runner.torch_dtype))
         self.blocks = BlockManager(self.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, frozenset(cfg.model.eos_token_ids))

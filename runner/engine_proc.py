@@ -45,6 +45,8 @@ class EngineProcArgs(msgspec.Struct, forbid_unknown_fields=True):
     enable_prefix_caching: bool = True
     async_scheduling: bool = True
     cuda_graphs: bool = True
+    # benchmarks only: config.json gives the shape, weights are random (no safetensors read)
+    random_weights: bool = False
     log_level: str = "INFO"
 
 
@@ -69,7 +71,14 @@ def build_engine(args: EngineProcArgs):
         cuda_graphs=args.cuda_graphs,
     )
     codec = load_codec_for(args.model_path, args.codec_path, cfg.runner.torch_device)
-    return Engine(cfg, codec=codec)
+    model = None
+    if args.random_weights:
+        from runner.attention import make_attention_backend
+        from runner.models.llama import build_random_model
+
+        dev = cfg.runner.torch_device
+        model = build_random_model(cfg.model, dev, cfg.runner.torch_dtype, attn=make_attention_backend(dev))
+    return Engine(cfg, model=model, codec=codec)
 
 
 class EngineLoop:

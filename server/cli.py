@@ -26,6 +26,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-concurrent-requests", type=int, default=256)
+    p.add_argument("--random-weights", action="store_true", help="benchmarks only: take the shape from --model's config.json, use random weights")
     p.add_argument("--cache-dir", default=None, help="where the embedded default is built (default ~/.cache/omnistream)")
     p.add_argument("--log-level", default=None)
 

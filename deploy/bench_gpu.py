@@ -1,0 +1,386 @@
+"""GPU benchmark: everything side by side in one run, on an Orpheus-3B-shaped Llama with random
+weights (hidden 3072, 28 layers, 24/8 heads, intermediate 8192, vocab 156940, bf16).
+
+Sections (all by default; pick with --sections):
+  bandwidth  device-to-device copy bandwidth (bytes read + written), the bound's denominator
+  engine     omnistream decode step time at batch 1..256 (100-token prompts, 500 new tokens),
+             CUDA graphs + async scheduling, next to the bandwidth bound
+             (weight bytes + live KV bytes) / bandwidth; GPU idle gap between steps at batch 64
+  eager      the same engine without CUDA graphs and without async scheduling (reference)
+  hf         transformers generate, static cache + torch.compile, same shapes
+  codec      batched SNAC 24 kHz (random weights) window decode cost, and its share of GPU
+             time at 256 real-time streams under the default window policy
+  serving    the real server (engine process + aiohttp) with N concurrent WebSocket TTS
+             clients reading in real time: TTFA p50/p99, RTF, largest real-time N
+
+Writes results.json and results.md into --out and prints the table last.
+Run on the lent H200 (see deploy/RESULTS.md for the exact command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from runner.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig  # noqa: E402
+
+ORPHEUS_3B = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 156940,
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 2048,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "eos_token_id": 128258,
+}
+BATCHES = [1, 8, 32, 64, 128, 256]
+PROMPT, NEW = 100, 500
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def bench_bandwidth() -> float:
+    n = 2 * 2**30  # 2 GiB per buffer: far above L2
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n / statistics.median(times)
+
+
+def engine_config(max_seqs: int, graphs: bool, async_sched: bool) -> EngineConfig:
+    m = ModelConfig.from_dict(ORPHEUS_3B, "orpheus-3b-random")
+    return EngineConfig(
+        model=m,
+        cache=CacheConfig(block_size=16, num_blocks=max_seqs * ((PROMPT + NEW) // 16 + 2) + 64),
+        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=8192, max_model_len=2048,
+                                  async_scheduling=async_sched),
+        runner=RunnerConfig(device="cuda", dtype="bfloat16", cuda_graphs=graphs, max_graph_batch_size=max_seqs),
+    )
+
+
+def weight_bytes(model) -> int:
+    # bytes a decode step must read: every parameter once (the embedding only for B rows, ~0)
+    tot = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    return tot
+
+
+def run_engine(model, batches, graphs: bool, async_sched: bool, sampling, timeline_at: int | None = 64):
+    from runner.attention import kv_bytes_per_token
+    from runner.engine import Engine
+
+    out = {}
+    for B in batches:
+        cfg = engine_config(max(B, 1), graphs, async_sched)
+        eng = Engine(cfg, model=model)
+        g = torch.Generator().manual_seed(B)
+        for i in range(B):
+            prompt = torch.randint(0, 128000, (PROMPT,), generator=g).tolist()
+            eng.add_request(f"b{B}-{i}", prompt, sampling)
+        times, kv_live = [], []
+        record = timeline_at == B and torch.cuda.is_available()
+        step = 0
+        while eng.has_unfinished:
+            decoding = all(not r.is_prefill for r in eng.scheduler.running) and not eng.scheduler.waiting
+            if record and decoding and step > 20:
+                eng.runner.record_timeline = True
+            t0 = time.perf_counter()
+            eng.step()
+            dt = time.perf_counter() - t0
+            step += 1
+            if decoding and step > 20 and len(eng.scheduler.running) == B:
+                times.append(dt)
+                kv_live.append(sum(r.num_computed_tokens for r in eng.scheduler.running))
+        torch.cuda.synchronize()
+        gap = None
+        if record and eng.runner.timeline:
+            tl = eng.runner.timeline
+            gaps = [tl[i][1].elapsed_time(tl[i + 1][0]) * 1e3 for i in range(len(tl) - 1)]  # us
+            busy = [s.elapsed_time(e) for s, e in tl]
+            gap = {"median_us": statistics.median(gaps), "p90_us": sorted(gaps)[int(0.9 * len(gaps))],
+                   "gpu_step_ms": statistics.median(busy)}
+        step_ms = statistics.median(times) * 1e3 if times else float("nan")
+        out[B] = {
+            "step_ms": step_ms,
+            "tok_s": B / (step_ms / 1e3),
+            "live_kv_bytes": statistics.mean(kv_live) * kv_bytes_per_token(model.cfg if hasattr(model, "cfg") else cfg.model, torch.bfloat16) if kv_live else 0,
+            "gap": gap,
+            "steps_timed": len(times),
+        }
+        log(f"  engine graphs={graphs} async={async_sched} B={B}: {step_ms:.2f} ms/step" + (f" gap {gap}" if gap else ""))
+        del eng
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_hf(batches, budget_s: float):
+    from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    cfg = LlamaConfig(
+        vocab_size=ORPHEUS_3B["vocab_size"], hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+        num_attention_heads=24, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        max_position_embeddings=2048, rope_theta=500000.0, tie_word_embeddings=False,
+    )
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+    class Stamp(StoppingCriteria):
+        def __init__(self, stop_after=None):
+            self.t, self.stop_after = [], stop_after
+
+        def __call__(self, input_ids, scores, **kw):
+            self.t.append(time.perf_counter())  # generate syncs every step on its own finished check
+            done = self.stop_after is not None and len(self.t) >= self.stop_after
+            return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+    out = {}
+    t_start = time.perf_counter()
+    for B in batches:
+        if time.perf_counter() - t_start > budget_s:
+            log(f"  hf: time budget spent, skipping B={B}")
+            break
+        ids = torch.randint(0, 128000, (B, PROMPT), device="cuda")
+        kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW,
+                  cache_implementation="static", pad_token_id=0, eos_token_id=None)
+        with torch.inference_mode():
+            model.generate(ids, stopping_criteria=StoppingCriteriaList([Stamp(stop_after=12)]), **kw)  # compile + warm
+            st = Stamp()
+            model.generate(ids, stopping_criteria=StoppingCriteriaList([st]), **kw)
+        d = [b - a for a, b in zip(st.t, st.t[1:])][10:]
+        out[B] = {"step_ms": statistics.median(d) * 1e3}
+        log(f"  hf static+compile B={B}: {out[B]['step_ms']:.2f} ms/step")
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def make_snac_24khz_random(folder: Path) -> Path:
+    """snac_24khz's published architecture with random weights (no download)."""
+    from snac import SNAC
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {"sampling_rate": 24000, "encoder_dim": 48, "encoder_rates": [2, 4, 8, 8], "latent_dim": None,
+           "decoder_dim": 1024, "decoder_rates": [8, 8, 4, 2], "attn_window_size": None, "codebook_size": 4096,
+           "codebook_dim": 8, "vq_strides": [4, 2, 1], "noise": True, "depthwise": True}
+    torch.manual_seed(0)
+    model = SNAC(**cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    return folder
+
+
+def time_decode(dec, frames: int, B: int, repeats: int = 10) -> float:
+    codes = torch.randint(0, 4096, (B, frames, 7), device="cuda")
+    starts = torch.zeros(B, dtype=torch.int64, device="cuda")
+    seeds = torch.arange(B, dtype=torch.int64, device="cuda")
+    for _ in range(2):
+        dec.decode(codes, starts, seeds)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(repeats):
+        dec.decode(codes, starts, seeds)
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / repeats / 1e3
+
+
+def run_codec():
+    from runner.codec import CodecConfig, CodecStage
+
+    folder = make_snac_24khz_random(Path("/tmp/snac24_random"))
+    res = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        cfg = CodecConfig(path=str(folder))
+        stage = CodecStage(cfg, torch.device("cuda"), dtype)
+        pol = cfg.policy
+        tag = str(dtype).removeprefix("torch.")
+        for frames in sorted({4, pol.max_window_frames}):
+            for B in (1, 64, 256):
+                t = time_decode(stage.decoder, frames, B)
+                res[f"{tag}_window{frames}_B{B}_ms"] = t * 1e3
+                log(f"  codec {tag} window={frames} frames B={B}: {t*1e3:.2f} ms")
+        # each real-time stream needs 24000/2048 = 11.72 frames/s; a steady window emits
+        # `steady_chunk` frames, so 256 streams need 256*11.72/steady windows per second,
+        # decoded 256 at a time
+        calls_per_s = (24000 / 2048) / pol.steady_chunk
+        res[f"{tag}_gpu_share_256_streams"] = calls_per_s * res[f"{tag}_window{pol.max_window_frames}_B256_ms"] / 1e3
+        res["policy"] = {"left": pol.left_context, "right": pol.right_context, "chunks": list(pol.chunk_frames)}
+        log(f"  codec {tag}: share of GPU time at 256 real-time streams: {res[f'{tag}_gpu_share_256_streams']*100:.1f}%")
+        del stage
+        torch.cuda.empty_cache()
+    return res
+
+
+def make_orpheus_random_folder(root: Path, snac: Path) -> Path:
+    """A model folder the real server can serve: Orpheus-3B's config.json (weights random via
+    --random-weights), the embedded default's tokenizer (its ids are valid in this vocab) and
+    an omnistream.json with Orpheus-3B's token layout and the random SNAC 24 kHz."""
+    import shutil
+
+    from runner.default_model import ensure_default_model
+
+    tiny = ensure_default_model("/tmp/omnistream-cache")
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(ORPHEUS_3B | {"bos_token_id": 500}))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / f, root / f)
+    profile = json.loads((tiny / "omnistream.json").read_text())
+    profile.update(prefix_token_ids=[128259], suffix_token_ids=[128009, 128260, 128261, 128257])
+    profile["sampling"] = {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.1, "max_tokens": 1200,
+                           "stop_token_ids": [128258]}
+    profile["codec"] = {"path": str(snac), "audio_token_offset": 128266, "codebook_size": 4096, "end_token_id": 128258}
+    (root / "omnistream.json").write_text(json.dumps(profile))
+    return root
+
+
+def run_serving(streams: str, max_seqs: int, max_tokens: int) -> dict:
+    """Start the real server on the Orpheus-3B-shaped random model and run `omnistream bench`
+    against it (N concurrent WebSocket TTS sessions read in real time)."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    snac = make_snac_24khz_random(Path("/tmp/snac24_random"))
+    folder = make_orpheus_random_folder(Path("/tmp/orpheus3b-random"), snac)
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    root = Path(__file__).resolve().parent.parent
+    srv = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", str(folder), "--random-weights",
+                            "--device", "cuda", "--max-num-seqs", str(max_seqs), "--port", str(port),
+                            "--zmq-endpoint", "none", "--max-concurrent-requests", "4096"], cwd=root)
+    try:
+        t0 = time.time()
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                if srv.poll() is not None or time.time() - t0 > 300:
+                    raise RuntimeError("server did not start")
+                time.sleep(1)
+        log(f"  server up in {time.time() - t0:.0f}s")
+        out = Path(os.environ.get("OUT", "/tmp")) / "serving.md"
+        subprocess.run([sys.executable, "-m", "server.cli", "bench", "--url", f"http://127.0.0.1:{port}",
+                        "--streams", streams, "--max-tokens", str(max_tokens), "--out", str(out)], cwd=root, check=True)
+        return {"table": out.read_text()}
+    finally:
+        srv.terminate()
+        try:
+            srv.wait(30)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default="bandwidth,engine,eager,hf,codec")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--hf-budget-s", type=float, default=240)
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--streams", default="1,32,128,256,400,512")
+    ap.add_argument("--serving-max-seqs", type=int, default=512)
+    ap.add_argument("--serving-max-tokens", type=int, default=350)
+    args = ap.parse_args()
+    secs = set(args.sections.split(","))
+    batches = [int(b) for b in args.batches.split(",")]
+    res: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "command": " ".join(sys.argv)}
+    t0 = time.perf_counter()
+    from runner.models.llama import build_random_model
+    from runner.sampling_params import SamplingParams
+
+    if "bandwidth" in secs:
+        res["bandwidth_Bps"] = bench_bandwidth()
+        log(f"copy bandwidth: {res['bandwidth_Bps']/1e12:.2f} TB/s")
+    if secs & {"engine", "eager"}:
+        from runner.attention import make_attention_backend
+
+        m = ModelConfig.from_dict(ORPHEUS_3B, "orpheus-3b-random")
+        model = build_random_model(m, "cuda", torch.bfloat16, attn=make_attention_backend(torch.device("cuda")))
+        res["weight_bytes"] = weight_bytes(model)
+        greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+        if "engine" in secs:
+            res["engine"] = run_engine(model, batches, graphs=True, async_sched=True, sampling=greedy)
+            orpheus = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=NEW, ignore_eos=True, seed=0)
+            res["engine_orpheus_sampling"] = run_engine(model, [b for b in batches if b in (1, 64, 256)], True, True, orpheus, timeline_at=None)
+        if "eager" in secs:
+            res["eager"] = run_engine(model, [b for b in batches if b in (1, 64)], graphs=False, async_sched=False, sampling=greedy, timeline_at=None)
+        del model
+        torch.cuda.empty_cache()
+    if "codec" in secs:
+        res["codec"] = run_codec()
+    if "hf" in secs:
+        res["hf"] = run_hf(batches, args.hf_budget_s)
+    if "serving" in secs:
+        res["serving"] = run_serving(args.streams, args.serving_max_seqs, args.serving_max_tokens)
+    res["wall_s"] = time.perf_counter() - t0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+    md = render(res)
+    (out / "results.md").write_text(md)
+    print(md)
+    return 0
+
+
+def render(res: dict) -> str:
+    lines = [f"date {res['date']}, GPU {res['gpu']}, torch {res['torch']}, command `{res['command']}`", ""]
+    bw = res.get("bandwidth_Bps")
+    if "engine" in res:
+        lines += ["| batch | omnistream ms/step | bound ms/step | x bound | eager ms/step | HF static+compile ms/step | speed-up vs HF | tok/s |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for B, r in res["engine"].items():
+            bound = (res["weight_bytes"] + r["live_kv_bytes"]) / bw * 1e3 if bw else float("nan")
+            hf = res.get("hf", {}).get(B, {}).get("step_ms", float("nan"))
+            ea = res.get("eager", {}).get(B, {}).get("step_ms", float("nan"))
+            lines.append(f"| {B} | {r['step_ms']:.2f} | {bound:.2f} | {r['step_ms']/bound:.2f} | {ea:.2f} | {hf:.2f} | {hf/r['step_ms']:.2f} | {r['tok_s']:.0f} |")
+        g = res["engine"].get(64, {}).get("gap") if isinstance(res["engine"], dict) else None
+        if g:
+            lines += ["", f"GPU idle gap between decode steps at batch 64: median {g['median_us']:.0f} us, p90 {g['p90_us']:.0f} us (GPU busy {g['gpu_step_ms']:.2f} ms/step)"]
+    if "engine_orpheus_sampling" in res:
+        lines += ["", "Orpheus sampling (temperature 0.6, top-p 0.8, repetition penalty 1.1): " + ", ".join(
+            f"B={B}: {r['step_ms']:.2f} ms/step" for B, r in res["engine_orpheus_sampling"].items())]
+    if "codec" in res:
+        c = res["codec"]
+        lines += ["", "codec window decode (ms): " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in c.items() if k.endswith("_ms")),
+                  "codec share of GPU time at 256 real-time streams: " + ", ".join(
+                      f"{k.split('_')[0]} {v*100:.1f}%" for k, v in c.items() if k.endswith("share_256_streams")) + f" (policy {c['policy']})"]
+    if "serving" in res:
+        lines += ["", "Serving (real server, WebSocket TTS clients reading in real time):", "", res["serving"]["table"]]
+    if bw:
+        lines += ["", f"copy bandwidth {bw/1e12:.2f} TB/s; weights {res.get('weight_bytes', 0)/1e9:.2f} GB"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

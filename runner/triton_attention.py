@@ -1,0 +1,327 @@
+"""Triton paged-KV decode attention (one query token per sequence), CUDA-graph capturable.
+
+Decode is memory-bound: every step streams each live sequence's whole K/V once per layer, so
+the kernel is built around reading those bytes once and nothing else:
+
+* One program per (sequence b, KV head g[, split s]). It serves all `group = Hq // Hkv` query
+  heads that share KV head g (query head h uses KV head h // group, transformers' repeat_kv
+  order), so each K/V tile is loaded once per group, not once per query head. The group is padded
+  to >= 16 rows so QK^T and PV run as `tl.dot` on tensor cores; the padded rows cost FLOPs, not
+  bytes.
+* The sequence is walked in tiles of BLOCK_N tokens (a multiple of the cache block size); a
+  tile's tokens are gathered through the block table, one contiguous D-vector per token.
+* Online softmax in fp32 (exp2 domain, scale * log2(e) applied to the fp32 scores).
+* The loop bound comes from `seq_lens` loaded inside the kernel, and the grid is
+  (B, Hkv, num_splits) where num_splits depends only on B, Hkv, the block table's width and the
+  SM count. Nothing changes on the host between CUDA-graph replays: a captured launch stays
+  correct when seq_lens / block_tables contents change.
+* Split-K (flash-decoding) when B * Hkv is small next to the SM count: split s of a sequence
+  takes a contiguous run of its tiles (the run length is derived in-kernel from seq_len), writes
+  an unnormalised partial (acc, running max m, running sum l) to fp32 scratch, and a second
+  kernel merges the splits. Both launches are fixed-shape, so the pair captures like one.
+
+seq_len == 0 (padding rows of a graph batch) gives l == 0 and the kernels write zeros, never
+NaN: the running max starts at a finite sentinel (_NEG) rather than -inf so exp2(m_old - m_new)
+is never exp2(-inf - -inf).
+
+Importing this module needs `triton`; the CPU build of torch does not bring it, so callers
+import it only on CUDA (tests run it under TRITON_INTERPRET=1 on CPU where triton is installed).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from runner.attention import AttentionMetadata, TorchPagedAttention, write_kv
+
+# Finite "minus infinity" for the running max; see the module docstring. (constexpr: jit
+# functions may only read globals declared as such.)
+_NEG = tl.constexpr(-1.0e30)
+_LOG2E = 1.4426950408889634
+
+# Tile length in tokens (rounded up to a multiple of the block size). 64 tokens x 128 dims x
+# bf16 = 16 KiB per K (or V) tile: large enough to keep many loads in flight, small enough for
+# several pipeline stages in shared memory.
+DEFAULT_BLOCK_N = 64
+# Split-K sizing: aim for about this many programs per SM, never more than MAX_SPLITS splits.
+_TARGET_PROGRAMS_PER_SM = 2
+MAX_SPLITS = 32
+# SM count assumed where there is no CUDA device (the interpreter): an H200's, so CPU tests
+# exercise the same split choices as the target.
+_DEFAULT_NUM_SMS = 132
+_NUM_WARPS = 4
+_NUM_STAGES = 3
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,  # [B, Hq, D]
+    kv_ptr,  # [2, NB, BS, Hkv, D]
+    bt_ptr,  # [B, MB] int32
+    seq_lens_ptr,  # [B] int32
+    out_ptr,  # [B, Hq, D]            written when NUM_SPLITS == 1
+    part_acc_ptr,  # [B, Hq, S, D] fp32  written when NUM_SPLITS > 1 (unnormalised)
+    part_m_ptr,  # [B, Hq, S] fp32     running max, log2 domain
+    part_l_ptr,  # [B, Hq, S] fp32     running sum of exp2
+    scale_log2e,  # softmax scale * log2(e)
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kv,  # distance K -> V (may exceed int32; triton then types it int64)
+    stride_blk,
+    stride_tok,
+    stride_kvh,
+    stride_kvd,
+    stride_btb,
+    stride_btc,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    num_q_heads,
+    max_blocks,
+    GROUP: tl.constexpr,  # Hq // Hkv
+    GROUP_P: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot minimum)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # cache block size (tokens), power of two
+    BLOCK_N: tl.constexpr,  # tile length, multiple of BLOCK_SIZE, power of two
+    NUM_SPLITS: tl.constexpr,
+    DOT_PREC: tl.constexpr,  # "ieee" for fp32 caches (tf32 would cost ~1e-3), else unused
+    LOOP_STAGES: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Clamp to the table's capacity so a bad seq_len can never read past the row.
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_blocks * BLOCK_SIZE)
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    t_lo = split * tiles_per_split
+    t_hi = tl.minimum(t_lo + tiles_per_split, n_tiles)  # t_lo >= t_hi: empty split
+
+    offs_g = tl.arange(0, GROUP_P)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_mask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g  # [GROUP_P] query heads of this KV head
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=g_mask[:, None],
+        other=0.0,
+    ).to(kv_ptr.dtype.element_ty)  # [GROUP_P, D], padded rows are zero (scores 0, never stored)
+
+    m_i = tl.full([GROUP_P], _NEG, tl.float32)
+    l_i = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
+
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    head_off = kvh * stride_kvh
+    # Explicit tl.range stages: without it Triton 3.6 does not software-pipeline this loop (the
+    # K/V addresses depend on a block-table load). With it the block-table load runs a stage
+    # ahead and K/V of tile t+1 are fetched with cp.async while tile t is computed.
+    for t in tl.range(t_lo, t_hi, num_stages=LOOP_STAGES):
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
+        n_mask = offs_n < seq_len
+        # Positions >= seq_len are masked: no block-table or K/V load is issued for them, and
+        # their scores are -inf, so dead slots (even NaN) never reach the result.
+        blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btc, mask=n_mask, other=0)
+        # int64: block * stride_blk overflows int32 on caches over 2^31 elements.
+        tok_off = blk.to(tl.int64) * stride_blk + (offs_n % BLOCK_SIZE) * stride_tok + head_off  # [BLOCK_N]
+        kv_off = tok_off[:, None] + offs_d[None, :] * stride_kvd  # [BLOCK_N, D]
+        k = tl.load(kv_ptr + kv_off, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(kv_ptr + stride_kv + kv_off, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e  # [GROUP_P, BLOCK_N] fp32
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # >= _NEG, finite
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # masked -> exp2(-inf) = 0
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        # l_i == 0 only when the row had no keys (seq_len 0): write zeros.
+        o = tl.where(l_i[:, None] > 0.0, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], 0.0)
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            o.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None],
+        )
+    else:
+        # Scratch is contiguous [B, Hq, S(, D)]; an empty split writes (m=_NEG, l=0, acc=0).
+        row = (b * num_q_heads + heads) * NUM_SPLITS + split  # [GROUP_P]
+        tl.store(part_m_ptr + row, m_i, mask=g_mask)
+        tl.store(part_l_ptr + row, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr,  # [B, Hq, S, D] fp32
+    part_m_ptr,  # [B, Hq, S] fp32
+    part_l_ptr,  # [B, Hq, S] fp32
+    out_ptr,  # [B, Hq, D]
+    stride_ob,
+    stride_oh,
+    stride_od,
+    num_q_heads,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,  # NUM_SPLITS padded to a power of two
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < NUM_SPLITS
+    row = (b * num_q_heads + h) * NUM_SPLITS + offs_s  # [SPLITS_P]
+
+    m = tl.load(part_m_ptr + row, mask=s_mask, other=_NEG)
+    l = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+
+    # Rescale every split to the global max. Empty splits carry l = 0 and acc = 0, so their
+    # weight (1 when every split is empty, 0 otherwise) never matters.
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)  # [SPLITS_P]
+    l_tot = tl.sum(l * w, 0)
+    o = tl.sum(acc * w[:, None], 0)  # [D]
+    o = tl.where(l_tot > 0.0, o / tl.where(l_tot > 0.0, l_tot, 1.0), 0.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od, o.to(out_ptr.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _DEFAULT_NUM_SMS
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, block_n: int, num_sms: int) -> int:
+    """Split-K count from shapes only (constant across replays of one captured graph).
+
+    No split once B * Hkv programs fill the SMs; otherwise enough splits for about
+    _TARGET_PROGRAMS_PER_SM programs per SM, bounded by the table's tile capacity (splits past a
+    short sequence's last tile just exit).
+    """
+    programs = batch * num_kv_heads
+    if programs == 0 or programs >= num_sms:
+        return 1
+    max_tiles = math.ceil(max_blocks * block_size / block_n)
+    want = math.ceil(_TARGET_PROGRAMS_PER_SM * num_sms / programs)
+    return max(1, min(want, max_tiles, MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    kv_cache: torch.Tensor,  # [2, NB, BS, Hkv, D]
+    block_tables: torch.Tensor,  # [B, MB] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    out: torch.Tensor | None = None,  # [B, Hq, D]
+    *,
+    num_splits: int | None = None,  # None: choose_num_splits
+    block_n: int | None = None,  # tile length in tokens; None: DEFAULT_BLOCK_N
+) -> torch.Tensor:  # [B, Hq, D], q's dtype unless `out` is given
+    """Attention of one query token per sequence over positions [0, seq_lens[b]) of its paged KV.
+
+    The current token's K/V must already be in the cache. Reads only tensor shapes on the host
+    (never tensor values), so a launch can be captured in a CUDA graph; the Triton kernels must
+    have been compiled (one eager call with the same shapes/dtypes) before capture.
+    """
+    assert q.dim() == 3 and kv_cache.dim() == 5 and kv_cache.shape[0] == 2, (q.shape, kv_cache.shape)
+    bsz, hq, d = q.shape
+    _, _, bs, hkv, d_kv = kv_cache.shape
+    assert d == d_kv and _is_pow2(d), f"head_dim {d} vs cache {d_kv}; must be a power of two"
+    assert hq % hkv == 0, f"Hq={hq} not a multiple of Hkv={hkv}"
+    assert _is_pow2(bs), f"block size {bs} must be a power of two"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == bsz and block_tables.dtype == torch.int32
+    assert seq_lens.shape == (bsz,) and seq_lens.dtype == torch.int32 and seq_lens.stride(0) == 1
+    assert kv_cache.dtype in (torch.bfloat16, torch.float16, torch.float32), kv_cache.dtype
+    assert q.device == kv_cache.device == block_tables.device == seq_lens.device
+
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape
+    if bsz == 0:
+        return out
+
+    group = hq // hkv
+    group_p = max(16, triton.next_power_of_2(group))
+    bn = block_n or DEFAULT_BLOCK_N
+    bn = max(bn, bs)
+    assert _is_pow2(bn), f"block_n {bn} must be a power of two"
+    max_blocks = block_tables.shape[1]
+    splits = num_splits or choose_num_splits(bsz, hkv, max_blocks, bs, bn, _num_sms(q.device))
+    dot_prec = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+
+    if splits > 1:
+        # Fresh scratch each call: under capture it comes from the graph's private pool.
+        part_acc = torch.empty(bsz, hq, splits, d, device=q.device, dtype=torch.float32)
+        part_m = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
+        part_l = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
+    else:
+        part_acc = part_m = part_l = out  # never touched (NUM_SPLITS == 1 branch)
+
+    _paged_decode_kernel[(bsz, hkv, splits)](
+        q, kv_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
+        block_tables.stride(0), block_tables.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        hq, max_blocks,
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=bn,
+        NUM_SPLITS=splits, DOT_PREC=dot_prec, LOOP_STAGES=_NUM_STAGES,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_splits_kernel[(bsz, hq)](
+            part_acc, part_m, part_l, out,
+            out.stride(0), out.stride(1), out.stride(2),
+            hq,
+            HEAD_DIM=d, NUM_SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits),
+            num_warps=_NUM_WARPS,
+        )  # fmt: skip
+    return out
+
+
+class TritonPagedAttention:
+    """Same interface as TorchPagedAttention: Triton kernel for decode, torch for prefill.
+
+    The decode path reads no value from `meta` on the host except `max_query_len` (to pick the
+    path), so a decode step can be captured in a CUDA graph.
+    """
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        self._torch = TorchPagedAttention()
+        self.num_splits = num_splits  # None: choose from shapes per call
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        if meta.max_query_len != 1:
+            return self._torch.forward(q, k, v, kv_cache, meta, scale)  # writes KV itself
+        # Decode: one token per sequence, so T == B and query row b belongs to sequence b.
+        assert q.shape[0] == meta.seq_lens.shape[0], (q.shape, meta.seq_lens.shape)
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        return paged_decode_attention(
+            q, kv_cache, meta.block_tables, meta.seq_lens, scale, num_splits=self.num_splits
+        )
+
+    __call__ = forward

@@ -1,0 +1,335 @@
+"""Triton paged decode attention vs a float64 reference and vs TorchPagedAttention.
+
+On CUDA the kernels run compiled, over the full shape matrix, plus CUDA-graph capture/replay.
+Without CUDA they run under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) on a small
+subset so the file stays well under 30 s; without `triton` installed (CPU CI: the CPU torch
+wheel does not bring it) the whole file is skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+_CUDA = torch.cuda.is_available()
+if not _CUDA:
+    # Must be set before runner.triton_attention is imported: @triton.jit picks the interpreter
+    # at decoration time. Left set for the session (triton reads it lazily in other places too).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
+
+from runner.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
+from runner.triton_attention import (  # noqa: E402
+    MAX_SPLITS,
+    TritonPagedAttention,
+    _paged_decode_kernel,
+    choose_num_splits,
+    paged_decode_attention,
+)
+
+DEVICE = "cuda" if _CUDA else "cpu"
+INTERPRET = not _CUDA
+BS = 16  # cache block size of the target deployment
+
+
+def _patch_interpreter() -> None:
+    """Work around two Triton 3.6 interpreter gaps (test-only; the compiled path is unaffected).
+
+    * numpy >= 2.4 refuses int() of a 1-element 1-d array, which the interpreter uses for
+      `range(tensor_lo, tensor_hi)` (our loop bounds come from seq_lens loaded in-kernel).
+    * the interpreter stores bf16 as raw uint16 and feeds those bits to np.matmul in tl.dot;
+      widen them to float32 first (exact).
+    """
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    orig_patch_tensor = interp._patch_lang_tensor
+
+    def patch_tensor(tensor, scope):
+        orig_patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patch_tensor
+
+    orig_dot = interp.InterpreterBuilder.create_dot
+
+    def widen(h):
+        if h.dtype.scalar == tl.bfloat16 and h.data.dtype == np.uint16:
+            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return orig_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    interp.InterpreterBuilder.create_dot = create_dot
+
+
+if INTERPRET:
+    if type(_paged_decode_kernel).__name__ != "InterpretedFunction":
+        pytest.skip(
+            "runner.triton_attention was imported before TRITON_INTERPRET=1 was set; "
+            "run this file on its own on CPU",
+            allow_module_level=True,
+        )
+    _patch_interpreter()
+
+_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def _make_case(
+    b: int, hq: int, hkv: int, d: int, seq_lens: list[int], dtype: torch.dtype, *, poison: bool, seed: int = 0
+):
+    """Random q, cache and scrambled block tables for `b` sequences of lengths `seq_lens`.
+
+    Block 0 is the padding block (table entries past a row's live blocks). With `poison`, block 0
+    and every slot past a sequence's length in its last block hold NaN: any read of dead KV that
+    leaks into the result shows up as NaN. (TorchPagedAttention needs poison=False: it gathers
+    whole blocks and relies on masking.)
+    """
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(1, math.ceil(max(seq_lens) / BS)) + 1  # +1: a padded column in every row
+    num_blocks = 1 + sum(math.ceil(s / BS) for s in seq_lens) + 5  # 5 never-used blocks
+    kv = torch.randn(2, num_blocks, BS, hkv, d, generator=gen)
+    q = torch.randn(b, hq, d, generator=gen)
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # scrambled, block 0 excluded
+    tables = torch.zeros(b, max_blocks, dtype=torch.int32)
+    for i, s in enumerate(seq_lens):
+        n = math.ceil(s / BS)
+        tables[i, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
+        if poison and s % BS:
+            kv[:, tables[i, n - 1], s % BS :] = float("nan")
+    if poison:
+        kv[:, 0] = float("nan")
+    return (
+        q.to(DEVICE, dtype),
+        kv.to(DEVICE, dtype),
+        tables.to(DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+    )
+
+
+def _reference(q, kv, tables, seq_lens, scale) -> torch.Tensor:
+    """float64 attention over only the live positions of each sequence; zeros for seq_len 0."""
+    b, hq, d = q.shape
+    _, nb, bs, hkv, _ = kv.shape
+    flat = kv.double().view(2, nb * bs, hkv, d)
+    out = torch.zeros(b, hq, d, dtype=torch.float64, device=q.device)
+    for i in range(b):
+        n = int(seq_lens[i])
+        if n == 0:
+            continue
+        pos = torch.arange(n, device=q.device)
+        slots = tables[i, pos // bs].long() * bs + pos % bs
+        k = flat[0][slots].repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
+        v = flat[1][slots].repeat_interleave(hq // hkv, dim=1)
+        p = (torch.einsum("hd,nhd->hn", q[i].double(), k) * scale).softmax(-1)
+        out[i] = torch.einsum("hn,nhd->hd", p, v)
+    return out
+
+
+def _check(out, ref, dtype) -> None:
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs().max().item()
+    assert err <= _TOL[dtype], f"max abs error {err} > {_TOL[dtype]}"
+
+
+# (B, Hq, Hkv, D, dtype, seq_lens, num_splits); None = choose_num_splits.
+_SEQS = [1, 7, 16, 17, 300, 1000]
+if INTERPRET:
+    # Each interpreted tile costs ~10 ms per program: few KV heads, short sequences.
+    CASES = [
+        (3, 4, 2, 32, torch.float32, [0, 7, 300], 1),
+        (3, 4, 2, 32, torch.float32, [17, 0, 300], 3),
+        (8, 4, 2, 64, torch.float32, [1, 7, 16, 17, 0, 33, 64, 1000], None),
+        (1, 6, 2, 32, torch.float32, [300], None),  # group 3: padded to 16 rows
+        (1, 2, 2, 128, torch.bfloat16, [1000], 1),  # group 1 (MHA)
+        (3, 4, 2, 128, torch.bfloat16, [16, 300, 1], None),
+        (1, 24, 8, 128, torch.bfloat16, [17], None),  # Orpheus-3B heads
+        (3, 4, 2, 64, torch.float16, [7, 0, 300], 2),
+    ]
+else:
+    # Every (heads, D) pair in fp32 and bf16 with split-K (B*Hkv <= 64 < 132 SMs: auto splits),
+    # fp16 and the unsplit kernel on the target shape, then a batch-size sweep. ~35 compiles.
+    _B8 = [0, 1, 7, 16, 17, 300, 1000, 33]
+    CASES = [
+        (8, hq, hkv, d, dtype, _B8, None)
+        for hq, hkv in [(8, 8), (24, 8), (4, 2)]
+        for d in (32, 64, 128)
+        for dtype in (torch.float32, torch.bfloat16)
+    ] + [
+        (8, 24, 8, 128, torch.float16, _B8, None),
+        (8, 24, 8, 128, torch.float16, _B8, 1),
+        (8, 8, 8, 128, torch.bfloat16, _B8, 1),
+        (8, 4, 2, 64, torch.bfloat16, _B8, 1),
+        (8, 24, 8, 128, torch.bfloat16, _B8, 1),
+    ] + [
+        (b, 24, 8, 128, torch.bfloat16, seqs, splits)
+        for b, seqs in [(1, [1000]), (1, [1]), (3, [7, 300, 17]), (3, [1000, 16, 0])]
+        for splits in (1, 4, None)
+    ]
+
+def _case_id(c) -> str:
+    b, hq, hkv, d, dtype, seqs, splits = c
+    return f"B{b}-{hq}/{hkv}-D{d}-{str(dtype).split('.')[-1]}-S{'auto' if splits is None else splits}-{seqs[0]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_decode_matches_reference(case):
+    b, hq, hkv, d, dtype, seqs, splits = case
+    q, kv, tables, seq_lens = _make_case(b, hq, hkv, d, seqs, dtype, poison=True)
+    scale = d**-0.5
+    out = paged_decode_attention(q, kv, tables, seq_lens, scale, num_splits=splits)
+    assert out.dtype == dtype
+    _check(out, _reference(q, kv, tables, seq_lens, scale), dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_empty_rows_are_zero(splits):
+    q, kv, tables, seq_lens = _make_case(3, 4, 2, 32, [0, 5, 0], torch.float32, poison=True)
+    out = torch.full_like(q, float("nan"))  # `out` is written in place, padding rows included
+    res = paged_decode_attention(q, kv, tables, seq_lens, 0.2, out=out, num_splits=splits)
+    assert res.data_ptr() == out.data_ptr()
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[2], torch.zeros_like(out[2]))
+    _check(out, _reference(q, kv, tables, seq_lens, 0.2), torch.float32)
+
+
+def test_strided_inputs():
+    """q as a column slice of a fused projection, table as a column slice of a wider buffer."""
+    q, kv, tables, seq_lens = _make_case(3, 4, 2, 32, [9, 40, 1], torch.float32, poison=True)
+    wide_q = torch.randn(3, 7, 32, device=DEVICE)
+    wide_q[:, 2:6] = q
+    wide_t = torch.full((3, tables.shape[1] + 3), 10**6, dtype=torch.int32, device=DEVICE)
+    wide_t[:, : tables.shape[1]] = tables
+    out = paged_decode_attention(wide_q[:, 2:6], kv, wide_t[:, : tables.shape[1]], seq_lens, 0.2, num_splits=2)
+    _check(out, _reference(q, kv, tables, seq_lens, 0.2), torch.float32)
+
+
+def test_choose_num_splits():
+    # Enough programs already: no split.
+    assert choose_num_splits(32, 8, 128, 16, 64, 132) == 1
+    # B=1, 8 KV heads: split up to the cap, but never past the table's tile capacity.
+    assert choose_num_splits(1, 8, 1024, 16, 64, 132) == MAX_SPLITS
+    assert choose_num_splits(1, 8, 8, 16, 64, 132) == 2
+    assert choose_num_splits(4, 8, 1024, 16, 64, 132) == math.ceil(2 * 132 / 32)
+
+
+def _decode_meta(seq_lens: torch.Tensor, tables: torch.Tensor) -> AttentionMetadata:
+    """Decode metadata: one new token per sequence at position seq_len - 1."""
+    b = seq_lens.shape[0]
+    pos = (seq_lens.long() - 1).clamp(min=0)
+    slots = tables[torch.arange(b, device=seq_lens.device), pos // BS].long() * BS + pos % BS
+    return AttentionMetadata(
+        query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=seq_lens.device),
+        seq_lens=seq_lens,
+        block_tables=tables,
+        slot_mapping=slots,
+        max_query_len=1,
+        max_seq_len=int(seq_lens.max()),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_decode_matches_torch_backend(dtype):
+    b, hq, hkv, d = 3, 4, 2, 64
+    q, kv, tables, seq_lens = _make_case(b, hq, hkv, d, [7, 300, 17], dtype, poison=False)
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(b, hkv, d, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(b, hkv, d, generator=gen).to(DEVICE, dtype)
+    meta = _decode_meta(seq_lens, tables)
+    kv_t = kv.clone()
+    out = TritonPagedAttention().forward(q, k, v, kv, meta, d**-0.5)
+    ref = TorchPagedAttention().forward(q, k, v, kv_t, meta, d**-0.5)
+    assert torch.equal(kv, kv_t)  # same KV write
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert (out.float() - ref.float()).abs().max().item() <= tol
+
+
+def test_backend_prefill_delegates_to_torch():
+    hq, hkv, d = 4, 2, 32
+    _, kv, tables, _ = _make_case(2, hq, hkv, d, [20, 9], torch.float32, poison=False)
+    q_lens, seq_lens = [5, 3], [20, 9]
+    t = sum(q_lens)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(t, h, d, generator=gen).to(DEVICE) for h in (hq, hkv, hkv))
+    slots = []
+    for i, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+        for p in range(sl - ql, sl):
+            slots.append(int(tables[i, p // BS]) * BS + p % BS)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 5, 8], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        max_query_len=5,
+        max_seq_len=20,
+    )
+    kv_t = kv.clone()
+    out = TritonPagedAttention().forward(q, k, v, kv, meta, 0.3)
+    ref = TorchPagedAttention().forward(q, k, v, kv_t, meta, 0.3)
+    assert torch.equal(out, ref) and torch.equal(kv, kv_t)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA, reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("splits", [1, None])
+def test_cuda_graph_replay_follows_new_metadata(splits):
+    """Capture one decode step (KV write + kernel) and replay it with new seq_lens/tables/q."""
+    b, hq, hkv, d, dtype = 4, 24, 8, 128, torch.bfloat16
+    max_blocks, num_blocks = 64, 300  # static shapes of the captured batch
+    scale = d**-0.5
+    backend = TritonPagedAttention(num_splits=splits)
+    kv = torch.randn(2, num_blocks, BS, hkv, d, device=DEVICE, dtype=dtype)
+    q = torch.zeros(b, hq, d, device=DEVICE, dtype=dtype)
+    k = torch.zeros(b, hkv, d, device=DEVICE, dtype=dtype)
+    v = torch.zeros(b, hkv, d, device=DEVICE, dtype=dtype)
+    seq_lens = torch.ones(b, dtype=torch.int32, device=DEVICE)
+    tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=DEVICE)
+    meta = _decode_meta(seq_lens, tables)  # slot_mapping tensor refilled in place below
+
+    def fill(lens: list[int], seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        new_tables = torch.zeros(b, max_blocks, dtype=torch.int32)
+        perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+        for i, n in enumerate(lens):
+            new_tables[i, : math.ceil(n / BS)] = torch.tensor(
+                [perm.pop() for _ in range(math.ceil(n / BS))], dtype=torch.int32
+            )
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        tables.copy_(new_tables)
+        meta.slot_mapping.copy_(_decode_meta(seq_lens, tables).slot_mapping)
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, generator=gen).to(dtype))
+
+    fill([5, 17, 1, 0], seed=0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: compile kernels outside the capture
+        backend.forward(q, k, v, kv, meta, scale)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, kv, meta, scale)
+
+    for seed, lens in enumerate([[1000, 3, 0, 64], [1, 0, 513, 999], [0, 0, 0, 16]], start=1):
+        fill(lens, seed)
+        kv_before = kv.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        # The replay wrote this step's k/v at slot_mapping. Rows with seq_len 0 all point at
+        # block 0 (the scratch block; which of them lands last is unspecified): compare the rest.
+        live = seq_lens > 0
+        ref_kv = kv_before.view(2, -1, hkv, d)
+        ref_kv[0][meta.slot_mapping[live]] = k[live]
+        ref_kv[1][meta.slot_mapping[live]] = v[live]
+        assert torch.equal(kv[:, 1:], ref_kv.view_as(kv)[:, 1:])
+        ref = _reference(q, kv, tables, seq_lens, scale)
+        _check(out, ref, dtype)
+        for i, n in enumerate(lens):
+            if n == 0:
+                assert torch.equal(out[i], torch.zeros_like(out[i]))
