@@ -93,7 +93,7 @@ def weight_bytes(model) -> int:
     return tot
 
 
-def run_engine(model, batches, graphs: bool, async_sched: bool, sampling, timeline_at: int | None = 64):
+def run_engine(model, batches, graphs: bool, async_sched: bool, sampling, timeline_at: int | None = None):
     from runner.attention import kv_bytes_per_token
     from runner.engine import Engine
 
@@ -106,7 +106,7 @@ def run_engine(model, batches, graphs: bool, async_sched: bool, sampling, timeli
             prompt = torch.randint(0, 128000, (PROMPT,), generator=g).tolist()
             eng.add_request(f"b{B}-{i}", prompt, sampling)
         times, kv_live = [], []
-        record = timeline_at == B and torch.cuda.is_available()
+        record = torch.cuda.is_available()  # GPU busy time and idle gaps at every batch size
         step = 0
         while eng.has_unfinished:
             decoding = all(not r.is_prefill for r in eng.scheduler.running) and not eng.scheduler.waiting
@@ -136,9 +136,39 @@ def run_engine(model, batches, graphs: bool, async_sched: bool, sampling, timeli
             "steps_timed": len(times),
         }
         log(f"  engine graphs={graphs} async={async_sched} B={B}: {step_ms:.2f} ms/step" + (f" gap {gap}" if gap else ""))
+        if timeline_at == B:
+            prof_path = Path(os.environ.get("OUT", "/tmp")) / f"profile_graphs{int(graphs)}_B{B}.txt"
+            profile_steps(eng, prof_path)
         del eng
         torch.cuda.empty_cache()
     return out
+
+
+def profile_steps(eng, path: Path, steps: int = 8) -> None:
+    """Kernel-level GPU time of a few decode steps (same shapes as the timed ones)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(1)
+    B = eng.cfg.scheduler.max_num_seqs
+    for i in range(B):
+        eng.add_request(f"prof-{i}", torch.randint(0, 128000, (PROMPT,), generator=g).tolist(),
+                        eng_sampling(steps + 40))
+    for _ in range(30):
+        eng.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    while eng.has_unfinished:
+        eng.step()
+
+
+def eng_sampling(n: int):
+    from runner.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=n, ignore_eos=True, seed=0)
 
 
 def run_hf(batches, budget_s: float):
@@ -332,9 +362,11 @@ def main() -> int:
         if "engine" in secs:
             res["engine"] = run_engine(model, batches, graphs=True, async_sched=True, sampling=greedy)
             orpheus = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=NEW, ignore_eos=True, seed=0)
-            res["engine_orpheus_sampling"] = run_engine(model, [b for b in batches if b in (1, 64, 256)], True, True, orpheus, timeline_at=None)
+            res["engine_orpheus_sampling"] = run_engine(model, [b for b in batches if b in (1, 64, 256)], True, True, orpheus,
+                                                        timeline_at=64 if "profile" in secs else None)
         if "eager" in secs:
-            res["eager"] = run_engine(model, [b for b in batches if b in (1, 64)], graphs=False, async_sched=False, sampling=greedy, timeline_at=None)
+            res["eager"] = run_engine(model, [b for b in batches if b in (1, 64)], graphs=False, async_sched=False, sampling=greedy,
+                                      timeline_at=1 if "profile" in secs else None)
         del model
         torch.cuda.empty_cache()
     if "codec" in secs:
@@ -364,9 +396,12 @@ def render(res: dict) -> str:
             hf = res.get("hf", {}).get(B, {}).get("step_ms", float("nan"))
             ea = res.get("eager", {}).get(B, {}).get("step_ms", float("nan"))
             lines.append(f"| {B} | {r['step_ms']:.2f} | {bound:.2f} | {r['step_ms']/bound:.2f} | {ea:.2f} | {hf:.2f} | {hf/r['step_ms']:.2f} | {r['tok_s']:.0f} |")
-        g = res["engine"].get(64, {}).get("gap") if isinstance(res["engine"], dict) else None
-        if g:
-            lines += ["", f"GPU idle gap between decode steps at batch 64: median {g['median_us']:.0f} us, p90 {g['p90_us']:.0f} us (GPU busy {g['gpu_step_ms']:.2f} ms/step)"]
+        lines += ["", "GPU time per decode step and idle gap between consecutive steps (CUDA events):", "",
+                  "| batch | GPU busy ms/step | idle gap median us | idle gap p90 us |", "| --- | --- | --- | --- |"]
+        for B, r in res["engine"].items():
+            g = r.get("gap")
+            if g:
+                lines.append(f"| {B} | {g['gpu_step_ms']:.2f} | {g['median_us']:.0f} | {g['p90_us']:.0f} |")
     if "engine_orpheus_sampling" in res:
         lines += ["", "Orpheus sampling (temperature 0.6, top-p 0.8, repetition penalty 1.1): " + ", ".join(
             f"B={B}: {r['step_ms']:.2f} ms/step" for B, r in res["engine_orpheus_sampling"].items())]
