@@ -300,7 +300,12 @@ class TritonPagedAttention:
 
     The decode path reads no value from `meta` on the host except `max_query_len` (to pick the
     path), so a decode step can be captured in a CUDA graph.
+
+    `accepts_prewritten_kv`: the model may write this step's K/V itself (fused into its RoPE
+    launch, runner/triton_fused_ops.py) and call `forward_prewritten_kv`, which skips the write.
     """
+
+    accepts_prewritten_kv = True
 
     def __init__(self, num_splits: int | None = None) -> None:
         self._torch = TorchPagedAttention()
@@ -315,11 +320,26 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
+        if meta.max_query_len == 1:  # decode; the prefill path writes KV itself
+            write_kv(k, v, kv_cache, meta.slot_mapping)
+        return self.forward_prewritten_kv(q, k, v, kv_cache, meta, scale)
+
+    def forward_prewritten_kv(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D], already in the cache at meta.slot_mapping
+        v: torch.Tensor,  # [T, Hkv, D], likewise
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """`forward` for a caller that already wrote k/v to their slots."""
         if meta.max_query_len != 1:
-            return self._torch.forward(q, k, v, kv_cache, meta, scale)  # writes KV itself
+            # The torch prefill path writes k/v (again, when the caller already did: the same
+            # values to the same slots, redundant but harmless; prefill is not launch-bound).
+            return self._torch.forward(q, k, v, kv_cache, meta, scale)
         # Decode: one token per sequence, so T == B and query row b belongs to sequence b.
         assert q.shape[0] == meta.seq_lens.shape[0], (q.shape, meta.seq_lens.shape)
-        write_kv(k, v, kv_cache, meta.slot_mapping)
         return paged_decode_attention(
             q, kv_cache, meta.block_tables, meta.seq_lens, scale, num_splits=self.num_splits
         )

@@ -5,6 +5,12 @@ reaches earlier tokens through the paged KV cache described by `AttentionMetadat
 Numerics follow transformers (RMSNorm in fp32, RoPE cos/sin from fp32 tables cast to the
 model dtype, residual adds in model dtype) so outputs match it within dtype tolerance.
 
+The elementwise work (norms, residual adds, RoPE, SiLU*mul, KV write) goes through an ops
+object fixed at construction (runner/fused_ops.py): plain torch on CPU, fused Triton kernels on
+CUDA. Residual adds are folded into the next RMSNorm ("residual stream"): each layer takes and
+returns (sublayer output, residual) and `add_rmsnorm` forms their sum, which is the same value
+transformers' `h = h + sublayer(norm(h))` produces.
+
 The forward pass never syncs with the host (no .item()/.tolist(), no branching on tensor
 values): decode steps are meant to be captured in a CUDA graph. Python-level variants
 (bias, q/k-norm, tied head) are fixed at construction.
@@ -20,20 +26,19 @@ from torch import nn
 
 from runner.attention import AttentionMetadata, make_attention_backend
 from runner.config import ModelConfig, RopeConfig
+from runner.fused_ops import make_ops, torch_rmsnorm
 
 
 class RMSNorm(nn.Module):
+    """Holds the weight; the layers apply it through their ops (fused with the residual add)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same order of operations as transformers: normalise in fp32, cast back, then scale.
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return torch_rmsnorm(x, self.weight, self.eps)  # reference path, unused by the model
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -59,7 +64,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables [max_position_embeddings, head_dim] in fp32, indexed by position.
+    """cos/sin tables [max_position_embeddings, head_dim] in fp32, indexed by position; applied by
+    the ops' `rope`. Each row is cat(f, f) (columns j and j + head_dim/2 are equal), which the
+    fused kernel relies on to read only the first half.
 
     The tables are non-persistent buffers so they never appear in checkpoints; after building
     on the meta device call `reset(device)` to compute them for real.
@@ -88,22 +95,9 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q [T, Hq, D], k [T, Hkv, D], positions [T]; HF casts cos/sin to the activation dtype.
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, attn, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, attn, rotary: RotaryEmbedding, ops):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_heads
@@ -120,6 +114,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.attn = attn
+        self.ops = ops
+        # A backend that declares `accepts_prewritten_kv` lets the RoPE launch also write this
+        # step's K/V into the cache (one launch instead of three); fixed here, not per call.
+        self.fuse_kv_write = bool(getattr(attn, "accepts_prewritten_kv", False))
         # Shared, not owned: a plain attribute keeps it out of this module's state_dict.
         self._rotary = (rotary,)
 
@@ -129,14 +127,21 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2*kv_size]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        # Strided views into qkv (row stride q_size + 2*kv_size); the ops handle the strides.
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:  # Qwen3: per-head RMSNorm over head_dim, before RoPE
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self._rotary[0](q, k, positions)
-        out = self.attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
+            q = self.ops.rmsnorm(q, self.q_norm.weight, self.q_norm.eps)
+            k = self.ops.rmsnorm(k, self.k_norm.weight, self.k_norm.eps)
+        rot = self._rotary[0]
+        # rope may rotate q/k in place (TritonOps): the pre-RoPE q/k are not used again.
+        if self.fuse_kv_write:
+            q, k = self.ops.rope_write_kv(q, k, v, rot.cos, rot.sin, positions, kv_cache, meta.slot_mapping)
+            out = self.attn.forward_prewritten_kv(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
+        else:
+            q, k = self.ops.rope(q, k, rot.cos, rot.sin, positions)
+            out = self.attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -146,43 +151,67 @@ def o_proj_has_bias(cfg: ModelConfig) -> bool:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops):
         super().__init__()
-        self.intermediate = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate | up
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, H]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, attn, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, attn, rotary: RotaryEmbedding, ops):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, attn, rotary)
+        self.self_attn = Attention(cfg, layer_idx, attn, rotary, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, ops)
+        self.ops = ops
 
     def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        # Unfused residual adds in HF's order, so bf16 rounding matches transformers.
-        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self,
+        h: torch.Tensor,  # [T, H] previous layer's MLP output, or the embeddings when residual is None
+        residual: torch.Tensor | None,  # [T, H] residual stream before h is added; None for layer 0
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, residual); their sum is the layer's output.
+
+        Same values as transformers' `h = h + attn(norm(h)); h = h + mlp(norm(h))`: each add is
+        done (in the model dtype) by the add_rmsnorm that consumes it.
+        """
+        ops = self.ops
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:  # layer 0 (fixed per layer, not data-dependent)
+            residual = h
+            x = ops.rmsnorm(h, ln1.weight, ln1.eps)
+        else:
+            x, residual = ops.add_rmsnorm(h, residual, ln1.weight, ln1.eps)
+        h = self.self_attn(x, positions, kv_cache, meta)
+        x, residual = ops.add_rmsnorm(h, residual, ln2.weight, ln2.eps)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    """Parameter names mirror HF's minus the split projections (qkv_proj, gate_up_proj)."""
+    """Parameter names mirror HF's minus the split projections (qkv_proj, gate_up_proj).
 
-    def __init__(self, cfg: ModelConfig, attn=None):
+    `attn` (attention backend) and `ops` (elementwise ops, runner/fused_ops.py) default to the
+    variants for the default device; build_empty_model passes the target device's.
+    """
+
+    def __init__(self, cfg: ModelConfig, attn=None, ops=None):
         super().__init__()
         self.cfg = cfg
         self.attn = attn if attn is not None else make_attention_backend(torch.get_default_device())
+        self.ops = ops if ops is not None else make_ops(torch.get_default_device())
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.attn, self.rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, self.attn, self.rotary, self.ops) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied = cfg.tie_word_embeddings
         if not self.tied:
@@ -206,15 +235,19 @@ class LlamaForCausalLM(nn.Module):
         decoder layer i-1, num_layers = final output after the norm.
         """
         n = len(self.layers)
+        assert n > 0
         captured: dict[int, torch.Tensor] = {}
         h = self.embed_tokens(input_ids)  # [T, H]
         if 0 in capture_layers:
             captured[0] = h
+        residual = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, kv_caches[i], meta)
+            h, residual = layer(h, residual, positions, kv_caches[i], meta)
             if i + 1 < n and (i + 1) in capture_layers:
-                captured[i + 1] = h
-        h = self.norm(h)
+                # The layer's output is only formed inside the next add_rmsnorm; materialise it
+                # (one extra add, only when asked; bit-identical to the fused sum).
+                captured[i + 1] = h + residual
+        h, _ = self.ops.add_rmsnorm(h, residual, self.norm.weight, self.norm.eps)
         if n in capture_layers:
             captured[n] = h
         return h, captured
@@ -228,14 +261,18 @@ class LlamaForCausalLM(nn.Module):
         self.rotary.reset(device)
 
 
-def build_empty_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, attn=None) -> LlamaForCausalLM:
+def build_empty_model(
+    cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, attn=None, ops=None
+) -> LlamaForCausalLM:
     """Allocate the model on `device` in `dtype` with uninitialised parameters (no init kernels,
-    no CPU copy); RoPE tables are computed for real."""
+    no CPU copy); RoPE tables are computed for real. `attn`/`ops` default to `device`'s variants."""
     device = torch.device(device)
     if attn is None:
         attn = make_attention_backend(device)
+    if ops is None:
+        ops = make_ops(device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, attn)
+        model = LlamaForCausalLM(cfg, attn, ops)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_buffers(device)
     return model.eval().requires_grad_(False)
@@ -243,10 +280,10 @@ def build_empty_model(cfg: ModelConfig, device: torch.device | str, dtype: torch
 
 @torch.no_grad()
 def build_random_model(
-    cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int = 0, attn=None
+    cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int = 0, attn=None, ops=None
 ) -> LlamaForCausalLM:
     """Random weights (std 0.02, biases 0, norms 1) generated directly on `device`, for benchmarks."""
-    model = build_empty_model(cfg, device, dtype, attn)
+    model = build_empty_model(cfg, device, dtype, attn, ops)
     gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):

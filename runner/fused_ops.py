@@ -1,0 +1,98 @@
+"""Per-layer elementwise ops of the decoder (RMSNorm, residual add, RoPE, SiLU*mul, KV write),
+as one object chosen once at model construction by `make_ops(device)`.
+
+`TorchOps` is the plain-torch path (CPU, and the numerical reference): it computes exactly what
+transformers computes, op by op, in the same dtypes. `TritonOps` (runner/triton_fused_ops.py,
+CUDA only) does each op in one fused kernel with the same roundings; a decode layer then launches
+~9 kernels (4 GEMMs, attention, 4 fused ops) instead of ~41, which matters because at small
+batch those tiny launches, not the weight reads, dominate the step (see the docstring there).
+
+Contract shared by both (shapes: T tokens, hidden H, heads Hq/Hkv, head_dim D, intermediate I):
+
+* rmsnorm(x [..., N], w [N], eps) -> [..., N]        normalise in fp32, cast to x.dtype, * w
+* add_rmsnorm(x, residual, w, eps) -> (normed, new_residual)
+      new_residual = x + residual in the model dtype (a fresh tensor: inputs are never modified),
+      normed = rmsnorm(new_residual)
+* rope(q [T, Hq, D], k [T, Hkv, D], cos, sin [P, D] fp32, positions [T]) -> (q', k')
+      rotate-half RoPE with the tables cast to q.dtype first (transformers' order). MAY WORK IN
+      PLACE: callers must treat the q/k they passed as consumed. q/k may be strided views
+      (columns of the fused qkv output).
+* rope_write_kv(q, k, v, cos, sin, positions, kv_cache, slot_mapping) -> (q', k')
+      rope, then the rotated k and v written to their flat slots of kv_cache
+      [2, NB, BS, Hkv, D] (same contract as runner.attention.write_kv).
+* silu_and_mul(gate_up [T, 2I]) -> [T, I]            silu(gate) * up, gate = first half
+
+None of them reads a tensor value on the host, so a decode step stays CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runner.attention import write_kv
+
+
+def torch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # transformers' order: normalise in fp32, cast back to the input dtype, then scale (so the
+    # product with the weight rounds in the model dtype).
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class TorchOps:
+    """Reference path: plain torch ops, one small kernel each."""
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch_rmsnorm(x, weight, eps)
+
+    def add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x + residual == residual + x bit for bit (IEEE addition commutes), so this is the
+        # unfused `h = h + sublayer(h)` of transformers.
+        new_residual = x + residual
+        return torch_rmsnorm(new_residual, weight, eps), new_residual
+
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # transformers casts the fp32 cos/sin rows to the activation dtype before multiplying.
+        c = cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        s = sin[positions].to(q.dtype).unsqueeze(1)
+        return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+    def rope_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = self.rope(q, k, cos, sin, positions)
+        write_kv(k, v, kv_cache, slot_mapping)
+        return q, k
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+        return F.silu(gate) * up
+
+
+def make_ops(device: torch.device | str):
+    """Fused Triton kernels on CUDA, plain torch elsewhere (chosen once, at construction)."""
+    if torch.device(device).type == "cuda":
+        from runner.triton_fused_ops import TritonOps  # needs triton, present with CUDA torch
+
+        return TritonOps()
+    return TorchOps()
