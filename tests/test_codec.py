@@ -279,3 +279,43 @@ def test_empty_stream_finishes(stage_factory) -> None:
     st.push("e", [st.cfg.end_token_id])
     res = st.step()["e"]
     assert res.done and res.error is None and res.pcm.size == 0
+
+
+# ---------------------------------------------------------------- implementation choice, cost model
+
+
+def test_kernel_choice_config(cfg: CodecConfig) -> None:
+    with pytest.raises(CodecError, match="CodecConfig.kernels"):
+        replace(cfg, kernels="cuda")
+    with pytest.raises(CodecError, match="CodecConfig.matmul_precision"):
+        replace(cfg, matmul_precision="fp16")
+    # "auto" on CPU keeps SNAC's torch layers (the fused kernels are tested in test_snac_kernels).
+    assert CodecStage(cfg, CPU).decoder.kernels == "torch"
+
+
+def test_cost_model_counts_the_decoders_macs(cfg: CodecConfig) -> None:
+    """codec_flops_and_bytes' MACs equal the decoder convs' MACs counted by hooks."""
+    from runner.codec import codec_flops_and_bytes
+
+    model = load_snac(cfg, CPU)
+    macs = 0
+
+    def count(mod, inputs, out) -> None:
+        nonlocal macs
+        if isinstance(mod, torch.nn.ConvTranspose1d):
+            macs += inputs[0].numel() * mod.out_channels * mod.kernel_size[0]
+        else:
+            macs += out.numel() * mod.in_channels // mod.groups * mod.kernel_size[0]
+
+    convs = [m for m in model.decoder.modules() if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d))]
+    hooks = [m.register_forward_hook(count) for m in convs]
+    frames = 3
+    with torch.no_grad():
+        model.decoder(torch.zeros(1, model.latent_dim, 4 * frames))
+    for h in hooks:
+        h.remove()
+    rows = codec_flops_and_bytes(model, frames)
+    assert [r["stage"] for r in rows] == ["latent", "block0", "block1", "block2", "block3", "final"]
+    assert sum(r["macs"] for r in rows) == macs
+    assert rows == codec_flops_and_bytes(cfg, frames)  # from the config file: same numbers
+    assert all(r["fused_bytes"] < r["torch_bytes"] for r in rows)
