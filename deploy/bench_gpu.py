@@ -336,6 +336,7 @@ def main() -> int:
     ap.add_argument("--sections", default="bandwidth,engine,eager,hf,codec")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--hf-budget-s", type=float, default=240)
+    ap.add_argument("--hf-batches", default="32,1,64,8,128,256", help="in this order until the budget is spent")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--streams", default="1,32,128,256,400,512")
     ap.add_argument("--serving-max-seqs", type=int, default=512)
@@ -372,7 +373,7 @@ def main() -> int:
     if "codec" in secs:
         res["codec"] = run_codec()
     if "hf" in secs:
-        res["hf"] = run_hf(batches, args.hf_budget_s)
+        res["hf"] = run_hf([int(b) for b in args.hf_batches.split(",")], args.hf_budget_s)
     if "serving" in secs:
         res["serving"] = run_serving(args.streams, args.serving_max_seqs, args.serving_max_tokens)
     res["wall_s"] = time.perf_counter() - t0
