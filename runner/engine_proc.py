@@ -47,12 +47,19 @@ class EngineProcArgs(msgspec.Struct, forbid_unknown_fields=True):
     cuda_graphs: bool = True
     # benchmarks only: config.json gives the shape, weights are random (no safetensors read)
     random_weights: bool = False
+    # torch CPU threads (CPU engines only); None: half the cores, at most 4. Tiny models on a
+    # shared machine lose badly to oversubscription (measured 12-37 ms/step with 1 thread vs
+    # 194-343 ms with 2 on a busy 2-core box).
+    cpu_threads: int | None = None
+    codec_dtype: str = "auto"  # auto: bf16 on CUDA (see deploy/RESULTS.md), fp32 on CPU
     log_level: str = "INFO"
 
 
 def build_engine(args: EngineProcArgs):
     """Config tree -> model -> codec -> Engine (also used in-process by tests and benchmarks)."""
-    from runner.config import EngineConfig
+    import torch
+
+    from runner.config import EngineConfig, parse_dtype
     from runner.engine import Engine
     from runner.model_folder import load_codec_for
 
@@ -70,13 +77,16 @@ def build_engine(args: EngineProcArgs):
         async_scheduling=args.async_scheduling,
         cuda_graphs=args.cuda_graphs,
     )
-    codec = load_codec_for(args.model_path, args.codec_path, cfg.runner.torch_device)
+    dev = cfg.runner.torch_device
+    if dev.type == "cpu":
+        torch.set_num_threads(args.cpu_threads or max(1, min(4, (os.cpu_count() or 2) // 2)))
+    codec_dtype = parse_dtype(None if args.codec_dtype == "auto" else args.codec_dtype, dev)
+    codec = load_codec_for(args.model_path, args.codec_path, dev, codec_dtype)
     model = None
     if args.random_weights:
         from runner.attention import make_attention_backend
         from runner.models.llama import build_random_model
 
-        dev = cfg.runner.torch_device
         model = build_random_model(cfg.model, dev, cfg.runner.torch_dtype, attn=make_attention_backend(dev))
     return Engine(cfg, model=model, codec=codec)
 

@@ -36,8 +36,9 @@ def codec_config_for(model_path: str | Path, codec_path: str | None):
     return CodecConfig(path=str(p), **section)
 
 
-def load_codec_for(model_path: str | Path, codec_path: str | None, device: torch.device):
+def load_codec_for(model_path: str | Path, codec_path: str | None, device: torch.device,
+                   dtype: torch.dtype = torch.float32):
     from runner.codec import CodecStage
 
     cfg = codec_config_for(model_path, codec_path)
-    return CodecStage(cfg, device) if cfg is not None else None
+    return CodecStage(cfg, device, dtype) if cfg is not None else None

@@ -22,6 +22,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--kv-memory-gb", type=float, default=None, help="KV cache size (default: enough for every sequence, capped by free memory)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--codec-dtype", default="auto", help="SNAC decode dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads of a CPU engine (default: half the cores, at most 4)")
     p.add_argument("--no-async-scheduling", action="store_true", help="wait for each step's tokens before scheduling the next")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")

@@ -45,6 +45,8 @@ def engine_args_from(args: argparse.Namespace, model_path: str, env: Env) -> Eng
         async_scheduling=not args.no_async_scheduling,
         cuda_graphs=not args.no_cuda_graphs,
         random_weights=args.random_weights,
+        codec_dtype=args.codec_dtype,
+        cpu_threads=args.cpu_threads,
         log_level=env.log_level,
     )
 

@@ -41,6 +41,7 @@ class Step:
 
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder()
+_OVERFLOW = object()  # queued for a consumer that fell too far behind
 
 
 def _tensor(ref, frames) -> np.ndarray | None:
@@ -149,9 +150,18 @@ class AsyncZmqClient:
         while True:
             frames = await self.sock.recv_multipart()
             h = _dec.decode(frames[0])
-            q = self._queues.get(h.get("id", ""))
-            if q is not None:
+            rid = h.get("id", "")
+            q = self._queues.get(rid)
+            if q is None:
+                continue
+            try:
                 q.put_nowait(frames)
+            except asyncio.QueueFull:
+                # That consumer is `queue_bound` steps behind. Raising here would kill the reader
+                # that serves every request on this socket; end just that request instead.
+                del self._queues[rid]
+                q.get_nowait()
+                q.put_nowait(_OVERFLOW)
 
     async def _stream(self, payload: bytes, rid: str) -> AsyncIterator[Step]:
         if self._reader is None:
@@ -162,7 +172,10 @@ class AsyncZmqClient:
         try:
             await self.sock.send(payload)
             while True:
-                step = _parse(await q.get())
+                frames = await q.get()
+                if frames is _OVERFLOW:
+                    raise ZmqRequestError("overloaded", f"request {rid}: the consumer fell {self._bound} steps behind", None)
+                step = _parse(frames)
                 yield step
                 if step.finished:
                     done = True

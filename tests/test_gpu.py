@@ -96,13 +96,13 @@ def test_cuda_graphs_and_async_give_same_tokens_as_eager(model_dir, dtype):
 def test_triton_decode_backend_matches_torch_backend(model_dir):
     """Same tokens whether decode attention runs in the Triton kernel or the torch gather path."""
     from runner.attention import TorchPagedAttention
+    from runner.loader import load_model
     from runner.triton_attention import TritonPagedAttention
 
     eng = cuda_engine(model_dir, "float32", graphs=False)
     assert isinstance(eng.model.layers[0].self_attn.attn, TritonPagedAttention)
     prompts = prompts_of([30, 7, 90], 512, seed=9)
     a = run_staggered(eng, prompts, GREEDY)
-    ref = cuda_engine(model_dir, "float32", graphs=False)
-    for layer in ref.model.layers:
-        layer.self_attn.attn = TorchPagedAttention()
+    torch_model = load_model(eng.cfg.model, torch.device("cuda"), torch.float32, attn=TorchPagedAttention())
+    ref = Engine(eng.cfg, model=torch_model)
     assert run_staggered(ref, prompts, GREEDY) == a
