@@ -306,7 +306,7 @@ def run_serving(streams: str, max_seqs: int, max_tokens: int) -> dict:
         port = sk.getsockname()[1]
     root = Path(__file__).resolve().parent.parent
     srv = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", str(folder), "--random-weights",
-                            "--device", "cuda", "--max-num-seqs", str(max_seqs), "--port", str(port),
+                            "--device", "cuda", "--max-num-seqs", str(max_seqs), "--max-model-len", "1024", "--port", str(port),
                             "--zmq-endpoint", "none", "--max-concurrent-requests", "4096"], cwd=root)
     try:
         t0 = time.time()
@@ -321,7 +321,9 @@ def run_serving(streams: str, max_seqs: int, max_tokens: int) -> dict:
         log(f"  server up in {time.time() - t0:.0f}s")
         out = Path(os.environ.get("OUT", "/tmp")) / "serving.md"
         subprocess.run([sys.executable, "-m", "server.cli", "bench", "--url", f"http://127.0.0.1:{port}",
-                        "--streams", streams, "--max-tokens", str(max_tokens), "--out", str(out)], cwd=root, check=True)
+                        "--streams", streams, "--max-tokens", str(max_tokens), "--out", str(out),
+                        "--text", "Hello there, this is one sentence of streaming speech for the benchmark."],
+                       cwd=root, check=True)
         return {"table": out.read_text()}
     finally:
         srv.terminate()
