@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -400,6 +400,8 @@ class SnacWindowDecoder:
             raise CodecError(f"SNAC decoder rates give {r} samples per frame, expected {samples_per_frame}")
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # CUDA: decode on a stream of its own, overlapping the model's steps (see launch_jobs)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if kernels not in KERNEL_CHOICES:
             raise CodecError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
         self.fused = None
@@ -491,14 +493,46 @@ class SnacWindowDecoder:
         i.e. float rounding: after int16 rounding that is at most 1 LSB, and sample counts
         are always exact.
         """
-        codes = torch.from_numpy(np.stack(windows)).to(self.device)
-        starts = torch.tensor([j.window_start for j in jobs], dtype=torch.int64, device=self.device)
-        seed_t = torch.tensor(seeds, dtype=torch.int64, device=self.device)
-        pcm = float_to_s16(self.decode(codes, starts, seed_t))  # (B, W * spf) int16
-        # Cut on the device and copy only emitted samples to the host, in one transfer.
+        return self.launch_jobs(windows, jobs, seeds).get()
+
+    def launch_jobs(self, windows: list[np.ndarray], jobs: list[WindowJob], seeds: list[int]) -> "PendingPCM":
+        """Start decoding; on CUDA the work runs on the codec's own stream and lands in pinned
+        host memory, so neither the model's stream nor the host waits for it here."""
         cuts = [j.emit_slice(self.samples_per_frame) for j in jobs]
-        flat = torch.cat([pcm[i, lo:hi] for i, (lo, hi) in enumerate(cuts)]).cpu().numpy()
-        return np.split(flat, np.cumsum([hi - lo for lo, hi in cuts])[:-1])
+        lengths = [hi - lo for lo, hi in cuts]
+        if self.stream is None:
+            codes = torch.from_numpy(np.stack(windows)).to(self.device)
+            starts = torch.tensor([j.window_start for j in jobs], dtype=torch.int64, device=self.device)
+            seed_t = torch.tensor(seeds, dtype=torch.int64, device=self.device)
+            pcm = float_to_s16(self.decode(codes, starts, seed_t))  # (B, W * spf) int16
+            flat = torch.cat([pcm[i, lo:hi] for i, (lo, hi) in enumerate(cuts)]).cpu()
+            return PendingPCM(flat, lengths, None)
+        with torch.cuda.stream(self.stream):
+            # inputs come from the host only: no dependency on the model's stream
+            meta = torch.tensor([[j.window_start for j in jobs], seeds], dtype=torch.int64).pin_memory()
+            codes = torch.from_numpy(np.stack(windows)).pin_memory().to(self.device, non_blocking=True)
+            meta = meta.to(self.device, non_blocking=True)
+            pcm = float_to_s16(self.decode(codes, meta[0], meta[1]))
+            flat = torch.cat([pcm[i, lo:hi] for i, (lo, hi) in enumerate(cuts)])
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return PendingPCM(host, lengths, event)
+
+
+@dataclass
+class PendingPCM:
+    """Emitted PCM of one batched decode, possibly still being copied to the host."""
+
+    host: torch.Tensor  # [sum(lengths)] int16 on the host
+    lengths: list[int]
+    event: "torch.cuda.Event | None"
+
+    def get(self) -> list[np.ndarray]:
+        if self.event is not None:
+            self.event.synchronize()
+        return np.split(self.host.numpy(), np.cumsum(self.lengths)[:-1])
 
 
 def offline_decode(decoder: SnacWindowDecoder, codes: np.ndarray, policy: WindowPolicy, seed: int = 0) -> np.ndarray:
@@ -539,6 +573,8 @@ class CodecStage:
         self.cfg = cfg
         self.decoder = SnacWindowDecoder(load_snac(cfg, device, dtype), cfg.samples_per_frame, cfg.kernels, cfg.matmul_precision)
         self._reqs: dict[object, _Request] = {}
+        self._pending: list[tuple[list[tuple[object, WindowJob]], PendingPCM]] = []
+        self._inflight: Counter = Counter()  # launched, not yet collected, windows per key
 
     # -- request lifecycle -------------------------------------------------------------
 
@@ -602,23 +638,20 @@ class CodecStage:
     # -- decoding ----------------------------------------------------------------------
 
     def step(self) -> dict[object, StageResult]:
-        """Decode every ready window of every request; return results for keys with news
-        (PCM, completion or error). Keys reported done are forgotten."""
+        """Collect the PCM of windows launched by the previous call (CUDA) and launch every
+        window ready now, batched by window length. On the CPU the launch completes at once,
+        so its PCM is returned by the same call. Returns results for keys with news (PCM,
+        completion or error); keys reported done are forgotten. On CUDA a chunk therefore
+        reaches the host one engine step after its last frame, while the decode overlaps the
+        model's next step instead of stalling it."""
         results: dict[object, StageResult] = {}
-        # Jobs grouped by window length: equal-length windows share one SNAC call.
-        groups: dict[int, list[tuple[object, WindowJob]]] = defaultdict(list)
-        finished: list[object] = []
-        for key, req in self._reqs.items():
-            if req.error is not None:
-                results[key] = StageResult(np.zeros(0, dtype=np.int16), done=True, error=req.error)
-                finished.append(key)
-                continue
-            for job in req.cursor.ready(req.n_frames, req.ended):
-                groups[job.window_frames].append((key, job))
-            if req.cursor.finished:
-                finished.append(key)
-
         pieces: dict[object, list[tuple[int, np.ndarray]]] = defaultdict(list)
+        self._collect(pieces)
+        groups: dict[int, list[tuple[object, WindowJob]]] = defaultdict(list)
+        for key, req in self._reqs.items():
+            if req.error is None:
+                for job in req.cursor.ready(req.n_frames, req.ended):
+                    groups[job.window_frames].append((key, job))
         step_max = self.cfg.max_batch_windows
         for items in groups.values():
             for i in range(0, len(items), step_max):
@@ -626,16 +659,32 @@ class CodecStage:
                 reqs = [self._reqs[k] for k, _ in batch]
                 jobs = [j for _, j in batch]
                 windows = [r.codes[j.window_start : j.window_end] for r, j in zip(reqs, jobs)]
-                pcm = self.decoder.decode_jobs(windows, jobs, [r.seed for r in reqs])
-                for (key, job), p in zip(batch, pcm):
-                    pieces[key].append((job.chunk_index, p))
+                pending = self.decoder.launch_jobs(windows, jobs, [r.seed for r in reqs])
+                self._pending.append((batch, pending))
+                for key, _ in batch:
+                    self._inflight[key] += 1
+        if self.decoder.stream is None:
+            self._collect(pieces)
 
         for key, parts in pieces.items():
             parts.sort(key=lambda t: t[0])  # chunk order; groups were decoded in any order
             results[key] = StageResult(np.concatenate([p for _, p in parts]), done=False)
-        for key in finished:
-            if key not in results:
-                results[key] = StageResult(np.zeros(0, dtype=np.int16), done=True)
-            results[key].done = True
+        for key, req in list(self._reqs.items()):
+            if req.error is not None:
+                results[key] = StageResult(np.zeros(0, dtype=np.int16), done=True, error=req.error)
+            elif not (req.cursor.finished and self._inflight.get(key, 0) == 0):
+                continue
+            res = results.setdefault(key, StageResult(np.zeros(0, dtype=np.int16), done=True))
+            res.done = True
             del self._reqs[key]
+            self._inflight.pop(key, None)
         return results
+
+    def _collect(self, pieces: dict[object, list[tuple[int, np.ndarray]]]) -> None:
+        pending, self._pending = self._pending, []
+        for batch, p in pending:
+            for (key, job), pcm in zip(batch, p.get()):
+                if key in self._reqs:  # aborted meanwhile: drop
+                    self._inflight[key] -= 1
+                    if self._reqs[key].error is None:
+                        pieces[key].append((job.chunk_index, pcm))

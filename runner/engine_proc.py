@@ -18,6 +18,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 
 import msgspec
@@ -99,6 +100,7 @@ class EngineLoop:
         self.stop = threading.Event()
         self.ctx = ctx
         self.args = args
+        self._n, self._busy, self._batch, self._t_log = 0, 0.0, 0, time.monotonic()
 
     # ---- threads ------------------------------------------------------------------------------
 
@@ -144,6 +146,18 @@ class EngineLoop:
         elif isinstance(msg, ipc.Shutdown):
             self.stop.set()
 
+    def _account(self, dt: float, batch: int) -> None:
+        """Step-time log for operators: every 5 s, steps/s, mean batch and ms per step."""
+        self._n += 1
+        self._busy += dt
+        self._batch += batch
+        now = time.monotonic()
+        if now - self._t_log >= 5.0:
+            log.info("engine: %.0f steps/s, mean batch %.1f, %.2f ms/step (loop busy %.0f%%)",
+                     self._n / (now - self._t_log), self._batch / self._n, 1e3 * self._busy / self._n,
+                     100 * self._busy / (now - self._t_log))
+            self._n, self._busy, self._batch, self._t_log = 0, 0.0, 0, now
+
     def run(self, out_sock: zmq.Socket) -> None:
         threading.Thread(target=self._input_thread, name="engine-in", daemon=True).start()
         writer = threading.Thread(target=self._output_thread, args=(out_sock,), name="engine-out", daemon=True)
@@ -172,9 +186,11 @@ class EngineLoop:
                 except queue.Empty:
                     pass
                 if eng.has_unfinished:
+                    t0 = time.perf_counter()
                     outs = eng.step()
                     if outs:
                         self.outbound.put(ipc.encode_outputs(outs))
+                    self._account(time.perf_counter() - t0, len(eng.scheduler.running))
         except BaseException as e:  # report, then die: the front end fails in-flight requests fast
             if not isinstance(e, KeyboardInterrupt):
                 reason = "".join(traceback.format_exception_only(type(e), e)).strip()

@@ -199,13 +199,13 @@ def test_streamed_equals_offline_three_requests(stage_factory) -> None:
     streams = {k: codes_to_tokens(st.cfg, c) for k, c in codes.items()}
     ends = {"a": "token", "b": "close", "c": "both"}
     batch_sizes: list[int] = []
-    decode_jobs = st.decoder.decode_jobs
+    launch_jobs = st.decoder.launch_jobs
 
     def recording(windows, jobs, seeds):
         batch_sizes.append(len(jobs))
-        return decode_jobs(windows, jobs, seeds)
+        return launch_jobs(windows, jobs, seeds)
 
-    st.decoder.decode_jobs = recording  # type: ignore[method-assign]
+    st.decoder.launch_jobs = recording  # type: ignore[method-assign]
     for seed in (0, 1):
         out = _feed(st, streams, ends, seed)
         for k, n in frames.items():
