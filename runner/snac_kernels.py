@@ -313,9 +313,10 @@ class Tiles:
     num_stages: int = 3
 
 
-# Hopper defaults: 128x128 fp32 tiles, 32-deep K steps, two warpgroups (wgmma), 3 stages
-# = 3 * (128 + 128) * 32 * 4 B = 96 KiB of shared memory, under the H200's 227 KiB.
-CUDA_TILES = Tiles()
+# Default on CUDA. The larger Tiles() (128x128, 3 stages) needed 242-274 KiB of shared memory
+# with the fused prologues on the H200 (limit 227 KiB, OutOfResources on 2026-11-30), so the
+# default is the tile shape that ran there and that deploy/RESULTS.md's codec figures used.
+CUDA_TILES = Tiles(bm=64, bn=64, bk=32, num_warps=4, num_stages=2)
 # Fallback if CUDA_TILES do not fit a GPU: 2 * (64 + 64) * 32 * 4 B = 32 KiB of pipeline buffers.
 SAFE_TILES = Tiles(bm=64, bn=64, bk=32, num_warps=4, num_stages=2)
 # Under the interpreter a program costs ~ms whatever its size: few, tall tiles.
