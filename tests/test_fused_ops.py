@@ -33,6 +33,8 @@ if not _CUDA:
 
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
 
+from tests.triton_interpreter import patch_interpreter  # noqa: E402
+
 from runner.attention import AttentionMetadata, TorchPagedAttention, allocate_kv_cache  # noqa: E402
 from runner.config import ModelConfig  # noqa: E402
 from runner.fused_ops import TorchOps, make_ops  # noqa: E402
@@ -47,73 +49,13 @@ INTERPRET = not _CUDA
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _patch_interpreter() -> None:
-    """Test-only fixes for Triton 3.6 interpreter gaps (the compiled path is unaffected).
-
-    * fp32 -> bf16 casts truncate in the interpreter (the GPU rounds to nearest even, as torch
-      does); without this every bf16 comparison would be off by up to an ulp everywhere.
-      bf16 -> fp32 is made an exact bit shift.
-    * Two gaps the paged decode kernel hits (copied from tests/test_triton_attention.py, which
-      patches the same way): numpy >= 2.4 refuses int() of a 1-element array (loop bounds from
-      tensors), and tl.dot gets raw bf16 bits.
-    """
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
-    if getattr(interp, "_fused_ops_patched", False):
-        return
-    interp._fused_ops_patched = True
-
-    def f32_to_bf16(data):
-        bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
-        rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
-        is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
-        return np.where(is_nan, ((bits >> 16) | 0x40).astype(np.uint16), rounded)
-
-    def exact_bf16(fallback):
-        def cast(self, src, dst_type, *rest):
-            s, d = src.dtype.scalar, dst_type.scalar
-            if s == tl.float32 and d == tl.bfloat16:
-                return interp.TensorHandle(f32_to_bf16(src.data), tl.bfloat16)
-            if s == tl.bfloat16 and d == tl.float32:
-                return interp.TensorHandle((src.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-            return fallback(self, src, dst_type, *rest)
-
-        return cast
-
-    # create_fp_ext / create_fp_trunc / ... call self.cast_impl, so patching it covers them.
-    interp.InterpreterBuilder.cast_impl = exact_bf16(interp.InterpreterBuilder.cast_impl)
-    interp.InterpreterBuilder.create_fp_to_fp = exact_bf16(interp.InterpreterBuilder.create_fp_to_fp)
-
-    orig_patch_tensor = interp._patch_lang_tensor
-
-    def patch_tensor(tensor, scope):
-        orig_patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patch_tensor
-
-    orig_dot = interp.InterpreterBuilder.create_dot
-
-    def widen(h):
-        if h.dtype.scalar == tl.bfloat16 and h.data.dtype == np.uint16:
-            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return h
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return orig_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    interp.InterpreterBuilder.create_dot = create_dot
-
-
 if INTERPRET:
     if type(_rmsnorm_kernel).__name__ != "InterpretedFunction":
         pytest.skip(
             "runner.triton_fused_ops was imported before TRITON_INTERPRET=1 was set; run this file on its own on CPU",
             allow_module_level=True,
         )
-    _patch_interpreter()
+    patch_interpreter()
 
 TORCH_OPS, TRITON_OPS = TorchOps(), TritonOps()
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]

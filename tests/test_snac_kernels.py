@@ -24,6 +24,8 @@ if not _CUDA:
 
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
 
+from tests.triton_interpreter import patch_interpreter  # noqa: E402
+
 from runner import snac_kernels as sk  # noqa: E402
 from runner.codec import (  # noqa: E402
     ORPHEUS_LEVELS,
@@ -43,48 +45,13 @@ TILES = sk.CUDA_TILES if _CUDA else sk.INTERPRETER_TILES
 SMALL = sk.Tiles(bm=32, bn=16, bk=16, num_warps=4, num_stages=1)
 
 
-def _patch_interpreter() -> None:
-    """Work around two Triton 3.6 interpreter gaps (test-only; the compiled path is unaffected).
-
-    * numpy >= 2.4 refuses int() of a 1-element 1-d array, which the interpreter uses for
-      `range(0, K, BK)` with a runtime K.
-    * the interpreter stores bf16 as raw uint16 and feeds those bits to np.matmul in tl.dot;
-      widen them to float32 first (exact).
-    """
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
-    orig_patch_tensor = interp._patch_lang_tensor
-
-    def patch_tensor(tensor, scope):
-        orig_patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patch_tensor
-
-    orig_dot = interp.InterpreterBuilder.create_dot
-
-    def widen(h):
-        if h.dtype.scalar == tl.bfloat16 and h.data.dtype == np.uint16:
-            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return h
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return orig_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    if not getattr(interp.InterpreterBuilder, "_bf16_dot_widened", False):
-        interp.InterpreterBuilder.create_dot = create_dot
-        interp.InterpreterBuilder._bf16_dot_widened = True
-
-
 if INTERPRET:
     if type(sk._rows_gemm_kernel).__name__ != "InterpretedFunction":
         pytest.skip(
             "runner.snac_kernels was imported before TRITON_INTERPRET=1 was set; run this file on its own on CPU",
             allow_module_level=True,
         )
-    _patch_interpreter()
+    patch_interpreter()
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,8 @@ if not _CUDA:
 
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
 
+from tests.triton_interpreter import patch_interpreter  # noqa: E402
+
 from runner.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
 from runner.triton_attention import (  # noqa: E402
     MAX_SPLITS,
@@ -36,39 +38,6 @@ INTERPRET = not _CUDA
 BS = 16  # cache block size of the target deployment
 
 
-def _patch_interpreter() -> None:
-    """Work around two Triton 3.6 interpreter gaps (test-only; the compiled path is unaffected).
-
-    * numpy >= 2.4 refuses int() of a 1-element 1-d array, which the interpreter uses for
-      `range(tensor_lo, tensor_hi)` (our loop bounds come from seq_lens loaded in-kernel).
-    * the interpreter stores bf16 as raw uint16 and feeds those bits to np.matmul in tl.dot;
-      widen them to float32 first (exact).
-    """
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
-    orig_patch_tensor = interp._patch_lang_tensor
-
-    def patch_tensor(tensor, scope):
-        orig_patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patch_tensor
-
-    orig_dot = interp.InterpreterBuilder.create_dot
-
-    def widen(h):
-        if h.dtype.scalar == tl.bfloat16 and h.data.dtype == np.uint16:
-            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return h
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return orig_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    interp.InterpreterBuilder.create_dot = create_dot
-
-
 if INTERPRET:
     if type(_paged_decode_kernel).__name__ != "InterpretedFunction":
         pytest.skip(
@@ -76,7 +45,7 @@ if INTERPRET:
             "run this file on its own on CPU",
             allow_module_level=True,
         )
-    _patch_interpreter()
+    patch_interpreter()
 
 _TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
