@@ -18,17 +18,49 @@ False, so a plain greedy batch is one argmax):
   3. greedy rows (temperature == 0): argmax of the logits after 1-2;
   4. sampling rows: divide by temperature, top-k (ties with the k-th value survive, as in
      HF), top-p (smallest set whose mass reaches p; always keeps the top token), min-p
-     (drop probs < min_p * max prob), filtered logits set to -inf, softmax;
+     (drop probs < min_p * max prob), filtered logits set to -inf;
   5. draw with the exponential race: token = argmax(probs / q), q ~ Exponential(1) iid.
      This is an exact sample from `probs` (Gumbel-max in disguise) and needs no cumsum or
      host sync. q for a seeded row comes from that row's own generator, always [V] values
      per step, so a seeded request yields the same tokens alone or anywhere in any batch;
-     q for the other rows comes from the shared generator in one call.
-  Mixed batches: the final ids are torch.where(temperature == 0, greedy ids, sampled ids).
+     q for the other rows comes from the shared generator in one call, into a buffer kept
+     across steps. The race runs on e = exp(y - max y) (y = scaled logits) instead of the
+     normalised probs: it is invariant to a per-row scale, so there is no softmax pass.
+     (Batch independence is bit-exact on the CPU and with the triton backend, see
+     runner/sampling_kernels.py for its one caveat; the torch backend on CUDA histograms with
+     atomics, so there a seeded row can differ only if a cumulative mass lands within fp32
+     rounding of its bound.)
+  Mixed batches: greedy rows take the greedy ids.
+
+How top-k / top-p avoid sorting [B, V] (the old path sorted every row of 156940 logits, the
+bulk of the sampler's time at large batch). Both filters keep an upper set of the row:
+with key(y) an order-preserving int32 image of the float y, a row keeps {key(y) >= t} for a
+threshold t, the smallest key such that the statistic of the strictly larger tokens is below
+a bound:
+    top-k: count(key > t) < k          (so every token tied with the k-th value survives);
+    top-p: mass(key > t)  < p * Z      (Z = mass of the tokens top-k left, mass = exp(y - max)).
+The statistic is monotone in t, so t is found by search instead of by sorting:
+  * torch backend (CPU, and CUDA without Triton): MSB-first radix select on the key. A level
+    histograms the tokens still in play (count or mass per digit: one index_add_ over
+    [B, V]) and picks the digit where the suffix sum crosses the bound; two levels of 16
+    bits (four of 8 bits for a vocabulary under 65536) give the exact threshold, in ~15
+    elementwise passes and no sort.
+  * triton backend (CUDA): runner/sampling_kernels.py, one program per row: a few pivot passes
+    narrow the threshold to a bucket of <= 8192 tokens, which is compacted and finished in
+    registers; the same kernel applies min-p and runs the race (or writes the filtered
+    logits), and a second one applies the penalties in one pass over the state rows.
+Tie handling: tokens tied with the threshold value are all kept. transformers' top-p sorts
+and cuts inside a run of equal values at whatever position the sort left them (the order of
+equal keys is unspecified), i.e. it may keep only some of the tied tokens; here the kept set
+is that one plus the rest of the tie, which is order-independent. Apart from ties, the kept
+set differs from the sort-based one only where the cumulative mass equals the bound to within
+fp32 rounding (both compute the mass in a different summation order). Min-p compares
+exp(y - max y) >= min_p, i.e. p / p_max >= min_p without the normalisation rounding.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -163,6 +195,13 @@ class SlotState:
             ones = torch.ones_like(toks, dtype=torch.int32)
             self._output_counts.index_put_((rows, toks), ones, accumulate=True)
 
+    def penalty_buffers(self) -> tuple[Tensor, Tensor]:
+        """(prompt_mask [S+1, V] bool, output_counts [S+1, V] int32), scratch row S included: for
+        kernels that read the rows `row_index(slots)` in place instead of gathering them."""
+        if self._output_counts is None or self._prompt_mask is None:
+            raise RuntimeError("penalty buffers not allocated: admit the request with track_penalties=True")
+        return self._prompt_mask, self._output_counts
+
     def gather_penalty_rows(self, slots: Tensor) -> tuple[Tensor, Tensor]:
         """(prompt_mask [B, V] bool, output_counts [B, V] int32) for batch rows `slots` [B]."""
         if self._output_counts is None or self._prompt_mask is None:
@@ -197,6 +236,11 @@ class SamplingBatch:
     any_top_p: bool
     any_min_p: bool
     any_seeded: bool
+    # Finer flags (defaults keep the work on when a caller builds the batch by hand).
+    any_greedy: bool = True  # some row has temperature == 0
+    any_repetition: bool = True  # some row has repetition_penalty != 1
+    any_frequency: bool = True  # some row has frequency_penalty != 0
+    any_presence: bool = True  # some row has presence_penalty != 0
 
     @property
     def num_rows(self) -> int:
@@ -266,43 +310,115 @@ class SamplingBatch:
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0.0 for p in params),
             any_seeded=any(g is not None for g in generators),
+            any_greedy=any(p.greedy for p in params),
+            any_repetition=any(p.repetition_penalty != 1.0 for p in params),
+            any_frequency=any(p.frequency_penalty != 0.0 for p in params),
+            any_presence=any(p.presence_penalty != 0.0 for p in params),
         )
 
 
-class Sampler:
-    """Stateless apart from the shared generator; see the module docstring for the pipeline."""
+# Radix select (torch backend): 16-bit digits (two levels cover the 32-bit key) once the
+# vocabulary is at least as large as the [B, 65536] histogram, 8-bit digits below that.
+_DIGIT_BITS = 16
+_NUM_DIGITS = 1 << _DIGIT_BITS
+_BACKENDS = ("auto", "torch", "triton")
 
-    def __init__(self, device: torch.device | str, seed: int | None = None):
+
+def order_key(y: Tensor, out: Tensor | None = None, tmp: Tensor | None = None) -> Tensor:
+    """Order-preserving int32 image of float32 `y` (any shape): y1 < y2 <=> key1 < key2.
+
+    Sign-magnitude bits -> two's complement: key = bits for y >= 0, -(bits & 0x7FFFFFFF) for
+    y < 0, so -0.0 and +0.0 both map to 0 (they are equal floats, hence ties), -inf to
+    -0x7F800000 and +inf to 0x7F800000. NaN keys lie beyond +-inf (NaN logits are not
+    supported). `out`/`tmp` are optional int32 workspaces shaped like y.
+    """
+    bits = y.view(torch.int32)
+    sign = torch.bitwise_right_shift(bits, 31, out=tmp)  # 0 or -1 (arithmetic shift)
+    key = torch.bitwise_and(bits, 0x7FFFFFFF, out=out)  # magnitude
+    key ^= sign
+    key -= sign  # (mag ^ s) - s: negates where s == -1
+    return key
+
+
+def _pick_backend(device: torch.device, backend: str) -> str:
+    """'torch' or 'triton'. auto = torch off CUDA; on CUDA, OMNISTREAM_SAMPLER_BACKEND if set
+    (an A/B switch for whole-engine runs), else triton when it imports."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"sampler backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if device.type != "cuda":
+            return "torch"
+        backend = os.environ.get("OMNISTREAM_SAMPLER_BACKEND", "auto")
+        if backend not in _BACKENDS:
+            raise ValueError(f"OMNISTREAM_SAMPLER_BACKEND must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        try:
+            import runner.sampling_kernels  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
+    return backend
+
+
+class Sampler:
+    """Stateless apart from the shared generator and reusable buffers; see the module docstring.
+
+    backend: 'torch' (radix select in torch ops), 'triton' (runner/sampling_kernels.py) or
+    'auto' (triton on CUDA). Both give the same kept sets up to fp32 summation order.
+    """
+
+    def __init__(self, device: torch.device | str, seed: int | None = None, backend: str = "auto"):
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
         if seed is None:
             self.generator.seed()  # non-deterministic
         else:
             self.generator.manual_seed(seed)
+        self.backend = _pick_backend(self.device, backend)
+        self._kernels = None
+        if self.backend == "triton":
+            from runner import sampling_kernels
+
+            self._kernels = sampling_kernels
+        # Reusable [rows, V] buffers by name, grown to the largest batch seen: the race noise
+        # everywhere, and on the CPU also the torch backend's workspaces (a fresh 160 MB tensor
+        # there costs more in page faults than the op itself). On CUDA the workspaces come from
+        # the caching allocator instead, so they are not pinned while the model runs.
+        self._buffers: dict[str, Tensor] = {}
+        self._persistent_workspaces = self.device.type == "cpu"
+
+    # ---- public entry points ---------------------------------------------------------------
 
     def __call__(self, logits: Tensor, batch: SamplingBatch, state: SlotState) -> Tensor:
         """logits [B, V] float32 (modified in place) -> sampled ids [B] int64 on the logits' device."""
         self._check(logits, batch)
         self._penalize_and_bias(logits, batch, state)
-        greedy_ids = logits.argmax(dim=-1)  # [B]
         if batch.all_greedy:
-            return greedy_ids
-        _, probs = self._warp(logits, batch)
-        sampled = self._race(probs, batch)
-        return torch.where(batch.temperature == 0, greedy_ids, sampled)
+            return logits.argmax(dim=-1)
+        q = self._draw_noise(batch, logits.shape[1])  # [B, V] Exp(1), rows of seeded requests from their generator
+        if self._kernels is not None:
+            return self._kernels.filter_and_sample(logits, batch, q)  # greedy rows handled in-kernel
+        greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None  # [B], before scaling
+        sampled = self._filter_torch(logits, batch, q)
+        return sampled if greedy_ids is None else torch.where(batch.temperature == 0, greedy_ids, sampled)
 
     def process(self, logits: Tensor, batch: SamplingBatch, state: SlotState) -> Tensor:
         """Stages 1, 2 and 4 only: the logits the sampling rows draw from ([B, V], -inf = filtered).
 
-        Greedy rows come back penalized and biased but otherwise unscaled. Used by tests
-        and by model-specific samplers that want the standard filters.
+        Greedy rows come back penalized and biased, then filtered like a temperature-1 row.
+        Used by tests and by model-specific samplers that want the standard filters.
         """
         self._check(logits, batch)
         self._penalize_and_bias(logits, batch, state)
         if batch.all_greedy:
             return logits
-        out, _ = self._warp(logits, batch)
-        return out
+        if self._kernels is not None:
+            self._kernels.filter_logits(logits, batch)
+        else:
+            self._filter_torch(logits, batch, None)
+        return logits
+
+    # ---- stages ------------------------------------------------------------------------------
 
     @staticmethod
     def _check(logits: Tensor, batch: SamplingBatch) -> None:
@@ -311,69 +427,206 @@ class Sampler:
         if logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits have {logits.shape[0]} rows, batch has {batch.num_rows}")
 
-    @staticmethod
-    def _penalize_and_bias(logits: Tensor, batch: SamplingBatch, state: SlotState) -> None:
+    def _buffer(self, name: str, rows: int, cols: int, dtype: torch.dtype) -> Tensor:
+        """A [rows, cols] row-contiguous tensor (contents undefined): a view of the reusable
+        buffer `name` for the noise and CPU workspaces, a fresh allocation otherwise."""
+        if name != "noise" and not self._persistent_workspaces:
+            return torch.empty(rows, cols, dtype=dtype, device=self.device)
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != cols or buf.dtype != dtype:
+            buf = torch.empty(max(rows, 1), cols, dtype=dtype, device=self.device)
+            self._buffers[name] = buf
+        return buf[:rows]
+
+    def _penalize_and_bias(self, logits: Tensor, batch: SamplingBatch, state: SlotState) -> None:
         """Stages 1-2, in place on logits [B, V]."""
         if batch.any_penalty:
-            prompt_mask, counts = state.gather_penalty_rows(batch.slots)  # [B, V] bool, [B, V] int32
-            seen = prompt_mask | (counts > 0)
-            rep = batch.repetition_penalty.unsqueeze(1)  # [B, 1]; 1.0 is exact identity
-            penalized = torch.where(logits < 0, logits * rep, logits / rep)
-            logits.copy_(torch.where(seen, penalized, logits))
-            counts_f = counts.to(logits.dtype)
-            logits -= batch.frequency_penalty.unsqueeze(1) * counts_f
-            logits -= batch.presence_penalty.unsqueeze(1) * (counts_f > 0).to(logits.dtype)
+            if self._kernels is not None:
+                # One fused pass that reads the state rows directly (no [B, V] gathers).
+                self._kernels.apply_penalties(logits, batch, state)
+            else:
+                self._penalize_torch(logits, batch, state)
         if batch.bias_vals is not None:
             assert batch.bias_rows is not None and batch.bias_cols is not None
             logits.index_put_((batch.bias_rows, batch.bias_cols), batch.bias_vals, accumulate=True)
 
     @staticmethod
-    def _warp(logits: Tensor, batch: SamplingBatch) -> tuple[Tensor, Tensor]:
-        """Stage 4, in place: returns (filtered logits [B, V], probs [B, V]).
+    def _penalize_torch(logits: Tensor, batch: SamplingBatch, state: SlotState) -> None:
+        """Penalties with the reference roundings (x*p, x/p, x - f*c, x - p*1), each term only
+        when some row uses it (the neutral values 1 / 0 are exact identities)."""
+        prompt_mask, counts = state.gather_penalty_rows(batch.slots)  # [B, V] bool, [B, V] int32
+        if batch.any_repetition:
+            seen = counts > 0
+            seen |= prompt_mask
+            rep = batch.repetition_penalty.unsqueeze(1)  # [B, 1]
+            penalized = torch.where(logits < 0, logits * rep, logits / rep)
+            logits.copy_(torch.where(seen, penalized, logits))
+        if batch.any_frequency:
+            logits -= batch.frequency_penalty.unsqueeze(1) * counts.to(logits.dtype)
+        if batch.any_presence:
+            logits -= batch.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
 
-        probs is proportional (not necessarily normalized, rows with min-p filtering) to
-        softmax(filtered logits); the exponential race is invariant to that row scale.
+    def _draw_noise(self, batch: SamplingBatch, vocab: int) -> Tensor:
+        """q [B, V] ~ Exp(1) for the race, in a buffer reused across steps.
+
+        Rows of seeded requests are redrawn from their own generator, exactly V values per step
+        (what makes a seeded request batch-independent); the shared generator fills the whole
+        buffer in one call when any row uses it. Zeros are handled by the consumers (clamped to
+        the smallest normal: 0/0 would be NaN).
         """
-        v = logits.shape[1]
-        temp = torch.where(batch.temperature == 0, 1.0, batch.temperature)  # greedy rows: keep scale
-        logits.div_(temp.unsqueeze(1))
-
-        if batch.any_top_k or batch.any_top_p:
-            # Ascending sort, as HF does for top-p, so survivors match its numerics.
-            sorted_vals, sorted_idx = logits.sort(dim=-1)  # [B, V]
-            if batch.any_top_k:
-                k = batch.top_k
-                k = torch.where((k <= 0) | (k > v), v, k)  # off => keep all V
-                kth = sorted_vals.gather(1, (v - k).unsqueeze(1))  # [B, 1] k-th largest value
-                logits.masked_fill_(logits < kth, _NEG_INF)
-                sorted_vals.masked_fill_(sorted_vals < kth, _NEG_INF)
-            if batch.any_top_p:
-                cum = sorted_vals.softmax(dim=-1).cumsum(dim=-1)  # [B, V] ascending mass
-                top_p = batch.top_p.unsqueeze(1)
-                drop_sorted = (cum <= 1 - top_p) & (top_p < 1)
-                drop_sorted[:, -1] = False  # always keep the most likely token
-                drop = torch.empty_like(drop_sorted).scatter_(1, sorted_idx, drop_sorted)
-                logits.masked_fill_(drop, _NEG_INF)
-
-        probs = logits.softmax(dim=-1)  # [B, V]
-        if batch.any_min_p:
-            thresh = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [B, 1]
-            drop = probs < thresh  # the top token never satisfies this (min_p <= 1)
-            logits.masked_fill_(drop, _NEG_INF)
-            probs.masked_fill_(drop, 0.0)
-        return logits, probs
-
-    def _race(self, probs: Tensor, batch: SamplingBatch) -> Tensor:
-        """Stage 5: argmax(probs / q) per row, q ~ Exp(1). probs [B, V] -> ids [B]."""
-        q = torch.empty_like(probs)
+        b = batch.num_rows
+        q = self._buffer("noise", b, vocab, torch.float32)
         n_seeded = sum(g is not None for g in batch.generators) if batch.any_seeded else 0
-        if n_seeded < probs.shape[0]:
+        if n_seeded < b:
             q.exponential_(generator=self.generator)
         if n_seeded:
             # Unavoidable per-row loop: each seeded row draws exactly V values from its own generator.
             for i, g in enumerate(batch.generators):
                 if g is not None:
                     q[i].exponential_(generator=g)
-        # Guard q == 0 (0/0 = NaN would win argmax); any q > 0 keeps the race exact.
-        q.clamp_(min=torch.finfo(q.dtype).tiny)
-        return probs.div_(q).argmax(dim=-1)
+        return q
+
+    # ---- torch backend: temperature, top-k / top-p by radix select, min-p, race -------------
+
+    def _filter_torch(self, logits: Tensor, batch: SamplingBatch, q: Tensor | None) -> Tensor:
+        """Stage 4 (+ 5 when q is given), in place on logits [B, V].
+
+        q None: writes the filtered logits (scaled, -inf where dropped) and returns them.
+        q given: returns the race winners [B] (logits are left scaled, not masked).
+        """
+        b, v = logits.shape
+        temp = torch.where(batch.temperature == 0, 1.0, batch.temperature)  # greedy rows: keep scale
+        logits.div_(temp.unsqueeze(1))  # y: the same division as transformers' warper
+        filt = batch.any_top_k or batch.any_top_p
+        need_e = q is not None or batch.any_top_p or batch.any_min_p
+        e = None
+        if need_e:
+            # e = exp(y - max y) in [0, 1]: the row's unnormalised probabilities.
+            e = self._buffer("e", b, v, torch.float32)
+            torch.sub(logits, logits.amax(dim=-1, keepdim=True), out=e).exp_()
+        keep = None  # [B, V] bool, True = survives
+        if filt:
+            key_buf, tmp_buf = self._buffer("key", b, v, torch.int32), self._buffer("tmp", b, v, torch.int32)
+            key = order_key(logits, out=key_buf, tmp=tmp_buf)
+            t = self._thresholds(key, e, batch)  # [B, 1] int32: keep key >= t
+            keep = torch.ge(key, t, out=self._buffer("keep", b, v, torch.bool))
+        if batch.any_min_p:
+            assert e is not None
+            # p_i < min_p * p_max  <=>  e_i < min_p (p_max = 1/Z: the top token always survives).
+            mp = e >= batch.min_p.unsqueeze(1)
+            keep = mp if keep is None else keep.logical_and_(mp)
+        if q is None:
+            if keep is not None:
+                logits.masked_fill_(keep.logical_not_(), _NEG_INF)
+            return logits
+        assert e is not None
+        if keep is not None:
+            e.masked_fill_(keep.logical_not_(), 0.0)
+        q.clamp_(min=torch.finfo(q.dtype).tiny)  # q == 0 would make 0/0 = NaN win the argmax
+        return e.div_(q).argmax(dim=-1)
+
+    def _thresholds(self, key: Tensor, e: Tensor | None, batch: SamplingBatch) -> Tensor:
+        """Per-row key threshold t [B, 1] int32 of top-k then top-p (keep key >= t)."""
+        inf = float("inf")
+        v = key.shape[1]
+        t = None
+        if batch.any_top_k:
+            k = batch.top_k
+            bound = torch.where((k <= 0) | (k >= v), inf, k.to(torch.float64))  # off rows keep all
+            t = self._radix_select(key, None, bound, None)
+        if batch.any_top_p:
+            assert e is not None
+            frac = torch.where(batch.top_p < 1, batch.top_p.to(torch.float64), inf)  # p = 1: off
+            tp = self._radix_select(key, e, frac, t)
+            t = tp if t is None else torch.maximum(t, tp)
+        assert t is not None
+        return t
+
+    def _radix_select(self, key: Tensor, weight: Tensor | None, bound: Tensor, floor: Tensor | None) -> Tensor:
+        """Smallest key t per row with stat({key > t}) < bound, over the tokens with key >= floor.
+
+        key [B, V] int32; weight [B, V] f32 (stat = mass) or None (stat = count); bound [B] f64:
+        the count bound, or with a weight the fraction p of the total mass (inf = keep all);
+        floor [B, 1] int32 or None. Returns t [B, 1] int32; keep key >= t.
+
+        MSB-first radix select: level l histograms digit l of the tokens whose higher digits
+        equal the prefix chosen so far, then picks the first digit (from the bottom) whose
+        suffix stat (everything strictly above it, plus what lies above the prefix) is below
+        the bound. Digits are 16 bits (2 levels) for a large vocabulary, 8 bits (4 levels)
+        otherwise, so the [B, 2^bits] histogram never outgrows [B, V]. One flattened histogram
+        (+1 trash bin for tokens out of play), so a level is one index_add_ over [B, V].
+        """
+        b, v = key.shape
+        bits = _DIGIT_BITS if v >= _NUM_DIGITS else 8
+        nb = 1 << bits
+        trash = b * nb  # int32 bin indices: fine up to B = 32767 rows
+        if trash >= 2**31:
+            raise ValueError(f"batch of {b} rows too large for the int32 histogram index")
+        base = torch.arange(b, device=key.device, dtype=torch.int32).unsqueeze(1) * nb  # [B, 1] bin offset per row
+        idx = self._buffer("idx", b, v, torch.int32)
+        out_of_play = self._buffer("oop", b, v, torch.bool)
+        hi_bits = self._buffer("tmp", b, v, torch.int32)  # free once order_key is done
+        floor_mask = None
+        if floor is not None:
+            floor_mask = torch.lt(key, floor, out=self._buffer("floor", b, v, torch.bool))
+        lim = None
+        above = None
+        prefix = None  # [B] int64: the key's bits above the current digit (signed)
+        for level in range(32 // bits):
+            shift = 32 - bits * (level + 1)
+            torch.bitwise_right_shift(key, shift, out=idx)
+            if level == 0:
+                idx += base + nb // 2  # signed top digit -> [0, nb)
+                dead = floor_mask  # True = out of play
+            else:
+                assert prefix is not None
+                # In play: higher bits == prefix; tell them apart before masking the digit out.
+                # (key >> shift) >> bits == key >> (shift + bits) for arithmetic shifts.
+                torch.bitwise_right_shift(idx, bits, out=hi_bits)
+                dead = torch.ne(hi_bits, prefix.unsqueeze(1).to(torch.int32), out=out_of_play)
+                if floor_mask is not None:
+                    dead |= floor_mask
+                idx &= nb - 1
+                idx += base
+            if dead is not None:
+                idx.masked_fill_(dead, trash)
+            cum = self._histogram(idx, weight, b, nb)  # [B, nb] f64 inclusive prefix sums
+            if lim is None:
+                # Level 0 sees every token in play: its total is Z for the mass bound.
+                lim = bound if weight is None else bound * cum[:, -1]  # inf * Z = inf: row off
+                above = torch.zeros_like(lim)
+            digit, above = self._pick_digit(cum, above, lim)
+            prefix = digit - nb // 2 if level == 0 else prefix * nb + digit
+        assert prefix is not None
+        return prefix.to(torch.int32).unsqueeze(1)
+
+    @staticmethod
+    def _histogram(idx: Tensor, weight: Tensor | None, b: int, nb: int) -> Tensor:
+        """Per-row inclusive prefix sums [B, nb] float64 of the per-bin count (weight None) or
+        weight sum; flat bin b*nb is the trash bin and is dropped. One index_add_, no host sync."""
+        n = b * nb + 1
+        hist = torch.zeros(n, dtype=torch.float32, device=idx.device)
+        if weight is None:
+            # Counts as fp32 sums of ones: exact below 2^24. (Not bincount: on CUDA it reads
+            # idx.max() back to the host to size its output.)
+            weight = torch.ones((), dtype=torch.float32, device=idx.device).expand(idx.shape)
+        hist.index_add_(0, idx.view(-1), weight.reshape(-1))
+        return torch.cumsum(hist[:-1].view(b, nb), dim=-1, dtype=torch.float64)
+
+    @staticmethod
+    def _pick_digit(cum: Tensor, above: Tensor, lim: Tensor) -> tuple[Tensor, Tensor]:
+        """cum [B, D] f64 prefix sums of this level's histogram, above [B] (stat above this
+        level's prefix), lim [B] -> (digit [B] int64, stat strictly above that digit [B]).
+
+        suffix[d] = above + total - cum[d] (everything strictly above digit d) is non-increasing
+        in d, also in floating point (cum only grows and subtraction is monotone), so the first
+        digit with suffix < lim is the number of digits with suffix >= lim, i.e. with
+        cum[d] <= above + total - lim. suffix[D-1] = above < lim holds by the caller's invariant
+        (the prefix bucket was chosen with its suffix below the bound; at level 0 above = 0).
+        float64 keeps the subtraction's error far below the fp32 error of the sums themselves.
+        """
+        d = cum.shape[1]
+        total = cum[:, -1]
+        digit = (cum <= (above + total - lim).unsqueeze(1)).sum(dim=-1).clamp_(max=d - 1)  # [B]
+        above_digit = above + total - cum.gather(1, digit.unsqueeze(1)).squeeze(1)
+        return digit, above_digit
