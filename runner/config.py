@@ -170,6 +170,7 @@ class RunnerConfig:
     dtype: str = "auto"
     cuda_graphs: bool = True  # only meaningful on CUDA
     max_graph_batch_size: int = 256
+    sampler_backend: str = "auto"  # auto | torch | triton (OMNISTREAM_SAMPLER_BACKEND)
 
     @property
     def torch_device(self) -> torch.device:
@@ -199,6 +200,8 @@ class EngineConfig:
             raise ConfigError("max_model_len: must be >= 2")
         if c.num_blocks is not None and c.num_blocks < 1:
             raise ConfigError("num_blocks: must be >= 1")
+        if self.runner.sampler_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(f"sampler_backend: {self.runner.sampler_backend!r} is not one of auto, torch, triton")
         if self.runner.torch_device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device: CUDA requested but torch.cuda.is_available() is False")
 
@@ -225,7 +228,8 @@ class EngineConfig:
             model=model,
             cache=CacheConfig(block_size, num_blocks, kv_memory_gb, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_len, async_scheduling),
-            runner=RunnerConfig(device=device, dtype=dtype, cuda_graphs=cuda_graphs),
+            runner=RunnerConfig(device=device, dtype=dtype, cuda_graphs=cuda_graphs,
+                                sampler_backend=Env.read().sampler_backend),
         )
 
     def with_(self, **kw) -> "EngineConfig":
@@ -239,10 +243,12 @@ class Env:
 
     log_level: str = "INFO"
     cache_dir: str = "~/.cache/omnistream"
+    sampler_backend: str = "auto"
 
     @staticmethod
     def read() -> "Env":
         return Env(
             log_level=os.environ.get("OMNISTREAM_LOG_LEVEL", "INFO").upper(),
             cache_dir=os.environ.get("OMNISTREAM_CACHE_DIR", "~/.cache/omnistream"),
+            sampler_backend=os.environ.get("OMNISTREAM_SAMPLER_BACKEND", "auto"),
         )

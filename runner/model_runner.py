@@ -119,7 +119,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(cfg.model, num_blocks + 1, self.block_size, self.device, self.dtype)
         S = cfg.scheduler.max_num_seqs
         self.slots = SlotState(S, cfg.model.vocab_size, cfg.scheduler.max_model_len, self.device)
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, backend=cfg.runner.sampler_backend)
         self.slot_owner: list[Request | None] = [None] * S
         self.generators: list[torch.Generator | None] = [None] * S
         self.copier = CudaOutputCopier(self.device) if self.device.type == "cuda" else OutputCopier()

@@ -60,7 +60,6 @@ exp(y - max y) >= min_p, i.e. p / p_max >= min_p without the normalisation round
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -341,17 +340,13 @@ def order_key(y: Tensor, out: Tensor | None = None, tmp: Tensor | None = None) -
 
 
 def _pick_backend(device: torch.device, backend: str) -> str:
-    """'torch' or 'triton'. auto = torch off CUDA; on CUDA, OMNISTREAM_SAMPLER_BACKEND if set
-    (an A/B switch for whole-engine runs), else triton when it imports."""
+    """'torch' or 'triton'. auto = torch off CUDA, triton on CUDA when it imports. (The engine
+    passes RunnerConfig.sampler_backend, which OMNISTREAM_SAMPLER_BACKEND sets for A/B runs.)"""
     if backend not in _BACKENDS:
         raise ValueError(f"sampler backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
         if device.type != "cuda":
             return "torch"
-        backend = os.environ.get("OMNISTREAM_SAMPLER_BACKEND", "auto")
-        if backend not in _BACKENDS:
-            raise ValueError(f"OMNISTREAM_SAMPLER_BACKEND must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "auto":
         try:
             import runner.sampling_kernels  # noqa: F401
         except ImportError:
