@@ -249,29 +249,6 @@ class Engine:
             num_cached_tokens=req.num_cached_tokens,
         )
 
-    def warm_up(self) -> None:
-        """Run a few throw-away steps over the batch/length shapes serving meets first (odd and
-        multiple-of-16 token counts, greedy and filtered sampling), so Triton's per-shape
-        specialisations compile at start-up rather than stalling the first real requests
-        (seen on the H200: a ~2 s stall at the first mixed prefill/decode batch). Leaves no
-        request, block or counter behind."""
-        vocab = self.cfg.model.vocab_size
-        kinds = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
-                 SamplingParams(temperature=0.6, top_p=0.8, top_k=50, repetition_penalty=1.1, max_tokens=3,
-                                ignore_eos=True, seed=0)]
-        n = 0
-        for batch in (1, 3, 16, 17):
-            batch = min(batch, self.cfg.scheduler.max_num_seqs)
-            for i in range(batch):
-                plen = (5, 16, 33)[i % 3]
-                self.add_request(f"__warmup-{n}", [(7 * n + j) % vocab for j in range(plen)], kinds[i % 2])
-                n += 1
-            while self.has_unfinished:
-                self.step()
-        self.scheduler.num_preemptions = 0
-        self.num_requests_total = self.num_aborted_total = self.num_generated_total = self.step_count = 0
-        self.blocks.hit_tokens_total = 0
-
     # ---- introspection -----------------------------------------------------------------------
 
     def stats(self) -> EngineStats:

@@ -89,10 +89,7 @@ def build_engine(args: EngineProcArgs):
         from runner.models.llama import build_random_model
 
         model = build_random_model(cfg.model, dev, cfg.runner.torch_dtype, attn=make_attention_backend(dev))
-    engine = Engine(cfg, model=model, codec=codec)
-    if dev.type == "cuda":
-        engine.warm_up()
-    return engine
+    return Engine(cfg, model=model, codec=codec)
 
 
 class EngineLoop:

@@ -306,14 +306,3 @@ def test_duplicate_live_request_id_rejected(llama_path):
     with pytest.raises(InvalidRequest) as ei:
         eng.add_request("x", [1, 2, 3], SamplingParams(max_tokens=4))
     assert ei.value.field == "request_id"
-
-
-def test_warm_up_leaves_no_trace(llama_path):
-    eng = make_engine(llama_path)
-    eng.warm_up()
-    st = eng.stats()
-    assert st.num_running == st.num_waiting == st.num_requests_total == st.step_count == 0
-    assert st.num_free_blocks == st.num_total_blocks and not st.active_request_ids
-    prompt = prompts_of([9], 512, seed=31)[0]
-    sp = SamplingParams(temperature=0.8, seed=2, max_tokens=12, ignore_eos=True)
-    assert eng.generate([prompt], sp) == make_engine(llama_path).generate([prompt], sp)
