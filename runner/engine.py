@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from runner.config import EngineConfig
@@ -117,7 +118,7 @@ class Engine:
                 raise InvalidRequest("audio", "this engine has no codec stage loaded")
             end = self.codec.cfg.end_token_id
             if end not in sampling.stop_token_ids:
-                sampling = _replace(sampling, stop_token_ids=[*sampling.stop_token_ids, end])
+                sampling = msgspec.structs.replace(sampling, stop_token_ids=[*sampling.stop_token_ids, end])
         req = Request(request_id, list(prompt_token_ids), sampling, layers, audio)
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -188,8 +189,8 @@ class Engine:
         reqs = {id(e.req): e.req for e in p.sched.scheduled} if res.hidden else {}
         for rid, (first, rows) in res.hidden.items():
             req = reqs[rid]
-            if req.finish_reason is FinishReason.ABORT:
-                continue
+            if req.is_finished and rid not in by_req:
+                continue  # a step scheduled after the request ended (stop, abort): never emitted
             o = by_req.get(rid) or by_req.setdefault(rid, self._output(req, [], finished=False))
             o.hidden, o.hidden_positions = rows, (first, first + rows.shape[0])
         return list(by_req.values())
@@ -278,8 +279,3 @@ class Engine:
                 got[o.request_id].extend(o.new_token_ids)
         return [got[r] for r in ids]
 
-
-def _replace(sp: SamplingParams, **kw) -> SamplingParams:
-    import msgspec
-
-    return msgspec.structs.replace(sp, **kw)

@@ -45,9 +45,6 @@ class BlockManager:
         total = req.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(req.block_ids))
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self.free)
-
     # ---- prefix cache ----------------------------------------------------------------------
 
     def _chain_hashes(self, req: Request, upto_blocks: int) -> list[int]:

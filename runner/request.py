@@ -94,10 +94,6 @@ class Request:
         """True while part of the known prompt (+ recomputed outputs) is not yet computed."""
         return self.num_computed_tokens < len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def token_at(self, pos: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[pos] if pos < p else self.output_token_ids[pos - p]
-
     def finish(self, reason: FinishReason, message: str = "") -> None:
         assert self.status is not Status.FINISHED, f"request {self.request_id} finished twice"
         self.status = Status.FINISHED
