@@ -11,7 +11,7 @@ banned, as while min_tokens is unmet) + temperature 0.6 + top-p 0.8 + the expone
 Backends: old (sort), torch (radix select), triton (CUDA only). Each new backend is checked
 against the old one on the same data: 'kept' = rows whose kept set equals the reference's
 (a different row is only allowed at an fp32 rounding tie of the cumulative mass), 'ids' = rows
-drawing the same token from the same generator stream.
+drawing the same token from the same race noise.
 
     python deploy/bench_sampler.py                        # CPU: small rep count
     python deploy/bench_sampler.py --device cuda --sweep  # H200: + triton launch-config sweep
@@ -82,7 +82,7 @@ def make_state(b: int, v: int, device: torch.device, outputs: int = 20) -> SlotS
 
 def make_batch(b: int, device: torch.device) -> SamplingBatch:
     params = [SamplingParams(**ORPHEUS)] * b
-    return SamplingBatch.build(params, list(range(b)), [None] * b, [(i, EOS, float("-inf")) for i in range(b)], device)
+    return SamplingBatch.build(params, list(range(b)), list(range(b)), [0] * b, [(i, EOS, float("-inf")) for i in range(b)], device)
 
 
 def sync(device: torch.device) -> None:
@@ -143,10 +143,10 @@ def bench(device: torch.device, batches: list[int], kinds: list[str], backends: 
             st = make_state(b, VOCAB, device)
             res: dict = {"kind": kind, "B": b}
             res["greedy"] = time_step(lambda x: x.argmax(dim=-1), logits, reps, warmup)
-            samplers = {"old": OldSampler(device, seed=0)}
+            samplers = {"old": OldSampler(device)}
             for name in backends:
                 if name != "old":
-                    samplers[name] = Sampler(device, seed=0, backend=name)
+                    samplers[name] = Sampler(device, backend=name)
             for name, smp in samplers.items():
                 if name not in backends:
                     continue
@@ -155,7 +155,7 @@ def bench(device: torch.device, batches: list[int], kinds: list[str], backends: 
                 print(f"  {kind:6s} B={b:3d} {name:6s} {res[name]:9.2f} ms", file=sys.stderr, flush=True)
             if check and "old" in backends:
                 ref_proc = samplers["old"].process(logits.clone(), batch, st).cpu()
-                ref_ids = OldSampler(device, seed=5)(logits.clone(), batch, st).cpu()
+                ref_ids = OldSampler(device)(logits.clone(), batch, st).cpu()
                 scaled = logits.clone()
                 OldSampler._penalize_and_bias(scaled, batch, st)
                 scaled = (scaled / ORPHEUS["temperature"]).cpu()
@@ -163,7 +163,7 @@ def bench(device: torch.device, batches: list[int], kinds: list[str], backends: 
                     if name == "old":
                         continue
                     proc = Sampler(device, backend=name).process(logits.clone(), batch, st).cpu()
-                    ids = Sampler(device, seed=5, backend=name)(logits.clone(), batch, st).cpu()
+                    ids = Sampler(device, backend=name)(logits.clone(), batch, st).cpu()
                     res[f"{name}_kept"] = kept_rows_equal(proc, ref_proc, scaled, ORPHEUS["top_p"])
                     res[f"{name}_ids"] = int((ids == ref_ids).sum())
             rows.append(res)
@@ -182,7 +182,7 @@ def sweep(device: torch.device, batches: list[int], kinds: list[str], reps: int,
                     logits = make_logits(kind, b, VOCAB, device)
                     batch = make_batch(b, device)
                     st = make_state(b, VOCAB, device)
-                    smp = Sampler(device, seed=0, backend="triton")
+                    smp = Sampler(device, backend="triton")
                     ms = time_step(lambda x: smp(x, batch, st), logits, reps, warmup)
                     out.append({"cfg": json.dumps(cfg) if cfg else "default", "kind": kind, "B": b, "ms": ms})
                     print(f"  sweep {out[-1]['cfg']:32s} {kind:6s} B={b:3d} {ms:8.3f} ms", file=sys.stderr, flush=True)

@@ -31,6 +31,7 @@ import torch
 from snac import SNAC
 from snac.layers import DecoderBlock, NoiseBlock
 
+from runner.hashing import M32, hash32, hash32_int, uniform24
 from streaming.audio import FrameCursor, WindowJob, WindowPolicy, plan_offline
 
 _log = logging.getLogger(__name__)
@@ -320,31 +321,9 @@ def codec_flops_and_bytes(model_or_config, frames: int = 1, dtype_bytes: int = 4
 
 # ---------------------------------------------------------------- positional noise
 
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    # x * c mod 2^32 for int64 x in [0, 2^32), split in 16-bit halves so no product
-    # exceeds 2^48 (int64 overflow would be undefined behaviour in the kernels).
-    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    # A 32-bit integer finaliser (xorshift-multiply); inputs/outputs int64 in [0, 2^32).
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def _hash32_int(x: int) -> int:
-    return int(_hash32(torch.tensor([x & _M32], dtype=torch.int64))[0])
-
-
 def noise_salts(block: int) -> tuple[int, int]:
     """The two 32-bit salts of DecoderBlock `block`'s positional noise (see positional_noise)."""
-    return _hash32_int(2 * block + 0x9E37), _hash32_int(2 * block + 1 + 0x9E37)
+    return hash32_int(2 * block + 0x9E37), hash32_int(2 * block + 1 + 0x9E37)
 
 
 def positional_noise(seeds: torch.Tensor, block: int, start: torch.Tensor, length: int) -> torch.Tensor:
@@ -354,14 +333,13 @@ def positional_noise(seeds: torch.Tensor, block: int, start: torch.Tensor, lengt
     block's sample rate) of the window's first position. Same key -> same value, bitwise,
     on one device, so overlapping windows agree wherever they cover the same sample.
     """
-    pos = (start[:, None] + torch.arange(length, device=start.device)) & _M32  # (B, T)
+    pos = (start[:, None] + torch.arange(length, device=start.device)) & M32  # (B, T)
     salt_a, salt_b = noise_salts(block)
-    base = _hash32(pos ^ _hash32(seeds[:, None] & _M32))
-    h1 = _hash32(base ^ salt_a)
-    h2 = _hash32(base ^ salt_b)
+    base = hash32(pos ^ hash32(seeds[:, None] & M32))
+    h1 = hash32(base ^ salt_a)
+    h2 = hash32(base ^ salt_b)
     # Top 24 bits -> uniforms in (0, 1) that float32 represents exactly; Box-Muller.
-    u1 = ((h1 >> 8).float() + 0.5) * (1.0 / (1 << 24))
-    u2 = ((h2 >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    u1, u2 = uniform24(h1), uniform24(h2)
     z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
     return z[:, None, :]
 

@@ -6,7 +6,7 @@ write their K/V into a scratch block that the block manager never hands out, hav
 (the decode kernel writes zeros for them) and their logits are ignored.
 
 Captured: embedding -> layers -> norm -> lm_head, i.e. logits for every row. Sampling stays
-outside (per-request generators cannot live in a graph).
+outside: its kernels branch on per-batch flags (which filters any row uses) chosen on the host.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ CPU and CUDA differ only in `OutputCopier`, picked once at construction.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -24,7 +25,7 @@ from runner.attention import AttentionMetadata, allocate_kv_cache
 from runner.cuda_graphs import DecodeGraphs
 from runner.config import EngineConfig
 from runner.request import Request
-from runner.sampler import Sampler, SamplingBatch, SlotState, make_generator
+from runner.sampler import Sampler, SamplingBatch, SlotState
 from runner.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -121,7 +122,9 @@ class ModelRunner:
         self.slots = SlotState(S, cfg.model.vocab_size, cfg.scheduler.max_model_len, self.device)
         self.sampler = Sampler(self.device, backend=cfg.runner.sampler_backend)
         self.slot_owner: list[Request | None] = [None] * S
-        self.generators: list[torch.Generator | None] = [None] * S
+        # race-noise seed per slot: the request's seed, else a random one drawn at admission
+        self.noise_seeds = [0] * S
+        self._seed_rng = random.Random()
         self.copier = CudaOutputCopier(self.device) if self.device.type == "cuda" else OutputCopier()
         self.constraint = constraint
         self.wants_constraint = wants_constraint or (lambda r: False)
@@ -152,12 +155,13 @@ class ModelRunner:
 
     def _admit(self, e: ScheduledRequest) -> None:
         """Reset device slot state when a request (re)starts. A request re-admitted after
-        preemption keeps its generator, so its random stream continues where it was."""
+        preemption keeps its noise seed; its noise is keyed on the output index, so sampling
+        continues exactly as if it had not been preempted."""
         req = e.req
         if self.slot_owner[req.slot] is not req:
             self.slot_owner[req.slot] = req
             seed = req.sampling.seed
-            self.generators[req.slot] = make_generator(seed, self.device) if seed is not None else None
+            self.noise_seeds[req.slot] = seed if seed is not None else self._seed_rng.getrandbits(63)
         self.slots.admit(req.slot, req.prompt_token_ids, req.output_token_ids, req.sampling.uses_penalties)
 
     @torch.inference_mode()
@@ -298,7 +302,7 @@ class ModelRunner:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
                 extra_bias.extend((row, tok, float("-inf")) for tok in banned)
         batch = SamplingBatch.build(
-            [r.sampling for r in reqs], slots, [self.generators[s] for s in slots], extra_bias, self.device
+            [r.sampling for r in reqs], slots, [self.noise_seeds[s] for s in slots], out_index, extra_bias, self.device
         )
         logits = st.logits
         out_idx_t = self._to_dev(np.asarray(out_index, dtype=np.int64))

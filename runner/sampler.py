@@ -21,10 +21,12 @@ False, so a plain greedy batch is one argmax):
      (drop probs < min_p * max prob), filtered logits set to -inf;
   5. draw with the exponential race: token = argmax(probs / q), q ~ Exponential(1) iid.
      This is an exact sample from `probs` (Gumbel-max in disguise) and needs no cumsum or
-     host sync. q for a seeded row comes from that row's own generator, always [V] values
-     per step, so a seeded request yields the same tokens alone or anywhere in any batch;
-     q for the other rows comes from the shared generator in one call, into a buffer kept
-     across steps. The race runs on e = exp(y - max y) (y = scaled logits) instead of the
+     host sync. q is counter-based (`race_noise`): q[b, v] = -log(u), u a hash of (the row's
+     noise seed, the index of the token being sampled among the request's outputs, v). A
+     seeded request uses its seed, every other request a random seed drawn once at
+     admission, so a seeded request yields the same tokens alone, anywhere in any batch and
+     after a preemption, and no per-row generator call is needed (one launch fills the
+     batch's noise). The race runs on e = exp(y - max y) (y = scaled logits) instead of the
      normalised probs: it is invariant to a per-row scale, so there is no softmax pass.
      (Batch independence is bit-exact on the CPU and with the triton backend, see
      runner/sampling_kernels.py for its one caveat; the torch backend on CUDA histograms with
@@ -65,16 +67,32 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from runner.hashing import M32, hash32, uniform24
 from runner.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 
+# Salts of the race-noise key (runner/sampling_kernels.py loads the same values).
+NOISE_SALTS = (0x5851F42D, 0x68E31DA4, 0x1B873593)
 
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A per-request generator on `device`, seeded with `seed`."""
-    g = torch.Generator(device=torch.device(device))
-    g.manual_seed(seed)
-    return g
+
+def race_noise(seeds: Tensor, counters: Tensor, vocab: int, out: Tensor | None = None) -> Tensor:
+    """q [B, V] float32 ~ Exponential(1), a pure function of (seed, counter, token id).
+
+    seeds [B] int64 in [0, 2^63): the row's noise seed; counters [B] int64 >= 0: the index,
+    among its request's outputs, of the token being sampled. Each (seed, counter) key gets a
+    fresh iid row: u = uniform24(hash of key and v) in (0, 1), q = -log(u) in (0, 17.4].
+    """
+    s0, s1, s2 = NOISE_SALTS
+    lo, hi = seeds & M32, (seeds >> 32) & M32
+    key = hash32(hash32(lo ^ s0) ^ hi)
+    key = hash32(key ^ hash32((counters & M32) ^ s1))  # [B]
+    key2 = hash32(key ^ s2)
+    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    u = uniform24(hash32(hash32(v[None, :] ^ key[:, None]) ^ key2[:, None]))
+    if out is None:
+        return u.log_().neg_()
+    return torch.log(u, out=out).neg_()
 
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -213,7 +231,7 @@ class SlotState:
 class SamplingBatch:
     """Per-step sampling inputs for B rows, built on the host by the runner, tensors on the logits' device.
 
-    The float fields are views of one [6, B] tensor and the int fields of one [2, B] tensor,
+    The float fields are views of one [6, B] tensor and the int fields of one [4, B] tensor,
     so a step costs at most three host->device copies (plus one for bias values).
     """
 
@@ -225,16 +243,16 @@ class SamplingBatch:
     frequency_penalty: Tensor  # [B] f32, OpenAI: logit -= f * count over outputs
     presence_penalty: Tensor  # [B] f32, OpenAI: logit -= p * (count > 0)
     slots: Tensor  # [B] int64 slot row of each sample row (-1 = padding)
+    seeds: Tensor  # [B] int64 race-noise seed of each row (see race_noise)
+    counters: Tensor  # [B] int64 index among its request's outputs of the token sampled now
     bias_rows: Tensor | None  # [N] int64 batch row of each bias entry
     bias_cols: Tensor | None  # [N] int64 token id
     bias_vals: Tensor | None  # [N] f32 additive value (may be -inf); duplicates add up
-    generators: list[torch.Generator | None]  # per row; None => the shared sampler generator
     all_greedy: bool
     any_penalty: bool
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
-    any_seeded: bool
     # Finer flags (defaults keep the work on when a caller builds the batch by hand).
     any_greedy: bool = True  # some row has temperature == 0
     any_repetition: bool = True  # some row has repetition_penalty != 1
@@ -243,21 +261,22 @@ class SamplingBatch:
 
     @property
     def num_rows(self) -> int:
-        return len(self.generators)
+        return self.temperature.shape[0]
 
     @staticmethod
     def build(
         params: list[SamplingParams],
         slots: list[int],
-        generators: list[torch.Generator | None],
+        seeds: list[int],
+        counters: list[int],
         extra_bias: list[tuple[int, int, float]],
         device: torch.device | str,
     ) -> "SamplingBatch":
         """Host-side construction. `extra_bias` holds (batch row, token id, value) entries."""
         device = torch.device(device)
         b = len(params)
-        if len(slots) != b or len(generators) != b:
-            raise ValueError(f"params ({b}), slots ({len(slots)}) and generators ({len(generators)}) differ in length")
+        if not len(slots) == len(seeds) == len(counters) == b:
+            raise ValueError(f"params ({b}), slots ({len(slots)}), seeds ({len(seeds)}) and counters ({len(counters)}) differ in length")
         floats = _to_device(
             [
                 [p.temperature for p in params],
@@ -270,7 +289,7 @@ class SamplingBatch:
             torch.float32,
             device,
         ).reshape(6, b)  # reshape: an empty batch gives shape [6, 0] either way
-        ints = _to_device([[p.top_k for p in params], list(slots)], torch.int64, device).reshape(2, b)
+        ints = _to_device([[p.top_k for p in params], list(slots), list(seeds), list(counters)], torch.int64, device).reshape(4, b)
 
         b_rows: list[int] = []
         b_cols: list[int] = []
@@ -299,16 +318,16 @@ class SamplingBatch:
             presence_penalty=floats[5],
             top_k=ints[0],
             slots=ints[1],
+            seeds=ints[2],
+            counters=ints[3],
             bias_rows=bias_rows,
             bias_cols=bias_cols,
             bias_vals=bias_vals,
-            generators=list(generators),
             all_greedy=all(p.greedy for p in params),
             any_penalty=any(p.uses_penalties for p in params),
             any_top_k=any(p.top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0.0 for p in params),
-            any_seeded=any(g is not None for g in generators),
             any_greedy=any(p.greedy for p in params),
             any_repetition=any(p.repetition_penalty != 1.0 for p in params),
             any_frequency=any(p.frequency_penalty != 0.0 for p in params),
@@ -356,19 +375,15 @@ def _pick_backend(device: torch.device, backend: str) -> str:
 
 
 class Sampler:
-    """Stateless apart from the shared generator and reusable buffers; see the module docstring.
+    """Stateless apart from reusable buffers (randomness comes from the batch's noise keys);
+    see the module docstring.
 
     backend: 'torch' (radix select in torch ops), 'triton' (runner/sampling_kernels.py) or
     'auto' (triton on CUDA). Both give the same kept sets up to fp32 summation order.
     """
 
-    def __init__(self, device: torch.device | str, seed: int | None = None, backend: str = "auto"):
+    def __init__(self, device: torch.device | str, backend: str = "auto"):
         self.device = torch.device(device)
-        self.generator = torch.Generator(device=self.device)
-        if seed is None:
-            self.generator.seed()  # non-deterministic
-        else:
-            self.generator.manual_seed(seed)
         self.backend = _pick_backend(self.device, backend)
         self._kernels = None
         if self.backend == "triton":
@@ -390,7 +405,7 @@ class Sampler:
         self._penalize_and_bias(logits, batch, state)
         if batch.all_greedy:
             return logits.argmax(dim=-1)
-        q = self._draw_noise(batch, logits.shape[1])  # [B, V] Exp(1), rows of seeded requests from their generator
+        q = self._draw_noise(batch, logits.shape[1])  # [B, V] Exp(1) from the rows' noise keys
         if self._kernels is not None:
             return self._kernels.filter_and_sample(logits, batch, q)  # greedy rows handled in-kernel
         greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None  # [B], before scaling
@@ -462,23 +477,13 @@ class Sampler:
             logits -= batch.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
 
     def _draw_noise(self, batch: SamplingBatch, vocab: int) -> Tensor:
-        """q [B, V] ~ Exp(1) for the race, in a buffer reused across steps.
-
-        Rows of seeded requests are redrawn from their own generator, exactly V values per step
-        (what makes a seeded request batch-independent); the shared generator fills the whole
-        buffer in one call when any row uses it. Zeros are handled by the consumers (clamped to
-        the smallest normal: 0/0 would be NaN).
-        """
-        b = batch.num_rows
-        q = self._buffer("noise", b, vocab, torch.float32)
-        n_seeded = sum(g is not None for g in batch.generators) if batch.any_seeded else 0
-        if n_seeded < b:
-            q.exponential_(generator=self.generator)
-        if n_seeded:
-            # Unavoidable per-row loop: each seeded row draws exactly V values from its own generator.
-            for i, g in enumerate(batch.generators):
-                if g is not None:
-                    q[i].exponential_(generator=g)
+        """q [B, V] ~ Exp(1) for the race (`race_noise` of the rows' keys), in a buffer reused
+        across steps; one launch however many rows are seeded."""
+        q = self._buffer("noise", batch.num_rows, vocab, torch.float32)
+        if self._kernels is not None:
+            self._kernels.race_noise(batch.seeds, batch.counters, q)
+        else:
+            race_noise(batch.seeds, batch.counters, vocab, out=q)
         return q
 
     # ---- torch backend: temperature, top-k / top-p by radix select, min-p, race -------------
@@ -517,7 +522,7 @@ class Sampler:
         assert e is not None
         if keep is not None:
             e.masked_fill_(keep.logical_not_(), 0.0)
-        q.clamp_(min=torch.finfo(q.dtype).tiny)  # q == 0 would make 0/0 = NaN win the argmax
+        q.clamp_(min=torch.finfo(q.dtype).tiny)  # race_noise is > 0; guards hand-made q (0/0 = NaN)
         return e.div_(q).argmax(dim=-1)
 
     def _thresholds(self, key: Tensor, e: Tensor | None, batch: SamplingBatch) -> Tensor:

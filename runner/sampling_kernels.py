@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runner.triton_hashing import hash32, uniform24
+
 if TYPE_CHECKING:  # runtime import would be circular (runner.sampler imports this lazily)
     from runner.sampler import SamplingBatch, SlotState
 
@@ -332,7 +334,7 @@ def _filter_sample_kernel(
                     keep = keep & (_order_key(y) > lo)
                 if HAS_MIN_P:
                     keep = keep & (e >= min_p)
-                # q == 0 would give e/0 = inf (or NaN): clamp to the smallest normal.
+                # race_noise is > 0; the clamp guards hand-made q (e/0 = inf or NaN).
                 score = tl.where(keep, e / tl.maximum(q, 1.1754943508222875e-38), -1.0)
                 upd = score > best
                 best = tl.where(upd, score, best)
@@ -407,6 +409,47 @@ def apply_penalties(logits: torch.Tensor, batch: "SamplingBatch", state: "SlotSt
         HAS_REP=batch.any_repetition, HAS_FREQ=batch.any_frequency, HAS_PRES=batch.any_presence,
         BLOCK=_PENALTY_BLOCK, num_warps=4, enable_fp_fusion=False,
     )
+
+
+@triton.jit
+def _race_noise_kernel(seed_ptr, ctr_ptr, salt_ptr, out_ptr, stride_o, V, BLOCK: tl.constexpr):
+    # runner.sampler.race_noise, one [BLOCK] piece of one row per program: same hash bits
+    # (uint32 here, int64 in [0, 2^32) there); -log may round differently in the last ulp.
+    row = tl.program_id(0)
+    seed = tl.load(seed_ptr + row)
+    ctr = tl.load(ctr_ptr + row)
+    s0 = tl.load(salt_ptr).to(tl.uint32)
+    s1 = tl.load(salt_ptr + 1).to(tl.uint32)
+    s2 = tl.load(salt_ptr + 2).to(tl.uint32)
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    key = hash32(hash32(lo ^ s0) ^ hi)
+    key = hash32(key ^ hash32((ctr & 0xFFFFFFFF).to(tl.uint32) ^ s1))
+    key2 = hash32(key ^ s2)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    h = hash32(hash32(cols.to(tl.uint32) ^ key) ^ key2)
+    q = -tl.log(uniform24(h))
+    tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, q, mask=cols < V)
+
+
+_NOISE_BLOCK = 2048
+
+
+@functools.lru_cache(maxsize=None)
+def _salts(device: torch.device) -> torch.Tensor:
+    from runner.sampler import NOISE_SALTS
+
+    return torch.tensor(NOISE_SALTS, dtype=torch.int64, device=device)
+
+
+def race_noise(seeds: torch.Tensor, counters: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Fill out [B, V] (contiguous rows) with runner.sampler.race_noise(seeds, counters, V), one launch."""
+    b, v = out.shape
+    assert out.stride(1) == 1 and seeds.shape == (b,) and counters.shape == (b,)
+    if b:
+        grid = (b, triton.cdiv(v, _NOISE_BLOCK))
+        _race_noise_kernel[grid](seeds, counters, _salts(out.device), out, out.stride(0), v, BLOCK=_NOISE_BLOCK, num_warps=4)
+    return out
 
 
 @functools.lru_cache(maxsize=None)

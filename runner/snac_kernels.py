@@ -51,6 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runner.triton_hashing import hash32, uniform24
+
 # ---------------------------------------------------------------- jit helpers
 
 
@@ -63,24 +65,13 @@ def _snake(x, alpha, inv_alpha):
 
 
 @triton.jit
-def _hash32(x):
-    # runner.codec._hash32 on uint32 (wrapping multiplies, logical shifts): same bits.
-    x = x ^ (x >> 16)
-    x = x * 0x7FEB352D
-    x = x ^ (x >> 15)
-    x = x * 0x846CA68B
-    return x ^ (x >> 16)
-
-
-@triton.jit
 def _positional_noise(seed, pos, salt_a, salt_b):
     # runner.codec.positional_noise for one (seed, absolute position) per element: seed and pos
     # int64 (taken mod 2^32 like the torch version's `& 0xFFFFFFFF`), salts uint32.
-    base = _hash32(pos.to(tl.uint32) ^ _hash32(seed.to(tl.uint32)))
-    h1 = _hash32(base ^ salt_a)
-    h2 = _hash32(base ^ salt_b)
-    u1 = ((h1 >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    u2 = ((h2 >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    base = hash32(pos.to(tl.uint32) ^ hash32(seed.to(tl.uint32)))
+    h1 = hash32(base ^ salt_a)
+    h2 = hash32(base ^ salt_b)
+    u1, u2 = uniform24(h1), uniform24(h2)
     return tl.sqrt_rn(-2.0 * tl.log(u1)) * tl.cos(6.283185307179586 * u2)
 
 

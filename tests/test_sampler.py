@@ -31,7 +31,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from runner.sampler import Sampler, SamplingBatch, SlotState, make_generator
+from runner.sampler import Sampler, SamplingBatch, SlotState, race_noise
 from runner.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -43,15 +43,19 @@ def rand_logits(b: int, v: int = V, seed: int = 0, scale: float = 3.0) -> torch.
     return torch.randn(b, v, generator=g) * scale
 
 
-def batch_for(params: list[SamplingParams], slots=None, generators=None, extra_bias=()) -> SamplingBatch:
-    b = len(params)
-    return SamplingBatch.build(
-        params,
-        list(range(b)) if slots is None else slots,
-        [None] * b if generators is None else generators,
-        list(extra_bias),
-        CPU,
-    )
+def seeds_for(params: list[SamplingParams], salt: int = 0) -> list[int]:
+    """Race-noise seeds as the runner assigns them: the request's seed, else a (here
+    deterministic) seed of its own."""
+    return [p.seed if p.seed is not None else 10**6 + 7919 * i + salt for i, p in enumerate(params)]
+
+
+def build(params, slots, device, extra_bias=(), counters=None, salt: int = 0) -> SamplingBatch:
+    counters = [0] * len(params) if counters is None else counters
+    return SamplingBatch.build(params, list(slots), seeds_for(params, salt), counters, list(extra_bias), device)
+
+
+def batch_for(params: list[SamplingParams], slots=None, extra_bias=(), counters=None) -> SamplingBatch:
+    return build(params, list(range(len(params))) if slots is None else slots, CPU, extra_bias, counters)
 
 
 def fresh_state(slots: int = 8, track: bool = False, max_len: int = 64) -> SlotState:
@@ -98,7 +102,7 @@ def assert_same_filtered(ours: torch.Tensor, ref: torch.Tensor) -> None:
 def test_single_filter_matches_transformers(field, values):
     params = [SamplingParams(**{field: v}) for v in values]
     logits = rand_logits(len(params), seed=len(field))  # fixed per field (str hash is salted)
-    ours = Sampler(CPU, seed=0).process(logits.clone(), batch_for(params), fresh_state())
+    ours = Sampler(CPU).process(logits.clone(), batch_for(params), fresh_state())
     for i, p in enumerate(params):
         assert_same_filtered(ours[i], hf_chain(logits[i], p))
 
@@ -206,7 +210,7 @@ def test_greedy_rows_are_argmax_in_mixed_batch():
     ]
     b = batch_for(params)
     assert not b.all_greedy
-    ids = Sampler(CPU, seed=0)(logits.clone(), b, fresh_state())
+    ids = Sampler(CPU)(logits.clone(), b, fresh_state())
     assert ids.dtype == torch.int64 and ids.shape == (6,)
     assert ids[0] == logits[0].argmax() and ids[2] == logits[2].argmax() and ids[4] == 11
     top3 = set(logits[1].topk(3).indices.tolist())
@@ -225,16 +229,16 @@ def _run_seeded(layout: list[tuple[int | None, int]], steps: int = 20, device: t
     logits per step and a repetition penalty, so its tokens feed back through SlotState."""
     b = len(layout)
     st = SlotState(b + 3, V, steps + 1, device)
-    sampler = Sampler(device, seed=len(layout) * 17)  # shared stream differs per layout
+    sampler = Sampler(device)
     slots = [(3 * i + 1) % (b + 3) for i in range(b)]  # slot != row on purpose
-    params, gens = [], []
+    params = []
     for (seed, key), s in zip(layout, slots):
         st.admit(s, [key, key + 1], [], track_penalties=True)
         params.append(SamplingParams(temperature=0.9, top_p=0.95, top_k=50, repetition_penalty=1.3, seed=seed))
-        gens.append(None if seed is None else make_generator(seed, device))
     out: dict[int, list[int]] = {key: [] for _, key in layout}
-    batch = SamplingBatch.build(params, slots, gens, [], device)
     for step in range(steps):
+        # counter = output index; unseeded rows' noise seeds differ per layout (salt)
+        batch = build(params, slots, device, counters=[step] * b, salt=17 * b)
         logits = torch.stack([rand_logits(1, seed=1000 * key + step, scale=1.0)[0] for _, key in layout]).to(device)
         ids = sampler(logits, batch, st)
         st.record(batch.slots, ids, torch.full((b,), step, device=device))
@@ -292,7 +296,7 @@ def test_sampled_frequencies_match_softmax(params, expected_fn):
     n = 20_000
     probs = expected_fn(base)
     b = batch_for([params] * n, slots=[-1] * n)  # padding slots: state is never touched
-    ids = Sampler(CPU, seed=123)(base.expand(n, -1).clone(), b, SlotState(1, 8, 4, CPU))
+    ids = Sampler(CPU)(base.expand(n, -1).clone(), b, SlotState(1, 8, 4, CPU))
     counts = torch.bincount(ids, minlength=8).double()
     assert counts[probs == 0].sum() == 0, "a filtered token was sampled"
     assert (counts / n - probs.double()).abs().max() < 0.015
@@ -303,9 +307,8 @@ def test_sampled_frequencies_match_softmax(params, expected_fn):
 def test_seeded_rows_follow_the_distribution_too():
     base = torch.tensor([1.0, 0.0, -1.0, 0.5])
     n = 4000
-    gens = [make_generator(i, CPU) for i in range(n)]
-    b = batch_for([SamplingParams(seed=i) for i in range(n)], slots=[-1] * n, generators=gens)
-    ids = Sampler(CPU, seed=0)(base.expand(n, -1).clone(), b, SlotState(1, 4, 4, CPU))
+    b = batch_for([SamplingParams(seed=i) for i in range(n)], slots=[-1] * n)
+    ids = Sampler(CPU)(base.expand(n, -1).clone(), b, SlotState(1, 4, 4, CPU))
     freq = torch.bincount(ids, minlength=4).double() / n
     assert (freq - base.softmax(-1).double()).abs().max() < 0.03
 
@@ -362,7 +365,7 @@ def test_penalties_read_counts_recorded_on_device():
     """Async-scheduling case: the host never learns the token, yet the next step penalizes it."""
     st = SlotState(2, V, 16, CPU)
     st.admit(1, [0], [], track_penalties=True)
-    sampler = Sampler(CPU, seed=0)
+    sampler = Sampler(CPU)
     params = [SamplingParams(temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0)]
     batch = batch_for(params, slots=[1])
     logits = torch.zeros(1, V)
@@ -381,18 +384,16 @@ def test_build_flags_and_bias():
         SamplingParams(temperature=0.0, logit_bias={3: 1.5}),
         SamplingParams(top_k=5, top_p=0.9, min_p=0.1, frequency_penalty=0.1, seed=3),
     ]
-    gens = [None, make_generator(3, CPU)]
-    b = SamplingBatch.build(params, [4, 1], gens, [(1, 2, float("-inf"))], CPU)
-    assert (b.all_greedy, b.any_penalty, b.any_top_k, b.any_top_p, b.any_min_p, b.any_seeded) == (
-        False, True, True, True, True, True,
-    )
+    b = SamplingBatch.build(params, [4, 1], [77, 3], [5, 9], [(1, 2, float("-inf"))], CPU)
+    assert (b.all_greedy, b.any_penalty, b.any_top_k, b.any_top_p, b.any_min_p) == (False, True, True, True, True)
+    assert b.seeds.tolist() == [77, 3] and b.counters.tolist() == [5, 9] and b.seeds.dtype == torch.int64
     assert b.temperature.dtype == torch.float32 and b.top_k.dtype == torch.int64
     assert b.slots.tolist() == [4, 1] and b.top_k.tolist() == [0, 5]
     assert b.bias_rows.tolist() == [0, 1] and b.bias_cols.tolist() == [3, 2]
     assert b.bias_vals[0] == 1.5 and math.isinf(b.bias_vals[1])
-    plain = SamplingBatch.build([SamplingParams()], [0], [None], [], CPU)
-    assert plain.bias_vals is None and not (plain.any_penalty or plain.any_top_k or plain.any_seeded)
-    empty = SamplingBatch.build([], [], [], [], CPU)
+    plain = SamplingBatch.build([SamplingParams()], [0], [1], [0], [], CPU)
+    assert plain.bias_vals is None and not (plain.any_penalty or plain.any_top_k)
+    empty = SamplingBatch.build([], [], [], [], [], CPU)
     assert empty.temperature.shape == (0,) and empty.slots.shape == (0,)
 
 
@@ -401,17 +402,13 @@ def test_build_flags_and_bias():
 
 
 class OldSampler:
-    """The previous implementation, verbatim apart from the class name: penalties, full
-    ascending sort for top-k / top-p, softmax, min-p, exponential race. Also timed by
+    """The previous implementation, verbatim apart from the class name and the race noise
+    (now runner.sampler.race_noise): penalties, full ascending sort for top-k / top-p,
+    softmax, min-p, exponential race. Also timed by
     deploy/bench_sampler.py. Not used by the server."""
 
-    def __init__(self, device: torch.device | str, seed: int | None = None):
+    def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
-        self.generator = torch.Generator(device=self.device)
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch, state: SlotState) -> torch.Tensor:
         self._penalize_and_bias(logits, batch, state)
@@ -472,15 +469,7 @@ class OldSampler:
         return logits, probs
 
     def _race(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        q = torch.empty_like(probs)
-        n_seeded = sum(g is not None for g in batch.generators) if batch.any_seeded else 0
-        if n_seeded < probs.shape[0]:
-            q.exponential_(generator=self.generator)
-        if n_seeded:
-            for i, g in enumerate(batch.generators):
-                if g is not None:
-                    q[i].exponential_(generator=g)
-        q.clamp_(min=torch.finfo(q.dtype).tiny)
+        q = race_noise(batch.seeds, batch.counters, probs.shape[1])  # the current noise source
         return probs.div_(q).argmax(dim=-1)
 
 
@@ -606,10 +595,10 @@ KINDS = ["peaked", "flat", "wide", "banned", "ties"]
 def _process_both(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams], device: torch.device):
     """(ours, reference, scaled logits), all [B, V] on the CPU."""
     b = len(params)
-    batch = SamplingBatch.build(params, list(range(b)), [None] * b, [], device)
+    batch = build(params, range(b), device)
     st = SlotState(b, logits.shape[1], 4, device)
     ours = sampler.process(logits.clone().to(device), batch, st).cpu()
-    cpu_batch = SamplingBatch.build(params, list(range(b)), [None] * b, [], CPU)
+    cpu_batch = build(params, range(b), CPU)
     ref = OldSampler(CPU).process(logits.clone(), cpu_batch, SlotState(b, logits.shape[1], 4, CPU))
     temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params]).unsqueeze(1)
     return ours, ref, logits / temp
@@ -685,25 +674,21 @@ def test_torch_backend_large_vocab_orpheus_settings():
 
 
 def test_torch_backend_sampling_ids_equal_old_sampler():
-    """Same generator stream and same kept sets => the race picks the same token as the
+    """Same race noise and same kept sets => the race picks the same token as the
     sort-based sampler (mixed greedy / sampling / seeded rows, penalties, bias)."""
     v, b = 2001, 32
     params = random_params(b, seed=3, vocab=v)
     params[5] = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, seed=11)
     params[9] = SamplingParams(temperature=0.9, frequency_penalty=0.5, presence_penalty=-0.3, logit_bias={3: 5.0})
-    gens: list[torch.Generator | None] = [None] * b
-    gens[5] = make_generator(11, CPU)
-    gens_ref: list[torch.Generator | None] = [None] * b
-    gens_ref[5] = make_generator(11, CPU)
     slots = list(range(b))
     st, st_ref = SlotState(b, v, 16, CPU), SlotState(b, v, 16, CPU)
     for s in slots:
         st.admit(s, [s, s + 1, 2 * s], [], track_penalties=True)
         st_ref.admit(s, [s, s + 1, 2 * s], [], track_penalties=True)
-    new, old = Sampler(CPU, seed=5, backend="torch"), OldSampler(CPU, seed=5)
-    batch = SamplingBatch.build(params, slots, gens, [(2, 0, float("-inf"))], CPU)
-    batch_ref = SamplingBatch.build(params, slots, gens_ref, [(2, 0, float("-inf"))], CPU)
+    new, old = Sampler(CPU, backend="torch"), OldSampler(CPU)
     for step in range(6):
+        batch = build(params, slots, CPU, [(2, 0, float("-inf"))], counters=[step] * b)
+        batch_ref = build(params, slots, CPU, [(2, 0, float("-inf"))], counters=[step] * b)
         logits = make_logits(["peaked", "flat", "banned"][step % 3], b, v, seed=100 + step)[0]
         ids = new(logits.clone(), batch, st)
         ids_ref = old(logits.clone(), batch_ref, st_ref)
@@ -736,7 +721,7 @@ def _check_edges(sampler: Sampler, device: torch.device) -> None:
     # all -inf but one: that one survives every filter and is the only possible draw
     one = torch.full((len(EDGE_PARAMS), V), float("-inf"))
     one[torch.arange(len(EDGE_PARAMS)), torch.arange(len(EDGE_PARAMS)) * 7] = torch.randn(len(EDGE_PARAMS))
-    batch = SamplingBatch.build(EDGE_PARAMS, list(range(len(EDGE_PARAMS))), [None] * len(EDGE_PARAMS), [], device)
+    batch = build(EDGE_PARAMS, range(len(EDGE_PARAMS)), device)
     st = SlotState(len(EDGE_PARAMS), V, 4, device)
     kept = sampler.process(one.clone().to(device), batch, st).cpu()
     assert torch.equal(torch.isfinite(kept), torch.isfinite(one))
@@ -809,16 +794,16 @@ def test_triton_edge_cases_and_ties(kernel_cfg):
 @pytest.mark.parametrize("kernel_cfg", [SMALL_KERNEL_CFG], indirect=True, ids=["multipass"])
 def test_triton_race_picks_the_torch_backend_token(kernel_cfg):
     """Given the same noise, the fused race draws the same token as the torch backend (greedy
-    rows: the argmax); with SamplingBatch's shared generator they then also match OldSampler."""
+    rows: the argmax)."""
     v, b = (700, 18) if _CUDA else (400, 12)
     params = random_params(b, seed=50, vocab=v)
-    batch = SamplingBatch.build(params, list(range(b)), [None] * b, [], KDEV)
+    batch = build(params, range(b), KDEV)
     for kind in ["peaked", "flat", "banned"]:
         logits = make_logits(kind, b, v, seed=60)[0]
         q = torch.empty(b, v).exponential_(generator=torch.Generator().manual_seed(1))
         q[0, :] = 0.0  # zeros are clamped, never NaN
         ids = SK.filter_and_sample(logits.clone().to(KDEV), batch, q.clone().to(KDEV)).cpu()
-        cpu_batch = SamplingBatch.build(params, list(range(b)), [None] * b, [], CPU)
+        cpu_batch = build(params, range(b), CPU)
         ref = Sampler(CPU, backend="torch")
         want = ref._filter_torch(logits.clone(), cpu_batch, q.clone())
         want = torch.where(cpu_batch.temperature == 0, logits.argmax(-1), want)
@@ -858,7 +843,7 @@ def test_triton_large_vocab_orpheus_settings_cuda():
             st = SlotState(b, v, 8, dev)
             for s in range(b):
                 st.admit(s, prompts[s], [], True)
-            batch = SamplingBatch.build(params, list(range(b)), [None] * b, [], dev)
+            batch = build(params, range(b), dev)
             return sampler.process(logits.clone().to(dev), batch, st).cpu(), st, batch
 
         outs = {name: run(smp, KDEV)[0] for name, smp in (("triton", Sampler(KDEV, backend="triton")),
@@ -895,13 +880,11 @@ def test_sampling_never_syncs_with_the_host_cuda(backend):
     b, v = 8, 5003
     params = random_params(b, seed=2, vocab=v)
     params[1] = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, frequency_penalty=0.2, seed=3)
-    gens = [None] * b
-    gens[1] = make_generator(3, dev)
     st = SlotState(b, v, 8, dev)
     for s in range(b):
         st.admit(s, [s, s + 7], [], track_penalties=True)
-    batch = SamplingBatch.build(params, list(range(b)), gens, [(0, 5, float("-inf"))], dev)
-    sampler = Sampler(dev, seed=0, backend=backend)
+    batch = build(params, range(b), dev, [(0, 5, float("-inf"))])
+    sampler = Sampler(dev, backend=backend)
     logits = torch.randn(b, v, device=dev)
     sampler(logits.clone(), batch, st)  # compile / warm up outside the check
     torch.cuda.synchronize()
@@ -940,13 +923,13 @@ def test_triton_penalties_equal_torch_bit_for_bit():
     logits[:, :5] = 0.0
     outs = []
     for dev, st, backend in ((CPU, states[0], "torch"), (KDEV, states[1], "triton")):
-        batch = SamplingBatch.build(params, slots, [None] * b, [], dev)
+        batch = build(params, slots, dev)
         x = logits.clone().to(dev)
         Sampler(dev, backend=backend)._penalize_and_bias(x, batch, st)
         outs.append(x.cpu())
     assert torch.equal(outs[0], outs[1])
     ref = logits.clone()
-    OldSampler._penalize_and_bias(ref, SamplingBatch.build(params, slots, [None] * b, [], CPU), states[0])
+    OldSampler._penalize_and_bias(ref, build(params, slots, CPU), states[0])
     assert torch.equal(outs[0], ref)
 
 
@@ -964,14 +947,14 @@ def test_triton_sampler_end_to_end_matches_transformers_and_seeds():
         for _ in range(10)
     ]
     logits = rand_logits(len(params), seed=2)
-    batch = SamplingBatch.build(params, list(range(len(params))), [None] * len(params), [], KDEV)
+    batch = build(params, range(len(params)), KDEV)
     ours = Sampler(KDEV, backend="triton").process(logits.clone().to(KDEV), batch, SlotState(10, V, 4, KDEV)).cpu()
     for i, p in enumerate(params):
         assert_same_filtered(ours[i], hf_chain(logits[i], p))
     mixed = [SamplingParams(temperature=0.0), SamplingParams(top_k=3), SamplingParams(temperature=0.0, top_p=0.2)]
-    b = SamplingBatch.build(mixed, [0, 1, 2], [None] * 3, [], KDEV)
+    b = build(mixed, [0, 1, 2], KDEV)
     x = rand_logits(3, seed=7)
-    ids = Sampler(KDEV, backend="triton", seed=0)(x.clone().to(KDEV), b, SlotState(3, V, 4, KDEV)).cpu()
+    ids = Sampler(KDEV, backend="triton")(x.clone().to(KDEV), b, SlotState(3, V, 4, KDEV)).cpu()
     assert ids[0] == x[0].argmax() and ids[2] == x[2].argmax()
     assert int(ids[1]) in set(x[1].topk(3).indices.tolist())
 
@@ -980,13 +963,12 @@ def test_triton_sampler_end_to_end_matches_transformers_and_seeds():
 def test_triton_seeded_rows_batch_independent():
     def run(layout):
         b = len(layout)
-        sampler = Sampler(KDEV, seed=b, backend="triton")
+        sampler = Sampler(KDEV, backend="triton")
         params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=s) for s, _ in layout]
-        gens = [None if s is None else make_generator(s, KDEV) for s, _ in layout]
-        batch = SamplingBatch.build(params, list(range(b)), gens, [], KDEV)
         st = SlotState(b, V, 8, KDEV)
         out = []
         for step in range(5):
+            batch = build(params, range(b), KDEV, counters=[step] * b, salt=b)
             logits = torch.stack([rand_logits(1, seed=1000 * key + step, scale=1.0)[0] for _, key in layout]).to(KDEV)
             out.append(sampler(logits, batch, st).cpu().tolist())
         return [row[[k for _, k in layout].index(0)] for row in out]
@@ -1052,3 +1034,35 @@ def test_sampling_kernels_compile_for_sm90():
         [sys.executable, "-c", _COMPILE_SCRIPT], cwd=repo, env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-4000:]
+
+
+# --------------------------------------------------------------------------- race noise
+
+
+def test_race_noise_is_a_keyed_exponential():
+    seeds = torch.tensor([0, 1, 2**62 + 5, 1, 12345], dtype=torch.int64)
+    ctrs = torch.tensor([0, 0, 3, 1, 7], dtype=torch.int64)
+    q = race_noise(seeds, ctrs, 4001)
+    assert q.shape == (5, 4001) and q.dtype == torch.float32
+    assert bool((q > 0).all()) and bool(torch.isfinite(q).all())
+    # a pure function of (seed, counter, token): same key -> same row, in any batch position
+    again = race_noise(seeds.flip(0), ctrs.flip(0), 4001).flip(0)
+    assert torch.equal(q, again)
+    # the counter and the seed both change the row (no reuse across steps or requests)
+    assert not torch.equal(q[1], q[3]) and not torch.equal(q[0], q[1])
+    # Exp(1): mean 1, variance 1, P(q > 1) = 1/e; rows uncorrelated
+    big = race_noise(torch.arange(64), torch.zeros(64, dtype=torch.int64), 4096).double()
+    assert abs(float(big.mean()) - 1.0) < 0.01 and abs(float(big.var()) - 1.0) < 0.03
+    assert abs(float((big > 1).double().mean()) - math.exp(-1)) < 0.005
+    c = torch.corrcoef(big[:8])
+    assert float((c - torch.eye(8, dtype=c.dtype)).abs().max()) < 0.06
+
+
+@needs_triton
+def test_triton_race_noise_equals_torch():
+    seeds = torch.tensor([0, 1, 2**62 + 5, 2**63 - 1, 987654321, 3], dtype=torch.int64)
+    ctrs = torch.tensor([0, 5, 3, 2**31 + 9, 7, 100000], dtype=torch.int64)
+    v = 5003
+    out = torch.empty(6, v, device=KDEV)
+    SK.race_noise(seeds.to(KDEV), ctrs.to(KDEV), out)
+    torch.testing.assert_close(out.cpu(), race_noise(seeds, ctrs, v), rtol=1e-6, atol=0)
