@@ -177,12 +177,15 @@ class Engine:
         by_req: dict[int, RequestOutput] = {}
         for req, toks in accepted:
             self.num_generated_total += len(toks)
-            o = by_req[id(req)] = self._output(req, toks, finished=False)
             if req.audio:
+                # Tokens of an audio request travel with its next audio chunk or its finish
+                # (_codec_step): a message per token would be ~40x the traffic for no reader.
                 self.codec.push(id(req), toks)
                 if req.is_finished:
                     self.codec.close(id(req))
-            elif req.is_finished:
+                continue
+            o = by_req[id(req)] = self._output(req, toks, finished=False)
+            if req.is_finished:
                 o.finished, o.finish_reason = True, req.finish_reason.value
                 o.error = req.finish_message or None
                 self._forget(req)
@@ -196,12 +199,15 @@ class Engine:
         return list(by_req.values())
 
     def _codec_step(self) -> list[RequestOutput]:
+        """Outputs of audio requests: PCM chunks, errors, completion; each carries the
+        request's tokens accepted since its previous output."""
         outs = []
         for key, r in self.codec.step().items():
             req = self._audio_open.get(key)
             if req is None:
                 continue
-            o = self._output(req, [], finished=False)
+            o = self._output(req, req.output_token_ids[req.num_output_tokens_sent :], finished=False)
+            req.num_output_tokens_sent = req.num_output_tokens
             if r.pcm is not None and len(r.pcm):
                 o.audio = r.pcm
             if r.error is not None:
@@ -229,6 +235,7 @@ class Engine:
             if t is None:
                 a.append(o)
                 continue
+            t.new_token_ids = t.new_token_ids + o.new_token_ids
             t.audio = o.audio
             t.finished, t.finish_reason, t.error = o.finished, o.finish_reason, o.error
         return a

@@ -56,6 +56,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
     num_hidden_emitted: int = 0  # positions whose hidden rows were already returned
+    num_output_tokens_sent: int = 0  # audio requests: outputs already sent with earlier chunks
     slot: int = -1  # persistent batch row holding device-side sampling state; -1 = none
     block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
