@@ -8,6 +8,7 @@ for the host to look at step N's tokens.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -50,6 +51,8 @@ def num_kv_blocks(cfg: EngineConfig, bytes_per_token: int) -> int:
 
 
 class Engine:
+    PHASES = ("schedule", "execute", "sample", "emit", "codec")
+
     def __init__(self, cfg: EngineConfig, model: torch.nn.Module | None = None, codec=None):
         from runner.attention import kv_bytes_per_token
         from runner.loader import load_model
@@ -68,13 +71,17 @@ class Engine:
         constraint = None
         if codec is not None:
             c = codec.cfg
-            constraint = OrpheusCodeConstraint(c.audio_token_offset, c.codebook_size, c.tokens_per_frame, c.end_token_id)
+            constraint = OrpheusCodeConstraint(c.audio_token_offset, c.codebook_size, c.tokens_per_frame, c.end_token_id, self.device)
         self.runner = ModelRunner(cfg, self.model, self.num_blocks, constraint, lambda r: r.audio)
         self.requests: dict[str, Request] = {}
         self._pending: _Pending | None = None
         self._finished_out: list[RequestOutput] = []  # outputs produced outside a step (aborts)
         self._audio_open: dict[int, Request] = {}  # codec streams not yet fully emitted
         self.step_count = 0
+        # host seconds per phase, summed over steps (the engine process logs them): schedule,
+        # execute (prepare + launch the forward), sample (launch), emit (wait for the step's
+        # ids + bookkeeping), codec (collect + launch windows)
+        self.phase_s = [0.0] * len(self.PHASES)
         self.num_requests_total = 0
         self.num_aborted_total = 0
         self.num_generated_total = 0
@@ -148,19 +155,32 @@ class Engine:
     # ---- the step --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        ph, t0 = self.phase_s, time.perf_counter()
         sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
         out = None
         if not sched.is_empty:
             self.runner.execute_model(sched)
+            t2 = time.perf_counter()
             out = self.runner.sample_tokens()
             self.step_count += 1
+        else:
+            t2 = t1
+        t3 = time.perf_counter()
         if self.cfg.scheduler.async_scheduling:
             prev, self._pending = self._pending, (_Pending(sched, out) if out is not None else None)
         else:
             prev = _Pending(sched, out) if out is not None else None
         results = self._emit(prev) if prev is not None else []
+        t4 = time.perf_counter()
         if self.codec is not None and self._audio_open:
             results = self._merge(results, self._codec_step())
+        t5 = time.perf_counter()
+        ph[0] += t1 - t0
+        ph[1] += t2 - t1
+        ph[2] += t3 - t2
+        ph[3] += t4 - t3
+        ph[4] += t5 - t4
         for req in self.scheduler.failed:
             self._forget(req)
             if self._audio_open.pop(id(req), None) is not None:

@@ -101,6 +101,9 @@ class EngineLoop:
         self.ctx = ctx
         self.args = args
         self._n, self._busy, self._batch, self._t_log = 0, 0.0, 0, time.monotonic()
+        self._encode_s, self._max_step, self._max_batch = 0.0, 0.0, 0
+        self._added: dict[str, float] = {}  # audio request id -> arrival (for the first-audio log)
+        self._first_audio: list[float] = []
 
     # ---- threads ------------------------------------------------------------------------------
 
@@ -133,6 +136,8 @@ class EngineLoop:
     def _apply(self, msg) -> None:
         eng = self.engine
         if isinstance(msg, ipc.AddRequest):
+            if msg.audio and len(self._added) < 100_000:
+                self._added[msg.request_id] = time.perf_counter()
             try:
                 eng.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.hidden_state_layers, msg.audio)
             except InvalidRequest as e:
@@ -146,17 +151,36 @@ class EngineLoop:
         elif isinstance(msg, ipc.Shutdown):
             self.stop.set()
 
-    def _account(self, dt: float, batch: int) -> None:
-        """Step-time log for operators: every 5 s, steps/s, mean batch and ms per step."""
+    def _account(self, dt: float, batch: int, outs) -> None:
+        """Operator log every 5 s: steps/s, mean batch, ms per step, the host time per phase,
+        the slowest step, and the engine-side time to first audio (request arrival to the
+        output carrying its first PCM)."""
         self._n += 1
         self._busy += dt
         self._batch += batch
+        if dt > self._max_step:
+            self._max_step, self._max_batch = dt, batch
+        if self._added and outs:
+            now = time.perf_counter()
+            for o in outs:
+                if o.audio is not None or o.finished:
+                    t = self._added.pop(o.request_id, None)
+                    if t is not None and o.audio is not None:
+                        self._first_audio.append(now - t)
         now = time.monotonic()
         if now - self._t_log >= 5.0:
-            log.info("engine: %.0f steps/s, mean batch %.1f, %.2f ms/step (loop busy %.0f%%)",
-                     self._n / (now - self._t_log), self._batch / self._n, 1e3 * self._busy / self._n,
-                     100 * self._busy / (now - self._t_log))
+            n, eng = self._n, self.engine
+            phases = " ".join(f"{name} {1e3 * v / n:.2f}" for name, v in zip(eng.PHASES, eng.phase_s))
+            fa = sorted(self._first_audio)
+            first = f", first audio p50 {1e3 * fa[len(fa) // 2]:.0f} ms max {1e3 * fa[-1]:.0f} ms (n={len(fa)})" if fa else ""
+            log.info("engine: %.0f steps/s, mean batch %.1f, %.2f ms/step (loop busy %.0f%%); host ms/step: %s encode %.2f; "
+                     "slowest step %.1f ms at batch %d%s",
+                     n / (now - self._t_log), self._batch / n, 1e3 * self._busy / n, 100 * self._busy / (now - self._t_log),
+                     phases, 1e3 * self._encode_s / n, 1e3 * self._max_step, self._max_batch, first)
             self._n, self._busy, self._batch, self._t_log = 0, 0.0, 0, now
+            self._encode_s, self._max_step, self._max_batch = 0.0, 0.0, 0
+            eng.phase_s = [0.0] * len(eng.PHASES)
+            self._first_audio = []
 
     def run(self, out_sock: zmq.Socket) -> None:
         threading.Thread(target=self._input_thread, name="engine-in", daemon=True).start()
@@ -188,9 +212,12 @@ class EngineLoop:
                 if eng.has_unfinished:
                     t0 = time.perf_counter()
                     outs = eng.step()
+                    t1 = time.perf_counter()
                     if outs:
                         self.outbound.put(ipc.encode_outputs(outs))
-                    self._account(time.perf_counter() - t0, len(eng.scheduler.running))
+                    t2 = time.perf_counter()
+                    self._encode_s += t2 - t1
+                    self._account(t2 - t0, len(eng.scheduler.running), outs)
         except BaseException as e:  # report, then die: the front end fails in-flight requests fast
             if not isinstance(e, KeyboardInterrupt):
                 reason = "".join(traceback.format_exception_only(type(e), e)).strip()

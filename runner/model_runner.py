@@ -32,11 +32,11 @@ from runner.scheduler import ScheduledRequest, SchedulerOutput
 class LogitsConstraint(Protocol):
     """A model-declared sampling rule applied before the sampler's own stages.
 
-    rows: batch rows it applies to ([R] int64, device); out_index: index among the request's
-    outputs of the token being sampled ([R] int64, device); history: the request's true output
-    ids so far ([R, max_model_len] int64, device, valid below out_index) even in async mode."""
+    rows: batch rows it applies to ([R] int64, device), None for every row; out_index: index
+    among the request's outputs of the token being sampled ([R] or [B] int64, device), true
+    even in async mode. (A rule that needs the outputs themselves reads SlotState.history.)"""
 
-    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, out_index: torch.Tensor, history: torch.Tensor) -> None: ...
+    def __call__(self, logits: torch.Tensor, rows: torch.Tensor | None, out_index: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -305,13 +305,14 @@ class ModelRunner:
             [r.sampling for r in reqs], slots, [self.noise_seeds[s] for s in slots], out_index, extra_bias, self.device
         )
         logits = st.logits
-        out_idx_t = self._to_dev(np.asarray(out_index, dtype=np.int64))
+        out_idx_t = batch.counters  # [B] on the device: the out_index above
         if self.constraint is not None:
             c_rows = [i for i, r in enumerate(reqs) if self.wants_constraint(r)]
-            if c_rows:
+            if len(c_rows) == len(reqs):
+                self.constraint(logits, None, out_idx_t)
+            elif c_rows:
                 rows_t = self._to_dev(np.asarray(c_rows, dtype=np.int64))
-                slot_t = self._to_dev(np.asarray([slots[i] for i in c_rows], dtype=np.int64))
-                self.constraint(logits, rows_t, out_idx_t[rows_t], self.slots.history[slot_t])
+                self.constraint(logits, rows_t, out_idx_t[rows_t])
         sampled = self.sampler(logits, batch, self.slots)
         self.slots.record(batch.slots, sampled, out_idx_t)
         if self.record_timeline and self._t0 is not None:
