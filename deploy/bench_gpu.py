@@ -292,7 +292,7 @@ def make_orpheus_random_folder(root: Path, snac: Path) -> Path:
     return root
 
 
-def run_serving(streams: str, max_seqs: int, max_tokens: int) -> dict:
+def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0") -> dict:
     """Start the real server on the Orpheus-3B-shaped random model and run `omnistream bench`
     against it (N concurrent WebSocket TTS sessions read in real time)."""
     import socket
@@ -305,9 +305,12 @@ def run_serving(streams: str, max_seqs: int, max_tokens: int) -> dict:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
     root = Path(__file__).resolve().parent.parent
+    out_dir = Path(os.environ.get("OUT", "/tmp"))
+    server_log = open(out_dir / "server.log", "wb")  # the engine's per-5 s step / phase / first-audio log
     srv = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", str(folder), "--random-weights",
                             "--device", "cuda", "--max-num-seqs", str(max_seqs), "--max-model-len", "1024", "--port", str(port),
-                            "--zmq-endpoint", "none", "--max-concurrent-requests", "4096"], cwd=root)
+                            "--zmq-endpoint", "none", "--max-concurrent-requests", "4096"], cwd=root,
+                           stdout=server_log, stderr=subprocess.STDOUT)
     try:
         t0 = time.time()
         while True:
@@ -319,9 +322,9 @@ def run_serving(streams: str, max_seqs: int, max_tokens: int) -> dict:
                     raise RuntimeError("server did not start")
                 time.sleep(1)
         log(f"  server up in {time.time() - t0:.0f}s")
-        out = Path(os.environ.get("OUT", "/tmp")) / "serving.md"
+        out = out_dir / "serving.md"
         subprocess.run([sys.executable, "-m", "server.cli", "bench", "--url", f"http://127.0.0.1:{port}",
-                        "--streams", streams, "--max-tokens", str(max_tokens), "--out", str(out),
+                        "--streams", streams, "--max-tokens", str(max_tokens), "--out", str(out), "--ramp-s", ramps,
                         "--text", "Hello there, this is one sentence of streaming speech for the benchmark."],
                        cwd=root, check=True)
         return {"table": out.read_text()}
@@ -331,6 +334,7 @@ def run_serving(streams: str, max_seqs: int, max_tokens: int) -> dict:
             srv.wait(30)
         except subprocess.TimeoutExpired:
             srv.kill()
+        server_log.close()
 
 
 def main() -> int:
@@ -343,6 +347,7 @@ def main() -> int:
     ap.add_argument("--streams", default="1,32,128,256,400,512")
     ap.add_argument("--serving-max-seqs", type=int, default=512)
     ap.add_argument("--serving-max-tokens", type=int, default=350)
+    ap.add_argument("--serving-ramp-s", default="0", help="bench --ramp-s: 0 = all streams start together")
     args = ap.parse_args()
     secs = set(args.sections.split(","))
     batches = [int(b) for b in args.batches.split(",")]
@@ -377,7 +382,7 @@ def main() -> int:
     if "hf" in secs:
         res["hf"] = run_hf([int(b) for b in args.hf_batches.split(",")], args.hf_budget_s)
     if "serving" in secs:
-        res["serving"] = run_serving(args.streams, args.serving_max_seqs, args.serving_max_tokens)
+        res["serving"] = run_serving(args.streams, args.serving_max_seqs, args.serving_max_tokens, args.serving_ramp_s)
     res["wall_s"] = time.perf_counter() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

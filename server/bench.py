@@ -70,6 +70,7 @@ class LevelResult:
     streams: list[StreamResult]
     wall_s: float
     timed_out: bool = False
+    ramp_s: float = 0.0  # stream starts spread evenly over this many seconds (0: together)
 
     @property
     def errors(self) -> list[str]:
@@ -123,8 +124,11 @@ def percentile(values: list[float], q: float) -> float:
 # ---- one stream, one level -----------------------------------------------------------------------
 
 
-async def run_stream(http: aiohttp.ClientSession, ws_url: str, text: str, max_tokens: int, seed: int) -> StreamResult:
+async def run_stream(http: aiohttp.ClientSession, ws_url: str, text: str, max_tokens: int, seed: int,
+                     delay_s: float = 0.0) -> StreamResult:
     res = StreamResult()
+    if delay_s > 0:
+        await asyncio.sleep(delay_s)
     async with http.ws_connect(ws_url + "/v1/audio/speech/stream", max_msg_size=0) as ws:
         created = await ws.receive_json()
         player = Player(int(created.get("session", {}).get("sample_rate", 24000)))
@@ -156,13 +160,15 @@ async def run_stream(http: aiohttp.ClientSession, ws_url: str, text: str, max_to
     return res
 
 
-async def run_level(base_url: str, n: int, text: str, max_tokens: int, timeout_s: float) -> LevelResult:
+async def run_level(base_url: str, n: int, text: str, max_tokens: int, timeout_s: float, ramp_s: float = 0.0) -> LevelResult:
+    """n sessions; stream i starts i * ramp_s / n seconds after the first (0: all at once)."""
     ws_url = base_url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
     connector = aiohttp.TCPConnector(limit=0)  # no client-side cap on concurrent sessions
     async with aiohttp.ClientSession(connector=connector) as http:
-        tasks = [asyncio.create_task(run_stream(http, ws_url, text, max_tokens, BASE_SEED + i)) for i in range(n)]
+        tasks = [asyncio.create_task(run_stream(http, ws_url, text, max_tokens, BASE_SEED + i, i * ramp_s / n))
+                 for i in range(n)]
         t0 = time.perf_counter()
-        done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        done, pending = await asyncio.wait(tasks, timeout=timeout_s + ramp_s)
         wall = time.perf_counter() - t0
         for t in pending:
             t.cancel()
@@ -175,7 +181,7 @@ async def run_level(base_url: str, n: int, text: str, max_tokens: int, timeout_s
             streams.append(StreamResult(error=f"{type(t.exception()).__name__}: {t.exception()}"))
         else:
             streams.append(t.result())
-    return LevelResult(n, streams, wall, timed_out=bool(pending))
+    return LevelResult(n, streams, wall, timed_out=bool(pending), ramp_s=ramp_s)
 
 
 # ---- the server under test ---------------------------------------------------------------------
@@ -275,9 +281,9 @@ def render(levels: list[LevelResult], meta: dict[str, str]) -> str:
     lines += [f"- {k}: {v}" for k, v in meta.items()]
     lines += [
         "",
-        "| streams | TTFA p50 ms | TTFA p99 ms | RTF p50 | RTF max | chunks/s | audio s/stream | utterances/stream "
-        "| underruns (streams) | stall ms (worst stream) | errors | real time |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
+        "| streams | starts spread over s | TTFA p50 ms | TTFA p99 ms | RTF p50 | RTF max | chunks/s | audio s/stream "
+        "| utterances/stream | underruns (streams) | stall ms (worst stream) | errors | real time |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
     ]
     for lv in levels:
         rtfs = [s.rtf for s in lv.streams if s.rtf is not None]
@@ -285,7 +291,7 @@ def render(levels: list[LevelResult], meta: dict[str, str]) -> str:
         audio = [s.audio_s for s in lv.streams]
         with_underrun = sum(1 for s in lv.streams if s.underruns)
         lines.append(
-            f"| {lv.n} | {_ms(percentile(lv.ttfas, 50))} | {_ms(percentile(lv.ttfas, 99))} "
+            f"| {lv.n} | {lv.ramp_s:g} | {_ms(percentile(lv.ttfas, 50))} | {_ms(percentile(lv.ttfas, 99))} "
             f"| {_num(percentile(rtfs, 50))} | {_num(max(rtfs) if rtfs else None)} "
             f"| {_num(chunks / lv.wall_s if lv.wall_s > 0 else None, '{:.1f}')} "
             f"| {_num(sum(audio) / len(audio) if audio else None)} "
@@ -293,9 +299,11 @@ def render(levels: list[LevelResult], meta: dict[str, str]) -> str:
             f"| {lv.underruns} ({with_underrun}) | {_ms(max((s.stall_s for s in lv.streams), default=math.nan))} "
             f"| {len(lv.errors)} | {'yes' if lv.real_time else 'no'} |"
         )
-    ok = [lv.n for lv in levels if lv.real_time]
-    lines += ["", f"Largest N with no underrun and TTFA p99 < {TTFA_TARGET_S * 1000:.0f} ms: "
-                  f"{max(ok) if ok else 'none of the levels run'}"]
+    for ramp in sorted({lv.ramp_s for lv in levels}):
+        ok = [lv.n for lv in levels if lv.real_time and lv.ramp_s == ramp]
+        how = "all streams starting together" if ramp == 0 else f"starts spread evenly over {ramp:g} s"
+        lines += ["", f"Largest N with no underrun and TTFA p99 < {TTFA_TARGET_S * 1000:.0f} ms ({how}): "
+                      f"{max(ok) if ok else 'none of the levels run'}"]
     errors = sorted({e for lv in levels for e in lv.errors})
     if errors:
         lines += ["", "Errors: " + "; ".join(errors[:5])]
@@ -315,12 +323,12 @@ def parse_levels(spec: str) -> list[int]:
     return levels
 
 
-async def bench(url: str, levels: list[int], text: str, max_tokens: int) -> list[LevelResult]:
+async def bench(url: str, levels: list[int], text: str, max_tokens: int, ramps: list[float] = (0.0,)) -> list[LevelResult]:
     # Warm-up (first codec call, allocator, prefix cache): not recorded.
     await run_level(url, 1, text, max_tokens, LEVEL_TIMEOUT_S)
     results = []
-    for n in levels:
-        lv = await run_level(url, n, text, max_tokens, LEVEL_TIMEOUT_S)
+    for ramp, n in [(r, n) for r in ramps for n in levels]:
+        lv = await run_level(url, n, text, max_tokens, LEVEL_TIMEOUT_S, ramp)
         print(f"  {n} streams: {lv.wall_s:.1f} s, TTFA p99 {_ms(percentile(lv.ttfas, 99))} ms, "
               f"underruns {lv.underruns}, errors {len(lv.errors)}", file=sys.stderr)
         results.append(lv)
@@ -329,6 +337,12 @@ async def bench(url: str, levels: list[int], text: str, max_tokens: int) -> list
 
 def run_bench(args: argparse.Namespace) -> int:
     levels = parse_levels(args.streams)
+    try:
+        ramps = [float(x) for x in str(args.ramp_s).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--ramp-s: expected comma-separated seconds, got {args.ramp_s!r}") from None
+    if not ramps or any(r < 0 or math.isnan(r) for r in ramps):
+        raise SystemExit(f"--ramp-s: every value must be >= 0, got {args.ramp_s!r}")
     if args.max_tokens < 1:
         raise SystemExit("--max-tokens: must be >= 1")
     meta = {
@@ -347,11 +361,11 @@ def run_bench(args: argparse.Namespace) -> int:
     except OSError:
         pass
     if args.url:
-        results = asyncio.run(bench(args.url.rstrip("/"), levels, args.text, args.max_tokens))
+        results = asyncio.run(bench(args.url.rstrip("/"), levels, args.text, args.max_tokens, ramps))
     else:
         print("starting the server on the embedded default model ...", file=sys.stderr)
         with LocalServer(max(levels)) as srv:
-            results = asyncio.run(bench(srv.url, levels, args.text, args.max_tokens))
+            results = asyncio.run(bench(srv.url, levels, args.text, args.max_tokens, ramps))
     table = render(results, meta)
     print(table)
     if args.out:

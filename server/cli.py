@@ -52,6 +52,8 @@ def _bench_parser(sub) -> None:
     p.add_argument("--streams", default="1,4,16", help="comma-separated concurrency levels")
     p.add_argument("--text", default="Hello there. This is a short benchmark sentence for streaming speech.")
     p.add_argument("--max-tokens", type=int, default=210)
+    p.add_argument("--ramp-s", default="0", help="comma-separated start spreads: each level runs once per value, its "
+                   "streams starting evenly over that many seconds (0: all at once, the burst case)")
     p.add_argument("--out", default=None, help="write a markdown table here")
 
 

@@ -523,13 +523,15 @@ def test_bench_player_counts_underruns():
 async def test_bench_level_against_the_server(server: ServerProc):
     from server.bench import render, run_level
 
-    lv = await run_level(server.base_url, 2, "Hello there. How are you?", 35, WAIT_S)
+    t0 = time.perf_counter()
+    lv = await run_level(server.base_url, 2, "Hello there. How are you?", 35, WAIT_S, ramp_s=0.4)
+    assert time.perf_counter() - t0 >= 0.2  # the second stream started half the ramp later
     assert not lv.timed_out and lv.errors == []
     for s in lv.streams:
         assert s.utterances == 2 and s.chunks > 0 and s.ttfa_s is not None and 0 < s.ttfa_s <= s.gen_s
         assert s.audio_s > 0 and round(s.audio_s * SAMPLE_RATE * 2) % FRAME_BYTES == 0
     table = render([lv], {"date": "today"})
-    assert "| 2 |" in table and "Largest N" in table
+    assert "| 2 | 0.4 |" in table and "Largest N" in table and "starts spread evenly over 0.4 s" in table
 
 
 # ---- engine death (last: it restarts the engine) -------------------------------------------------
