@@ -30,6 +30,23 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, device: flat KV slot (block_id*block_size + offset) of each new token
     max_query_len: int
     max_seq_len: int
+    # Host-side split of a mixed step: sequences [0, num_decodes) have one query token each
+    # (the scheduler puts them first); the rest are prefill chunks whose longest context is
+    # prefill_max_seq_len. Backends may run the two parts differently; 0 = no such split.
+    num_decodes: int = 0
+    prefill_max_seq_len: int = 0
+
+    def prefill_part(self) -> "AttentionMetadata":
+        """Metadata of sequences [num_decodes, B) alone (query rows num_decodes..T-1)."""
+        nd = self.num_decodes
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[nd:] - nd,  # decode rows are one token each
+            seq_lens=self.seq_lens[nd:],
+            block_tables=self.block_tables[nd:],
+            slot_mapping=self.slot_mapping[nd:],
+            max_query_len=self.max_query_len,
+            max_seq_len=self.prefill_max_seq_len,
+        )
 
 
 def allocate_kv_cache(

@@ -256,13 +256,17 @@ class ModelRunner:
             logits = self.graphs.run(bucket, B, input_ids, pos_d, slot_d, seq_d, self._to_dev(tables))
             captured = {}
         else:
+            q_lens = np.diff(qsl)
+            nd = sched.num_decodes if T > B else 0  # the scheduler puts one-token rows first
             meta = AttentionMetadata(
                 query_start_loc=qsl_d.to(torch.int32),
                 seq_lens=seq_d.to(torch.int32),
                 block_tables=self._to_dev(tables),
                 slot_mapping=slot_d,
-                max_query_len=int(np.max(np.diff(qsl))),
+                max_query_len=int(q_lens.max()),
                 max_seq_len=int(seq_lens.max()),
+                num_decodes=nd,
+                prefill_max_seq_len=int(seq_lens[nd:].max()) if nd else 0,
             )
             cap = tuple(sorted(capture))
             hidden, captured = self.model(input_ids, pos_d, self.kv_caches, meta, cap)

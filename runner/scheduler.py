@@ -37,6 +37,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
+    num_decodes: int = 0  # entries [0, num_decodes) compute one token each; the rest more
 
     @property
     def is_empty(self) -> bool:
@@ -148,6 +149,12 @@ class Scheduler:
             budget -= n
 
         out.num_batched_tokens = self.cfg.max_num_batched_tokens - budget
+        # One-token entries first (stable): attention runs them with the decode kernel and
+        # only the rest through the prefill path (AttentionMetadata.num_decodes).
+        nd = sum(1 for e in out.scheduled if e.num_tokens == 1)
+        if nd != len(out.scheduled) and nd:
+            out.scheduled.sort(key=lambda e: e.num_tokens != 1)
+        out.num_decodes = nd
         return out
 
     def _at_limit(self, req: Request) -> bool:

@@ -58,7 +58,9 @@ _NUM_WARPS = 4
 _NUM_STAGES = 3
 
 
-@triton.jit
+# max_blocks and the table's row stride change with every eager step's longest sequence: not
+# specialising on them (divisibility by 16, == 1) keeps one compiled variant per split count.
+@triton.jit(do_not_specialize=["stride_btb", "max_blocks"])
 def _paged_decode_kernel(
     q_ptr,  # [B, Hq, D]
     kv_ptr,  # [2, NB, BS, Hkv, D]
@@ -218,7 +220,12 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
         return 1
     max_tiles = math.ceil(max_blocks * block_size / block_n)
     want = math.ceil(_TARGET_PROGRAMS_PER_SM * num_sms / programs)
-    return max(1, min(want, max_tiles, MAX_SPLITS))
+    # Rounded down to a power of two: NUM_SPLITS is a compile-time constant, and eager steps
+    # (whose tables are as wide as their longest sequence) would otherwise meet new values
+    # mid-serving and stall ~1 s on each compile. The six values all compile when the decode
+    # graphs are captured (batch 1, 2, 4, 8, 16 and >= 17 at full table width).
+    n = max(1, min(want, max_tiles, MAX_SPLITS))
+    return 1 << (n.bit_length() - 1)
 
 
 def paged_decode_attention(
@@ -320,8 +327,12 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
-        if meta.max_query_len == 1:  # decode; the prefill path writes KV itself
+        # decode rows' KV here; the prefill path writes its own
+        if meta.max_query_len == 1:
             write_kv(k, v, kv_cache, meta.slot_mapping)
+        elif meta.num_decodes:
+            nd = meta.num_decodes
+            write_kv(k[:nd], v[:nd], kv_cache, meta.slot_mapping[:nd])
         return self.forward_prewritten_kv(q, k, v, kv_cache, meta, scale)
 
     def forward_prewritten_kv(
@@ -333,11 +344,23 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
-        """`forward` for a caller that already wrote k/v to their slots."""
+        """`forward` for a caller that already wrote k/v to their slots.
+
+        A mixed step (decodes first, then prefill chunks: meta.num_decodes) runs its decode
+        rows through the decode kernel and only the prefill sequences through the torch path,
+        whose padded gather costs B * max_seq_len: at batch 400 a single new prompt would
+        otherwise make every running sequence's KV be gathered in every layer (~0.5 s)."""
         if meta.max_query_len != 1:
             # The torch prefill path writes k/v (again, when the caller already did: the same
             # values to the same slots, redundant but harmless; prefill is not launch-bound).
-            return self._torch.forward(q, k, v, kv_cache, meta, scale)
+            nd = meta.num_decodes
+            if not nd:
+                return self._torch.forward(q, k, v, kv_cache, meta, scale)
+            out = torch.empty_like(q)
+            paged_decode_attention(q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                                   out=out[:nd], num_splits=self.num_splits)
+            out[nd:] = self._torch.forward(q[nd:], k[nd:], v[nd:], kv_cache, meta.prefill_part(), scale)
+            return out
         # Decode: one token per sequence, so T == B and query row b belongs to sequence b.
         assert q.shape[0] == meta.seq_lens.shape[0], (q.shape, meta.seq_lens.shape)
         return paged_decode_attention(

@@ -185,7 +185,10 @@ def test_choose_num_splits():
     # B=1, 8 KV heads: split up to the cap, but never past the table's tile capacity.
     assert choose_num_splits(1, 8, 1024, 16, 64, 132) == MAX_SPLITS
     assert choose_num_splits(1, 8, 8, 16, 64, 132) == 2
-    assert choose_num_splits(4, 8, 1024, 16, 64, 132) == math.ceil(2 * 132 / 32)
+    # rounded down to a power of two (a bounded set of compiled variants): ceil(264 / 32) = 9 -> 8
+    assert choose_num_splits(4, 8, 1024, 16, 64, 132) == 8
+    assert choose_num_splits(16, 8, 1024, 16, 64, 132) == 2
+    assert {choose_num_splits(b, 8, mb, 16, 64, 132) for b in range(1, 40) for mb in range(1, 200)} == {1, 2, 4, 8, 16, 32}
 
 
 def _decode_meta(seq_lens: torch.Tensor, tables: torch.Tensor) -> AttentionMetadata:
@@ -242,6 +245,41 @@ def test_backend_prefill_delegates_to_torch():
     out = TritonPagedAttention().forward(q, k, v, kv, meta, 0.3)
     ref = TorchPagedAttention().forward(q, k, v, kv_t, meta, 0.3)
     assert torch.equal(out, ref) and torch.equal(kv, kv_t)
+
+
+def test_backend_mixed_step_decodes_with_the_kernel():
+    """Decode rows first, then prefill chunks (meta.num_decodes): the decode rows go through the
+    Triton kernel, the prefill rows through the torch path over the prefill sequences alone;
+    the result and the KV writes equal the torch backend over the whole batch."""
+    hq, hkv, d = 4, 2, 32
+    seq_lens = [40, 7, 300, 20, 9]
+    q_lens = [1, 1, 1, 5, 3]  # three decodes, two prefill chunks
+    _, kv, tables, _ = _make_case(len(seq_lens), hq, hkv, d, seq_lens, torch.float32, poison=False)
+    t = sum(q_lens)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(t, h, d, generator=gen).to(DEVICE) for h in (hq, hkv, hkv))
+    slots = []
+    for i, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+        for p in range(sl - ql, sl):
+            slots.append(int(tables[i, p // BS]) * BS + p % BS)
+    qsl = [0]
+    for ql in q_lens:
+        qsl.append(qsl[-1] + ql)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        max_query_len=5,
+        max_seq_len=300,
+        num_decodes=3,
+        prefill_max_seq_len=20,
+    )
+    kv_t = kv.clone()
+    out = TritonPagedAttention().forward(q, k, v, kv, meta, 0.3)
+    ref = TorchPagedAttention().forward(q, k, v, kv_t, meta, 0.3)
+    assert torch.equal(kv, kv_t)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu
