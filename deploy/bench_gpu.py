@@ -10,6 +10,9 @@ Sections (all by default; pick with --sections):
   hf         transformers generate, static cache + torch.compile, same shapes
   codec      batched SNAC 24 kHz (random weights) window decode cost, and its share of GPU
              time at 256 real-time streams under the default window policy
+  ttfa       in-process engine (same model folder as serving, no server): time from add_request
+             to the first PCM of one audio request, and the host time per step phase; the
+             floor under the serving TTFA (which adds the front end and two IPC hops)
   serving    the real server (engine process + aiohttp) with N concurrent WebSocket TTS
              clients reading in real time: TTFA p50/p99, RTF, largest real-time N
 
@@ -292,6 +295,43 @@ def make_orpheus_random_folder(root: Path, snac: Path) -> Path:
     return root
 
 
+def run_ttfa(repeats: int = 8, prompt: list[int] | None = None) -> dict:
+    """Engine-only time to first audio at one stream, on the serving model folder."""
+    from runner.engine_proc import EngineProcArgs, build_engine
+    from runner.sampling_params import SamplingParams
+
+    snac = make_snac_24khz_random(Path("/tmp/snac24_random"))
+    folder = make_orpheus_random_folder(Path("/tmp/orpheus3b-random"), snac)
+    eng = build_engine(EngineProcArgs(model_path=str(folder), input_addr="", output_addr="", device="cuda",
+                                      max_num_seqs=8, max_model_len=1024, random_weights=True))
+    prompt = prompt or [128259, *range(1000, 1024), 128009, 128260, 128261, 128257]  # ~Orpheus prompt length
+    sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=60, seed=1)
+    res = {"first_audio_ms": [], "steps_to_first_audio": []}
+    for i in range(repeats + 2):  # two warm-ups
+        eng.phase_s = [0.0] * len(eng.PHASES)
+        t0 = time.perf_counter()
+        eng.add_request(f"ttfa-{i}", prompt, sp, audio=True)
+        steps, first = 0, None
+        while eng.has_unfinished:
+            outs = eng.step()
+            steps += 1
+            if first is None and any(o.audio is not None for o in outs):
+                first = time.perf_counter() - t0
+                if i >= 2:
+                    res["first_audio_ms"].append(first * 1e3)
+                    res["steps_to_first_audio"].append(steps)
+                    res.setdefault("phase_ms_per_step", []).append(
+                        {n: 1e3 * v / steps for n, v in zip(eng.PHASES, eng.phase_s)})
+        eng.abort_request(f"ttfa-{i}")
+    fa = sorted(res["first_audio_ms"])
+    res["p50_ms"] = statistics.median(fa)
+    log(f"  engine-only time to first audio: p50 {res['p50_ms']:.1f} ms (min {fa[0]:.1f}, max {fa[-1]:.1f}), "
+        f"{res['steps_to_first_audio'][0]} steps; phases/step {res['phase_ms_per_step'][0]}")
+    del eng
+    torch.cuda.empty_cache()
+    return res
+
+
 def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0") -> dict:
     """Start the real server on the Orpheus-3B-shaped random model and run `omnistream bench`
     against it (N concurrent WebSocket TTS sessions read in real time)."""
@@ -381,6 +421,8 @@ def main() -> int:
         res["codec"] = run_codec()
     if "hf" in secs:
         res["hf"] = run_hf([int(b) for b in args.hf_batches.split(",")], args.hf_budget_s)
+    if "ttfa" in secs:
+        res["ttfa"] = run_ttfa()
     if "serving" in secs:
         res["serving"] = run_serving(args.streams, args.serving_max_seqs, args.serving_max_tokens, args.serving_ramp_s)
     res["wall_s"] = time.perf_counter() - t0
@@ -418,6 +460,11 @@ def render(res: dict) -> str:
         lines += ["", "codec window decode (ms): " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in c.items() if k.endswith("_ms")),
                   "codec share of GPU time at 256 real-time streams: " + ", ".join(
                       f"{k.split('_')[0]} {v*100:.1f}%" for k, v in c.items() if k.endswith("share_256_streams")) + f" (policy {c['policy']})"]
+    if "ttfa" in res:
+        t = res["ttfa"]
+        lines += ["", f"engine-only time to first audio (one stream, in-process): p50 {t['p50_ms']:.1f} ms over "
+                      f"{len(t['first_audio_ms'])} requests, {t['steps_to_first_audio'][0]} engine steps; host ms/step "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in t["phase_ms_per_step"][0].items())]
     if "serving" in res:
         lines += ["", "Serving (real server, WebSocket TTS clients reading in real time):", "", res["serving"]["table"]]
     if bw:

@@ -553,6 +553,9 @@ class CodecStage:
         self._reqs: dict[object, _Request] = {}
         self._pending: list[tuple[list[tuple[object, WindowJob]], PendingPCM]] = []
         self._inflight: Counter = Counter()  # launched, not yet collected, windows per key
+        # keys whose frame count, end or error changed since the last step(): only they can
+        # have new windows or be done (most requests complete a frame every 7th token)
+        self._dirty: set = set()
 
     # -- request lifecycle -------------------------------------------------------------
 
@@ -577,10 +580,12 @@ class CodecStage:
             tok = int(tok)
             if tok == cfg.end_token_id:
                 req.ended = True
+                self._dirty.add(key)
                 return
             lo, hi = audio_token_range(cfg, req.audio_index)
             if not lo <= tok < hi:
                 req.error = invalid_token_reason(cfg, tok, req.audio_index)
+                self._dirty.add(key)
                 return
             req.partial.append(tok - lo)
             req.audio_index += 1
@@ -590,6 +595,7 @@ class CodecStage:
                 req.codes[req.n_frames] = req.partial
                 req.n_frames += 1
                 req.partial = []
+                self._dirty.add(key)
 
     def close(self, key: object) -> None:
         """The request finished (stop/length): remaining frames become ready with truncated
@@ -597,6 +603,7 @@ class CodecStage:
         req = self._reqs.get(key)
         if req is not None:
             req.ended = True
+            self._dirty.add(key)
 
     def abort(self, key: object) -> None:
         """Drop all state of the request; nothing more is emitted for it."""
@@ -624,10 +631,12 @@ class CodecStage:
         model's next step instead of stalling it."""
         results: dict[object, StageResult] = {}
         pieces: dict[object, list[tuple[int, np.ndarray]]] = defaultdict(list)
-        self._collect(pieces)
+        touched = self._collect(pieces)
+        dirty, self._dirty = self._dirty, set()
         groups: dict[int, list[tuple[object, WindowJob]]] = defaultdict(list)
-        for key, req in self._reqs.items():
-            if req.error is None:
+        for key in dirty:
+            req = self._reqs.get(key)
+            if req is not None and req.error is None:
                 for job in req.cursor.ready(req.n_frames, req.ended):
                     groups[job.window_frames].append((key, job))
         step_max = self.cfg.max_batch_windows
@@ -642,12 +651,15 @@ class CodecStage:
                 for key, _ in batch:
                     self._inflight[key] += 1
         if self.decoder.stream is None:
-            self._collect(pieces)
+            touched |= self._collect(pieces)
 
         for key, parts in pieces.items():
             parts.sort(key=lambda t: t[0])  # chunk order; groups were decoded in any order
             results[key] = StageResult(np.concatenate([p for _, p in parts]), done=False)
-        for key, req in list(self._reqs.items()):
+        for key in dirty | touched:  # only these can have become done or failed
+            req = self._reqs.get(key)
+            if req is None:
+                continue
             if req.error is not None:
                 results[key] = StageResult(np.zeros(0, dtype=np.int16), done=True, error=req.error)
             elif not (req.cursor.finished and self._inflight.get(key, 0) == 0):
@@ -658,11 +670,15 @@ class CodecStage:
             self._inflight.pop(key, None)
         return results
 
-    def _collect(self, pieces: dict[object, list[tuple[int, np.ndarray]]]) -> None:
+    def _collect(self, pieces: dict[object, list[tuple[int, np.ndarray]]]) -> set:
+        """PCM of the launched windows into `pieces`; returns the keys collected."""
         pending, self._pending = self._pending, []
+        keys = set()
         for batch, p in pending:
             for (key, job), pcm in zip(batch, p.get()):
                 if key in self._reqs:  # aborted meanwhile: drop
                     self._inflight[key] -= 1
+                    keys.add(key)
                     if self._reqs[key].error is None:
                         pieces[key].append((job.chunk_index, pcm))
+        return keys

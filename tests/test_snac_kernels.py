@@ -59,6 +59,12 @@ def _seed_and_threads():
     torch.manual_seed(0)
     if INTERPRET:
         torch.set_num_threads(1)  # the test machine's cores are shared
+    # The references must be fp32: cuDNN convolutions default to TF32 on CUDA, which alone
+    # is ~3e-4 relative (the H200 run showed that error in every fp32 kernel comparison).
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def _snake_ref(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
