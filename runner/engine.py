@@ -82,6 +82,7 @@ class Engine:
         # execute (prepare + launch the forward), sample (launch), emit (wait for the step's
         # ids + bookkeeping), codec (collect + launch windows)
         self.phase_s = [0.0] * len(self.PHASES)
+        self.last_scheduled = SchedulerOutput()  # what the latest step ran (for the slow-step log)
         self.num_requests_total = 0
         self.num_aborted_total = 0
         self.num_generated_total = 0
@@ -156,7 +157,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         ph, t0 = self.phase_s, time.perf_counter()
-        sched = self.scheduler.schedule()
+        sched = self.last_scheduled = self.scheduler.schedule()
         t1 = time.perf_counter()
         out = None
         if not sched.is_empty:

@@ -29,6 +29,8 @@ from runner.sampling_params import InvalidRequest
 
 log = logging.getLogger("omnistream.engine")
 
+SLOW_STEP_S = 0.1  # steps longer than this are logged one by one
+
 
 class EngineProcArgs(msgspec.Struct, forbid_unknown_fields=True):
     model_path: str
@@ -151,6 +153,15 @@ class EngineLoop:
         elif isinstance(msg, ipc.Shutdown):
             self.stop.set()
 
+    def _log_slow(self, dt: float, ph0: list[float]) -> None:
+        """One line per step slower than SLOW_STEP_S: its phases and what it ran."""
+        eng = self.engine
+        sched = eng.last_scheduled
+        phases = " ".join(f"{n} {1e3 * (v - v0):.1f}" for n, v, v0 in zip(eng.PHASES, eng.phase_s, ph0))
+        log.warning("slow step %.0f ms (%s ms): %d sequences, %d decodes, %d tokens, %d running, %d waiting",
+                    1e3 * dt, phases, len(sched.scheduled), sched.num_decodes, sched.num_batched_tokens,
+                    len(eng.scheduler.running), len(eng.scheduler.waiting))
+
     def _account(self, dt: float, batch: int, outs) -> None:
         """Operator log every 5 s: steps/s, mean batch, ms per step, the host time per phase,
         the slowest step, and the engine-side time to first audio (request arrival to the
@@ -210,9 +221,12 @@ class EngineLoop:
                 except queue.Empty:
                     pass
                 if eng.has_unfinished:
+                    ph0 = list(eng.phase_s)
                     t0 = time.perf_counter()
                     outs = eng.step()
                     t1 = time.perf_counter()
+                    if t1 - t0 > SLOW_STEP_S:
+                        self._log_slow(t1 - t0, ph0)
                     if outs:
                         self.outbound.put(ipc.encode_outputs(outs))
                     t2 = time.perf_counter()
@@ -250,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("start-up failed:\n%s", traceback.format_exc())
         out_sock.close()
         return 1
+    from runner.compile_log import install
+
+    install(log)  # start-up compiles are done; any later one stalls the loop and is logged
     loop = EngineLoop(engine, ctx, args)
 
     def on_signal(signum, frame):

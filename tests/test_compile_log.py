@@ -1,0 +1,29 @@
+"""runner.compile_log: the hooks Triton calls around a JIT compile log the kernel."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+
+def test_compile_hooks_log_the_kernel(caplog):
+    knobs = pytest.importorskip("triton").knobs
+    from runner.compile_log import install
+
+    old = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    try:
+        assert install(logging.getLogger("test.compile"))
+
+        class Info:
+            module, name = "runner.sampling_kernels", "_race_noise_kernel"
+
+        kw = dict(key="k", repr="_race_noise_kernel[num_warps=4](...)", fn=Info(), compile={},
+                  is_manual_warmup=False, already_compiled=False)
+        # the pre-compile hook must not skip the compile (a truthy return would)
+        assert not knobs.runtime.jit_cache_hook(**kw)
+        with caplog.at_level(logging.WARNING, logger="test.compile"):
+            knobs.runtime.jit_post_compile_hook(**kw)
+        assert "runner.sampling_kernels._race_noise_kernel" in caplog.text and "after start-up" in caplog.text
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = old
