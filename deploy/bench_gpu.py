@@ -311,9 +311,11 @@ def run_ttfa(repeats: int = 8, prompt: list[int] | None = None) -> dict:
         eng.phase_s = [0.0] * len(eng.PHASES)
         t0 = time.perf_counter()
         eng.add_request(f"ttfa-{i}", prompt, sp, audio=True)
-        steps, first = 0, None
+        steps, first, step_ms = 0, None, []
         while eng.has_unfinished:
+            ts = time.perf_counter()
             outs = eng.step()
+            step_ms.append(1e3 * (time.perf_counter() - ts))
             steps += 1
             if first is None and any(o.audio is not None for o in outs):
                 first = time.perf_counter() - t0
@@ -322,11 +324,13 @@ def run_ttfa(repeats: int = 8, prompt: list[int] | None = None) -> dict:
                     res["steps_to_first_audio"].append(steps)
                     res.setdefault("phase_ms_per_step", []).append(
                         {n: 1e3 * v / steps for n, v in zip(eng.PHASES, eng.phase_s)})
+                    res.setdefault("step_ms", []).append([round(x, 2) for x in step_ms])
         eng.abort_request(f"ttfa-{i}")
     fa = sorted(res["first_audio_ms"])
     res["p50_ms"] = statistics.median(fa)
     log(f"  engine-only time to first audio: p50 {res['p50_ms']:.1f} ms (min {fa[0]:.1f}, max {fa[-1]:.1f}), "
-        f"{res['steps_to_first_audio'][0]} steps; phases/step {res['phase_ms_per_step'][0]}")
+        f"{res['steps_to_first_audio'][0]} steps; phases/step {res['phase_ms_per_step'][0]}; "
+        f"step ms of the last request {res['step_ms'][-1]}")
     del eng
     torch.cuda.empty_cache()
     return res

@@ -71,7 +71,7 @@ class Engine:
         constraint = None
         if codec is not None:
             c = codec.cfg
-            constraint = OrpheusCodeConstraint(c.audio_token_offset, c.codebook_size, c.tokens_per_frame, c.end_token_id, self.device)
+            constraint = OrpheusCodeConstraint(c.audio_token_offset, c.codebook_size, c.tokens_per_frame, c.end_token_id)
         self.runner = ModelRunner(cfg, self.model, self.num_blocks, constraint, lambda r: r.audio)
         self.requests: dict[str, Request] = {}
         self._pending: _Pending | None = None

@@ -30,13 +30,16 @@ from runner.scheduler import ScheduledRequest, SchedulerOutput
 
 
 class LogitsConstraint(Protocol):
-    """A model-declared sampling rule applied before the sampler's own stages.
+    """A model-declared rule on which ids may come next, as a per-row window of allowed ids.
 
-    rows: batch rows it applies to ([R] int64, device), None for every row; out_index: index
-    among the request's outputs of the token being sampled ([R] or [B] int64, device), true
-    even in async mode. (A rule that needs the outputs themselves reads SlotState.history.)"""
+    out_index: index among the request's outputs of the token being sampled ([R] int64, on
+    the device), true even in async mode. gather_window gives the window's logits ([R, W],
+    -inf on ids not allowed); window_ids maps sampled window columns back to token ids. The
+    sampler's filters and race then run over W columns instead of the vocabulary."""
 
-    def __call__(self, logits: torch.Tensor, rows: torch.Tensor | None, out_index: torch.Tensor) -> None: ...
+    def gather_window(self, logits: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor: ...
+
+    def window_ids(self, cols: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -288,6 +291,24 @@ class ModelRunner:
 
     # ---- phase 2 ---------------------------------------------------------------------------
 
+    def _sampling_batch(self, reqs: list[Request], out_index: list[int]) -> SamplingBatch:
+        extra_bias: list[tuple[int, int, float]] = []
+        for row, r in enumerate(reqs):
+            p = r.sampling
+            if out_index[row] < p.min_tokens:  # stop ids may not be sampled yet
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
+                extra_bias.extend((row, tok, float("-inf")) for tok in banned)
+        slots = [r.slot for r in reqs]
+        return SamplingBatch.build([r.sampling for r in reqs], slots, [self.noise_seeds[s] for s in slots], out_index,
+                                   extra_bias, self.device)
+
+    def _sample_constrained(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Rows under the model's constraint: penalties and bias on the full rows, then the
+        sampler's filters and race over the constraint's window of allowed ids only."""
+        self.sampler.penalize(logits, batch, self.slots)
+        window = self.constraint.gather_window(logits, batch.counters)
+        return self.constraint.window_ids(self.sampler.sample(window, batch), batch.counters)
+
     @torch.inference_mode()
     def sample_tokens(self) -> AsyncOutput:
         st, self._state = self._state, None
@@ -296,29 +317,30 @@ class ModelRunner:
         if not entries:
             return self.copier.copy(torch.empty(0, dtype=torch.int64, device=self.device), st.hidden, st.hidden_spans)
         reqs = [e.req for e in entries]
-        slots = [r.slot for r in reqs]
         # index among outputs of the token sampled now (in-flight count already includes it)
         out_index = [r.num_outputs_with_inflight - 1 for r in reqs]
-        extra_bias: list[tuple[int, int, float]] = []
-        for row, r in enumerate(reqs):
-            p = r.sampling
-            if out_index[row] < p.min_tokens:  # stop ids may not be sampled yet
-                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
-                extra_bias.extend((row, tok, float("-inf")) for tok in banned)
-        batch = SamplingBatch.build(
-            [r.sampling for r in reqs], slots, [self.noise_seeds[s] for s in slots], out_index, extra_bias, self.device
-        )
+        c_rows = [i for i, r in enumerate(reqs) if self.wants_constraint(r)] if self.constraint is not None else []
         logits = st.logits
-        out_idx_t = batch.counters  # [B] on the device: the out_index above
-        if self.constraint is not None:
-            c_rows = [i for i, r in enumerate(reqs) if self.wants_constraint(r)]
-            if len(c_rows) == len(reqs):
-                self.constraint(logits, None, out_idx_t)
-            elif c_rows:
-                rows_t = self._to_dev(np.asarray(c_rows, dtype=np.int64))
-                self.constraint(logits, rows_t, out_idx_t[rows_t])
-        sampled = self.sampler(logits, batch, self.slots)
-        self.slots.record(batch.slots, sampled, out_idx_t)
+        if not c_rows or len(c_rows) == len(reqs):
+            batch = self._sampling_batch(reqs, out_index)
+            if c_rows:
+                sampled = self._sample_constrained(logits, batch)
+            else:
+                sampled = self.sampler(logits, batch, self.slots)
+            self.slots.record(batch.slots, sampled, batch.counters)
+        else:
+            # Constrained and free rows sample separately, each as it would alone: a request's
+            # tokens must not depend on what else shares its batch.
+            sampled = torch.empty(len(reqs), dtype=torch.int64, device=self.device)
+            constrained_rows = set(c_rows)
+            free = [i for i in range(len(reqs)) if i not in constrained_rows]
+            for rows, constrained in ((c_rows, True), (free, False)):
+                rows_t = self._to_dev(np.asarray(rows, dtype=np.int64))
+                batch = self._sampling_batch([reqs[i] for i in rows], [out_index[i] for i in rows])
+                part = logits[rows_t]
+                ids = self._sample_constrained(part, batch) if constrained else self.sampler(part, batch, self.slots)
+                sampled[rows_t] = ids
+                self.slots.record(batch.slots, ids, batch.counters)
         if self.record_timeline and self._t0 is not None:
             t1 = torch.cuda.Event(enable_timing=True)
             t1.record()

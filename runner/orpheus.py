@@ -6,10 +6,12 @@ and end-of-speech may only come at a frame boundary (k % 7 == 0). A well-trained
 this anyway; enforcing it means a stream can never stop mid-frame or emit an undecodable id,
 and the embedded random-weight default still produces (noise) audio.
 
-It runs on the device, vectorised over rows, with the true output index of each row (correct
-in async mode, where the host has not seen the previous token yet). The variant is picked once
-from the device: on CUDA one Triton launch writes -inf outside each row's range (writes only:
-at batch 256 x 156940 the torch version's gather, masks and scatter moved ~1 GB per step).
+The rule is a window per row: the runner gathers the window's logits (codebook_size + 1
+columns), the sampler filters and draws among those columns only, and the chosen column maps
+back to a token id. That is the same distribution as masking every other id to -inf in the
+full row, at a fraction of the sampler's work (4097 of 156940 columns for Orpheus-3B). It runs
+on the device, vectorised over rows, with the true output index of each row (correct in async
+mode, where the host has not seen the previous token yet).
 """
 
 from __future__ import annotations
@@ -18,34 +20,30 @@ import torch
 
 
 class OrpheusCodeConstraint:
-    def __init__(self, audio_token_offset: int, codebook_size: int, tokens_per_frame: int, end_token_id: int,
-                 device: torch.device | str = "cpu", kernels: str = "auto"):
+    def __init__(self, audio_token_offset: int, codebook_size: int, tokens_per_frame: int, end_token_id: int):
         self.offset = audio_token_offset
         self.cb = codebook_size
         self.tpf = tokens_per_frame
         self.end = end_token_id
-        self._kernel = None
-        if kernels == "triton" or (kernels == "auto" and torch.device(device).type == "cuda"):
-            from runner.orpheus_kernels import mask_outside_code_range
 
-            self._kernel = mask_outside_code_range
+    @property
+    def window_width(self) -> int:
+        """Columns of `gather_window`: the codebook slot's ids, then the end token."""
+        return self.cb + 1
 
-    def __call__(self, logits: torch.Tensor, rows: torch.Tensor | None, out_index: torch.Tensor) -> None:
-        """logits [B, V] in place; rows [R] int64 batch rows the rule applies to (None: every
-        row); out_index [R] int64 (or [B] when rows is None): index among the request's outputs
-        of the token being sampled."""
-        if self._kernel is not None:
-            self._kernel(logits, rows, out_index, self.offset, self.cb, self.tpf, self.end)
-            return
-        V = logits.shape[1]
-        k = out_index % self.tpf  # [R]
-        lo = (self.offset + k * self.cb).unsqueeze(1)  # [R, 1]
-        vocab = torch.arange(V, device=logits.device).unsqueeze(0)  # [1, V]
-        allowed = (vocab >= lo) & (vocab < lo + self.cb)
-        if 0 <= self.end < V:
-            allowed[:, self.end] |= k == 0
-        if rows is None:
-            logits.masked_fill_(~allowed, float("-inf"))
-            return
-        sub = logits[rows]
-        logits[rows] = sub.masked_fill(~allowed, float("-inf"))
+    def gather_window(self, logits: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor:
+        """logits [R, V] -> [R, cb + 1]: column j < cb is id offset + k * cb + j (k = out_index
+        % 7), column cb the end token (-inf where k != 0, or where the end id is outside V)."""
+        k = out_index % self.tpf
+        lo = self.offset + k * self.cb  # [R]
+        cols = lo[:, None] + torch.arange(self.cb, device=logits.device)  # [R, cb]
+        if 0 <= self.end < logits.shape[1]:
+            end = torch.where(k == 0, logits[:, self.end], float("-inf"))
+        else:
+            end = torch.full(k.shape, float("-inf"), device=logits.device, dtype=logits.dtype)
+        return torch.cat([logits.gather(1, cols), end[:, None]], dim=1)
+
+    def window_ids(self, cols: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor:
+        """Sampled columns of `gather_window` [R] -> token ids [R]."""
+        lo = self.offset + (out_index % self.tpf) * self.cb
+        return torch.where(cols < self.cb, lo + cols, self.end)

@@ -403,6 +403,20 @@ class Sampler:
         """logits [B, V] float32 (modified in place) -> sampled ids [B] int64 on the logits' device."""
         self._check(logits, batch)
         self._penalize_and_bias(logits, batch, state)
+        return self.sample(logits, batch)
+
+    def penalize(self, logits: Tensor, batch: SamplingBatch, state: SlotState) -> None:
+        """Stages 1-2 alone (in place on logits [B, V]); `sample` does the rest."""
+        self._check(logits, batch)
+        self._penalize_and_bias(logits, batch, state)
+
+    def sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        """Stages 3-5 on logits [B, N] that already carry penalties and bias: ids in [0, N).
+
+        N may be a per-row sub-vocabulary (runner: a constraint's window of allowed ids);
+        the race noise is then keyed on the column, which is what batch independence needs."""
+        if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
+            raise ValueError(f"logits {tuple(logits.shape)} do not match a batch of {batch.num_rows} rows")
         if batch.all_greedy:
             return logits.argmax(dim=-1)
         q = self._draw_noise(batch, logits.shape[1])  # [B, V] Exp(1) from the rows' noise keys

@@ -306,3 +306,47 @@ def test_duplicate_live_request_id_rejected(llama_path):
     with pytest.raises(InvalidRequest) as ei:
         eng.add_request("x", [1, 2, 3], SamplingParams(max_tokens=4))
     assert ei.value.field == "request_id"
+
+
+# ---- audio requests (the embedded Orpheus-shaped default with its codec) -------------------------
+
+
+@pytest.fixture(scope="module")
+def audio_engine(tmp_path_factory):
+    from runner.default_model import ensure_default_model
+    from runner.engine_proc import EngineProcArgs, build_engine
+
+    path = ensure_default_model(tmp_path_factory.mktemp("default"))
+    return build_engine(EngineProcArgs(model_path=str(path), input_addr="", output_addr="", max_num_seqs=8,
+                                       max_model_len=512, cpu_threads=1))
+
+
+def _run_audio(eng: Engine, with_text_neighbour: bool) -> tuple[list[int], int]:
+    sp = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, max_tokens=30, seed=7)
+    eng.add_request("speech", list(range(20, 45)), sp, audio=True)
+    if with_text_neighbour:
+        eng.add_request("text", list(range(60, 70)), SamplingParams(temperature=1.0, max_tokens=30, seed=3))
+    toks, samples, outputs = [], 0, 0
+    while eng.has_unfinished:
+        for o in eng.step():
+            if o.request_id == "speech":
+                outputs += 1
+                toks += o.new_token_ids
+                samples += 0 if o.audio is None else o.audio.size
+    return toks, samples, outputs
+
+
+def test_audio_request_follows_the_code_rule_and_ignores_its_neighbours(audio_engine):
+    from runner.default_model import AUDIO_OFFSET, CODEBOOK, SPECIALS
+
+    alone, samples, outputs = _run_audio(audio_engine, False)
+    end = SPECIALS["<|end_of_speech|>"]
+    assert len(alone) == 30 or alone[-1] == end
+    for i, t in enumerate(alone):
+        lo = AUDIO_OFFSET + (i % 7) * CODEBOOK
+        assert lo <= t < lo + CODEBOOK or (t == end and i % 7 == 0), (i, t)
+    assert samples == (len([t for t in alone if t != end]) // 7) * 2048
+    # tokens travel with the audio chunks and the final output, not one message per token
+    assert outputs < len(alone) // 2
+    # a text request in the same steps samples separately: the seeded speech is unchanged
+    assert _run_audio(audio_engine, True)[0] == alone
