@@ -35,6 +35,13 @@ class AttentionMetadata:
     # prefill_max_seq_len. Backends may run the two parts differently; 0 = no such split.
     num_decodes: int = 0
     prefill_max_seq_len: int = 0
+    # Per query row (set by the runner for backends with `supports_token_rows` when every
+    # query chunk is short): row t is position p_t of its sequence and attends causally over
+    # [0, p_t + 1), i.e. exactly a decode row with that sequence's block table. A short
+    # prefill chunk then runs through the decode kernel as one row per token, with no padded
+    # gather; its cost grows with q_len * context, hence the runner's length limit.
+    token_seq_lens: torch.Tensor | None = None  # [T] int32, p_t + 1
+    token_block_tables: torch.Tensor | None = None  # [T, max_blocks] int32, row t = its sequence's table
 
     def prefill_part(self) -> "AttentionMetadata":
         """Metadata of sequences [num_decodes, B) alone (query rows num_decodes..T-1)."""
@@ -84,9 +91,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 class TorchPagedAttention:
     """Vectorised paged attention with SDPA: gather each sequence's KV into a padded batch.
 
+    supports_token_rows = False: it ignores AttentionMetadata.token_* (no decode kernel here).
+
     Works on any device; cost is O(B * max_seq_len) gathered KV per layer, which is fine on CPU
     and for prefill, and is what the GPU decode kernel will replace.
     """
+
+    supports_token_rows = False
 
     def forward(
         self,

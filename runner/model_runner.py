@@ -29,6 +29,12 @@ from runner.sampler import Sampler, SamplingBatch, SlotState
 from runner.scheduler import ScheduledRequest, SchedulerOutput
 
 
+# Longest query chunk run as per-token decode rows: each row re-reads its context, so the KV
+# traffic grows with q_len * context; TTS prompts (~30-60 tokens) and prefix-cache tails sit
+# far below, long prompts take the padded torch path.
+MAX_TOKEN_ROW_QUERY = 128
+
+
 class LogitsConstraint(Protocol):
     """A model-declared rule on which ids may come next, as a per-row window of allowed ids.
 
@@ -138,6 +144,8 @@ class ModelRunner:
         # extended as requests grow, so a step copies only the rows it needs
         self.block_table = np.zeros((S, self.max_blocks_per_seq), dtype=np.int32)
         self.blocks_written = [0] * S
+        # short prefill chunks through the decode kernel, one row per token (AttentionMetadata)
+        self.token_rows = bool(getattr(getattr(model, "attn", None), "supports_token_rows", False))
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and cfg.runner.cuda_graphs:
             self.graphs = DecodeGraphs(model, self.kv_caches, min(cfg.runner.max_graph_batch_size, S),
@@ -261,6 +269,10 @@ class ModelRunner:
         else:
             q_lens = np.diff(qsl)
             nd = sched.num_decodes if T > B else 0  # the scheduler puts one-token rows first
+            tok_lens = tok_tables = None
+            if self.token_rows and int(q_lens.max()) <= MAX_TOKEN_ROW_QUERY:
+                tok_lens = (pos_d + 1).to(torch.int32)
+                tok_tables = self._to_dev(np.repeat(tables, q_lens, axis=0))
             meta = AttentionMetadata(
                 query_start_loc=qsl_d.to(torch.int32),
                 seq_lens=seq_d.to(torch.int32),
@@ -270,6 +282,8 @@ class ModelRunner:
                 max_seq_len=int(seq_lens.max()),
                 num_decodes=nd,
                 prefill_max_seq_len=int(seq_lens[nd:].max()) if nd else 0,
+                token_seq_lens=tok_lens,
+                token_block_tables=tok_tables,
             )
             cap = tuple(sorted(capture))
             hidden, captured = self.model(input_ids, pos_d, self.kv_caches, meta, cap)

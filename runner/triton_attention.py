@@ -313,6 +313,7 @@ class TritonPagedAttention:
     """
 
     accepts_prewritten_kv = True
+    supports_token_rows = True  # AttentionMetadata.token_*: short prefills as decode rows
 
     def __init__(self, num_splits: int | None = None) -> None:
         self._torch = TorchPagedAttention()
@@ -328,7 +329,7 @@ class TritonPagedAttention:
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
         # decode rows' KV here; the prefill path writes its own
-        if meta.max_query_len == 1:
+        if meta.max_query_len == 1 or meta.token_seq_lens is not None:
             write_kv(k, v, kv_cache, meta.slot_mapping)
         elif meta.num_decodes:
             nd = meta.num_decodes
@@ -350,6 +351,10 @@ class TritonPagedAttention:
         rows through the decode kernel and only the prefill sequences through the torch path,
         whose padded gather costs B * max_seq_len: at batch 400 a single new prompt would
         otherwise make every running sequence's KV be gathered in every layer (~0.5 s)."""
+        if meta.token_seq_lens is not None:  # every query row as a decode row (causal by seq_len)
+            assert meta.token_block_tables is not None and q.shape[0] == meta.token_seq_lens.shape[0]
+            return paged_decode_attention(q, kv_cache, meta.token_block_tables, meta.token_seq_lens, scale,
+                                          num_splits=self.num_splits)
         if meta.max_query_len != 1:
             # The torch prefill path writes k/v (again, when the caller already did: the same
             # values to the same slots, redundant but harmless; prefill is not launch-bound).

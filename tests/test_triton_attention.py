@@ -281,6 +281,20 @@ def test_backend_mixed_step_decodes_with_the_kernel():
     assert torch.equal(kv, kv_t)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
+    # Every query row as a decode row (token_seq_lens = position + 1, its sequence's table):
+    # causal attention over the paged context, chunks with a cached prefix included.
+    pos = [p for ql, sl in zip(q_lens, seq_lens) for p in range(sl - ql, sl)]
+    rows_of = [i for i, ql in enumerate(q_lens) for _ in range(ql)]
+    tok_meta = AttentionMetadata(
+        **{f: getattr(meta, f) for f in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping", "max_query_len", "max_seq_len")},
+        token_seq_lens=torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=DEVICE),
+        token_block_tables=tables[torch.tensor(rows_of, device=DEVICE)].contiguous(),
+    )
+    kv_r = kv_t.clone()
+    rows = TritonPagedAttention().forward(q, k, v, kv_r, tok_meta, 0.3)
+    assert torch.equal(kv_r, kv_t)
+    torch.testing.assert_close(rows, ref, atol=1e-4, rtol=1e-4)
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA, reason="CUDA graphs need a CUDA device")
