@@ -164,16 +164,17 @@ class ModelRunner:
 
     # ---- phase 1 ---------------------------------------------------------------------------
 
-    def _admit(self, e: ScheduledRequest) -> None:
-        """Reset device slot state when a request (re)starts. A request re-admitted after
-        preemption keeps its noise seed; its noise is keyed on the output index, so sampling
-        continues exactly as if it had not been preempted."""
+    def _admit(self, e: ScheduledRequest, admitted: list) -> None:
+        """Reset device slot state when a request (re)starts (queued into `admitted` for one
+        SlotState.admit_many per step). A request re-admitted after preemption keeps its noise
+        seed; its noise is keyed on the output index, so sampling continues exactly as if it
+        had not been preempted."""
         req = e.req
         if self.slot_owner[req.slot] is not req:
             self.slot_owner[req.slot] = req
             seed = req.sampling.seed
             self.noise_seeds[req.slot] = seed if seed is not None else self._seed_rng.getrandbits(63)
-        self.slots.admit(req.slot, req.prompt_token_ids, req.output_token_ids, req.sampling.uses_penalties)
+        admitted.append((req.slot, req.prompt_token_ids, req.output_token_ids, req.sampling.uses_penalties))
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> None:
@@ -195,6 +196,7 @@ class ModelRunner:
         hidden_spans = []
         hidden_rows: list[np.ndarray] = []
         capture: set[int] = set()
+        admitted: list = []
         table = self.block_table
         t = 0
         for b, e in enumerate(entries):
@@ -203,7 +205,7 @@ class ModelRunner:
             slots[b] = slot
             blocks = req.block_ids
             if e.new_admission:
-                self._admit(e)
+                self._admit(e, admitted)
                 table[slot, : len(blocks)] = blocks
                 self.blocks_written[slot] = len(blocks)
             elif len(blocks) > self.blocks_written[slot]:  # block tables only grow while running
@@ -249,6 +251,7 @@ class ModelRunner:
             t += n
         max_blocks = -(-int(seq_lens.max()) // bs)
         tables = table[slots, :max_blocks]
+        self.slots.admit_many(admitted)  # before the sampler reads the rows, after this loop
 
         if self.record_timeline:
             self._t0 = torch.cuda.Event(enable_timing=True)

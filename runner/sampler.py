@@ -151,47 +151,67 @@ class SlotState:
         return torch.where(slots < 0, self.num_slots, slots)
 
     def admit(self, slot: int, prompt_ids: list[int], output_ids: list[int], track_penalties: bool) -> None:
-        """Reset row `slot` for a request (re)starting prefill.
+        """Reset row `slot` for a request (re)starting prefill (see admit_many)."""
+        self.admit_many([(slot, prompt_ids, output_ids, track_penalties)])
 
-        `output_ids` are confirmed outputs (non-empty when recomputing after a preemption);
+    def admit_many(self, items: list[tuple[int, list[int], list[int], bool]]) -> None:
+        """Reset the rows of requests (re)starting prefill: (slot, prompt ids, output ids,
+        track penalties) each, slots distinct. One host->device copy and a fixed number of
+        launches however many requests a step admits (a burst of 400 arrivals used to cost
+        ~10 launches each).
+
+        Output ids are confirmed outputs (non-empty when recomputing after a preemption);
         they refill history and counts so penalties continue where they left off. Prompt
         ids outside [0, V) (e.g. multimodal placeholders beyond the lm_head) are ignored
         by the penalty mask, as HF does.
         """
-        if not 0 <= slot < self.num_slots:
-            raise ValueError(f"slot {slot} outside [0, {self.num_slots})")
-        n_out = len(output_ids)
-        if n_out > self.max_model_len:
-            raise ValueError(f"{n_out} output ids exceed max_model_len={self.max_model_len}")
-        n_prompt = len(prompt_ids)
-        ids = _to_device(list(prompt_ids) + list(output_ids), torch.int64, self.device)  # [P + O], one copy
-        prompt_t, out_t = ids[:n_prompt], ids[n_prompt:]
-
-        last = output_ids[-1] if output_ids else (prompt_ids[-1] if prompt_ids else 0)
-        self._last_token[slot] = last  # scalar fill kernel, no sync
-        hist = self._history[slot]
-        hist.fill_(-1)
-        hist[:n_out] = out_t
-
-        if track_penalties and self._output_counts is None:
+        if not items:
+            return
+        slots, lasts, p_rows, p_ids, o_rows, o_pos, o_ids, o_track = [], [], [], [], [], [], [], []
+        track_any = False
+        for slot, prompt_ids, output_ids, track in items:
+            if not 0 <= slot < self.num_slots:
+                raise ValueError(f"slot {slot} outside [0, {self.num_slots})")
+            n_out = len(output_ids)
+            if n_out > self.max_model_len:
+                raise ValueError(f"{n_out} output ids exceed max_model_len={self.max_model_len}")
+            slots.append(slot)
+            lasts.append(output_ids[-1] if output_ids else (prompt_ids[-1] if prompt_ids else 0))
+            if track:
+                track_any = True
+                p_rows += [slot] * len(prompt_ids)
+                p_ids += prompt_ids
+            o_rows += [slot] * n_out
+            o_pos += range(n_out)
+            o_ids += output_ids
+            o_track += [int(track)] * n_out
+        if track_any and self._output_counts is None:
             self._allocate_penalty_buffers()
+        n, np_, no = len(slots), len(p_ids), len(o_ids)
+        pack = _to_device([*slots, *lasts, *p_rows, *p_ids, *o_rows, *o_pos, *o_ids, *o_track], torch.int64, self.device)
+        slots_t, lasts_t = pack[:n], pack[n : 2 * n]
+        p_rows_t, p_ids_t = pack[2 * n : 2 * n + np_], pack[2 * n + np_ : 2 * n + 2 * np_]
+        o = 2 * n + 2 * np_
+        o_rows_t, o_pos_t, o_ids_t, o_track_t = (pack[o + i * no : o + (i + 1) * no] for i in range(4))
+
+        self._last_token.index_put_((slots_t,), lasts_t)  # no sync
+        self._history.index_fill_(0, slots_t, -1)
+        if no:
+            self._history.index_put_((o_rows_t, o_pos_t), o_ids_t)
         if self._output_counts is None:
             return
         assert self._prompt_mask is not None
-        mask_row, count_row = self._prompt_mask[slot], self._output_counts[slot]
-        mask_row.zero_()
-        count_row.zero_()
-        if not track_penalties:
-            return
-        v = self.vocab_size
-        # Out-of-vocab prompt ids go to index V of a [V+1] scratch, then get dropped.
-        mask_ext = torch.zeros(v + 1, dtype=torch.bool, device=self.device)
-        in_vocab = (prompt_t >= 0) & (prompt_t < v)
-        mask_ext[torch.where(in_vocab, prompt_t, v)] = True
-        mask_row.copy_(mask_ext[:v])
-        if n_out:
-            ones = torch.ones(n_out, dtype=torch.int32, device=self.device)
-            count_row.index_put_((out_t,), ones, accumulate=True)
+        self._prompt_mask.index_fill_(0, slots_t, False)
+        self._output_counts.index_fill_(0, slots_t, 0)
+        v, scratch = self.vocab_size, self.num_slots
+        if np_:
+            # out-of-vocab prompt ids (and untracked rows) land in the scratch row, never read
+            ok = (p_ids_t >= 0) & (p_ids_t < v)
+            self._prompt_mask.index_put_((torch.where(ok, p_rows_t, scratch), torch.where(ok, p_ids_t, 0)),
+                                         torch.ones_like(ok))
+        if no:
+            rows = torch.where(o_track_t > 0, o_rows_t, scratch)
+            self._output_counts.index_put_((rows, o_ids_t), torch.ones_like(o_ids_t, dtype=torch.int32), accumulate=True)
 
     def record(self, slots: Tensor, tokens: Tensor, out_index: Tensor) -> None:
         """Record sampled tokens on the device; no host sync.
@@ -231,7 +251,8 @@ class SlotState:
 class SamplingBatch:
     """Per-step sampling inputs for B rows, built on the host by the runner, tensors on the logits' device.
 
-    The float fields are views of one [6, B] tensor and the int fields of one [4, B] tensor,
+    The float fields are views of one [6, B'] tensor and the int fields of one [4, B'] tensor
+    (B' = B rounded up to 4, so every row starts 16-byte aligned),
     so a step costs at most three host->device copies (plus one for bias values).
     """
 
@@ -277,19 +298,25 @@ class SamplingBatch:
         b = len(params)
         if not len(slots) == len(seeds) == len(counters) == b:
             raise ValueError(f"params ({b}), slots ({len(slots)}), seeds ({len(seeds)}) and counters ({len(counters)}) differ in length")
+        # Rows padded to 4 columns (16 bytes): every row view starts 16-byte aligned whatever B
+        # is. Triton specialises pointer arguments on that alignment, so unpadded rows made
+        # the sampling kernels compile a new variant (~1 s) whenever B % 4 changed.
+        pad = [0] * (-b % 4)
+        bp = b + len(pad)
         floats = _to_device(
             [
-                [p.temperature for p in params],
-                [p.top_p for p in params],
-                [p.min_p for p in params],
-                [p.repetition_penalty for p in params],
-                [p.frequency_penalty for p in params],
-                [p.presence_penalty for p in params],
+                [p.temperature for p in params] + pad,
+                [p.top_p for p in params] + pad,
+                [p.min_p for p in params] + pad,
+                [p.repetition_penalty for p in params] + pad,
+                [p.frequency_penalty for p in params] + pad,
+                [p.presence_penalty for p in params] + pad,
             ],
             torch.float32,
             device,
-        ).reshape(6, b)  # reshape: an empty batch gives shape [6, 0] either way
-        ints = _to_device([[p.top_k for p in params], list(slots), list(seeds), list(counters)], torch.int64, device).reshape(4, b)
+        ).reshape(6, bp)[:, :b]  # reshape: an empty batch gives shape [6, 0] either way
+        ints = _to_device([[p.top_k for p in params] + pad, list(slots) + pad, list(seeds) + pad, list(counters) + pad],
+                          torch.int64, device).reshape(4, bp)[:, :b]
 
         b_rows: list[int] = []
         b_cols: list[int] = []

@@ -330,10 +330,11 @@ async def test_async_zmq_slow_consumer_ends_only_its_request(server: ServerProc)
                 async for _ in slow:
                     await asyncio.sleep(1.0)  # one-token steps pile up meanwhile
         assert info.value.code == "overloaded"
-        # the socket's reader survived: the next request on the same client completes
+        # the socket's reader survived: the next request on the same client completes (one
+        # token: within the bound of 2 even if the reader runs ahead of this consumer)
         steps = await asyncio.wait_for(
-            _collect(c.generate(prompt_token_ids=ZMQ_PROMPT, sampling={"max_tokens": 3, "temperature": 0})), WAIT_S)
-        assert steps[-1].finished and sum(len(s.token_ids) for s in steps) == 3
+            _collect(c.generate(prompt_token_ids=ZMQ_PROMPT, sampling={"max_tokens": 1, "temperature": 0})), WAIT_S)
+        assert steps[-1].finished and sum(len(s.token_ids) for s in steps) == 1
 
 
 async def _collect(stream) -> list:

@@ -1066,3 +1066,14 @@ def test_triton_race_noise_equals_torch():
     out = torch.empty(6, v, device=KDEV)
     SK.race_noise(seeds.to(KDEV), ctrs.to(KDEV), out)
     torch.testing.assert_close(out.cpu(), race_noise(seeds, ctrs, v), rtol=1e-6, atol=0)
+
+
+def test_batch_rows_are_16_byte_aligned_for_any_batch_size():
+    """Triton specialises pointers on 16-byte alignment: a row view that is aligned for one
+    batch size and not for another would compile a new kernel variant mid-serving."""
+    for b in range(1, 10):
+        batch = SamplingBatch.build([SamplingParams(top_p=0.5)] * b, list(range(b)), list(range(b)), [0] * b, [], CPU)
+        for t in (batch.temperature, batch.top_p, batch.min_p, batch.repetition_penalty, batch.frequency_penalty,
+                  batch.presence_penalty, batch.top_k, batch.slots, batch.seeds, batch.counters):
+            assert t.data_ptr() % 16 == 0 and t.shape == (b,) and t.stride() == (1,)
+        assert batch.top_p.tolist() == [0.5] * b and batch.seeds.tolist() == list(range(b))
