@@ -184,10 +184,15 @@ class ModelRunner:
         bs = self.block_size
         T = sched.num_batched_tokens
         # Host inputs, packed so one pinned copy moves them all:
-        # [ids T | positions T | slot_mapping T | seq_lens B | query_start_loc B+1]
-        pack = np.zeros(3 * T + 2 * B + 1, dtype=np.int64)
-        ids, pos, slot_map = pack[:T], pack[T : 2 * T], pack[2 * T : 3 * T]
-        seq_lens, qsl = pack[3 * T : 3 * T + B], pack[3 * T + B :]
+        # [ids T | positions T | slot_mapping T | seq_lens B | query_start_loc B+1], each
+        # segment padded to an even length
+        # Segments start at even offsets (16 bytes): Triton specialises pointer arguments on
+        # 16-byte alignment, and an odd T used to give the RoPE/KV-write kernel's positions and
+        # slot mapping a second compiled variant (a 0.2 s stall the first time it happened).
+        Ta, Ba = T + T % 2, B + B % 2
+        pack = np.zeros(3 * Ta + 2 * Ba + 2, dtype=np.int64)
+        ids, pos, slot_map = pack[:T], pack[Ta : Ta + T], pack[2 * Ta : 2 * Ta + T]
+        seq_lens, qsl = pack[3 * Ta : 3 * Ta + B], pack[3 * Ta + Ba : 3 * Ta + Ba + B + 1]
         slots = np.empty(B, dtype=np.int64)
         dev_rows: list[int] = []  # flat rows whose token is still on the device
         dev_slots: list[int] = []
@@ -257,8 +262,8 @@ class ModelRunner:
             self._t0 = torch.cuda.Event(enable_timing=True)
             self._t0.record()
         pk = self._to_dev(pack)
-        input_ids, pos_d, slot_d = pk[:T], pk[T : 2 * T], pk[2 * T : 3 * T]
-        seq_d, qsl_d = pk[3 * T : 3 * T + B], pk[3 * T + B :]
+        input_ids, pos_d, slot_d = pk[:T], pk[Ta : Ta + T], pk[2 * Ta : 2 * Ta + T]
+        seq_d, qsl_d = pk[3 * Ta : 3 * Ta + B], pk[3 * Ta + Ba : 3 * Ta + Ba + B + 1]
         if dev_rows:
             rs = self._to_dev(np.asarray([dev_rows, dev_slots], dtype=np.int64))
             input_ids[rs[0]] = self.slots.last_token[rs[1]]
