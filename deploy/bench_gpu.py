@@ -112,7 +112,10 @@ def run_engine(model, batches, graphs: bool, async_sched: bool, sampling, timeli
         record = torch.cuda.is_available()  # GPU busy time and idle gaps at every batch size
         step = 0
         while eng.has_unfinished:
-            decoding = all(not r.is_prefill for r in eng.scheduler.running) and not eng.scheduler.waiting
+            # every prompt computed (Request.is_prefill would also flag a sync-mode request whose
+            # newest token is known but not yet computed, so the eager run timed no step)
+            decoding = not eng.scheduler.waiting and all(
+                r.num_computed_tokens >= r.num_prompt_tokens for r in eng.scheduler.running)
             if record and decoding and step > 20:
                 eng.runner.record_timeline = True
             t0 = time.perf_counter()
