@@ -487,10 +487,14 @@ class SnacWindowDecoder:
             return PendingPCM(flat, lengths, None)
         with torch.cuda.stream(self.stream):
             # inputs come from the host only: no dependency on the model's stream
-            meta = torch.tensor([[j.window_start for j in jobs], seeds], dtype=torch.int64).pin_memory()
+            # rows padded to an even length: meta[1] then starts 16-byte aligned for any batch
+            # size, so Triton keeps one pointer specialisation (an odd batch compiled a second)
+            pad = [0] * (len(jobs) % 2)
+            meta = torch.tensor([[j.window_start for j in jobs] + pad, list(seeds) + pad], dtype=torch.int64).pin_memory()
             codes = torch.from_numpy(np.stack(windows)).pin_memory().to(self.device, non_blocking=True)
             meta = meta.to(self.device, non_blocking=True)
-            pcm = float_to_s16(self.decode(codes, meta[0], meta[1]))
+            n = len(jobs)
+            pcm = float_to_s16(self.decode(codes, meta[0, :n], meta[1, :n]))
             flat = torch.cat([pcm[i, lo:hi] for i, (lo, hi) in enumerate(cuts)])
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             host.copy_(flat, non_blocking=True)

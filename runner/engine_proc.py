@@ -264,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("start-up failed:\n%s", traceback.format_exc())
         out_sock.close()
         return 1
+    if engine.device.type == "cuda":
+        engine.warm_up()
     from runner.compile_log import install
 
     install(log)  # start-up compiles are done; any later one stalls the loop and is logged

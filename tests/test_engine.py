@@ -350,3 +350,13 @@ def test_audio_request_follows_the_code_rule_and_ignores_its_neighbours(audio_en
     assert outputs < len(alone) // 2
     # a text request in the same steps samples separately: the seeded speech is unchanged
     assert _run_audio(audio_engine, True)[0] == alone
+
+
+def test_warm_up_runs_an_audio_request_and_leaves_the_engine_clean(audio_engine):
+    free = audio_engine.blocks.num_free_blocks
+    audio_engine.warm_up()
+    st = audio_engine.stats()
+    assert st.num_running == st.num_waiting == 0 and st.active_request_ids == []
+    assert st.num_requests_total == 0 and st.step_count == 0 and st.num_generated_tokens_total == 0
+    assert audio_engine.blocks.num_free_blocks == free  # cached prefix blocks are free (reusable)
+    assert len(audio_engine.codec) == 0
