@@ -222,25 +222,31 @@ def test_backend_decode_matches_torch_backend(dtype):
     assert (out.float() - ref.float()).abs().max().item() <= tol
 
 
-def test_backend_prefill_delegates_to_torch():
+def _chunked_case(q_lens: list[int], seq_lens: list[int], seed: int, **meta_kw):
+    """q/k/v for sequences computing their last q_len positions, the paged cache and metadata."""
     hq, hkv, d = 4, 2, 32
-    _, kv, tables, _ = _make_case(2, hq, hkv, d, [20, 9], torch.float32, poison=False)
-    q_lens, seq_lens = [5, 3], [20, 9]
-    t = sum(q_lens)
-    gen = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(t, h, d, generator=gen).to(DEVICE) for h in (hq, hkv, hkv))
-    slots = []
-    for i, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
-        for p in range(sl - ql, sl):
-            slots.append(int(tables[i, p // BS]) * BS + p % BS)
+    _, kv, tables, _ = _make_case(len(seq_lens), hq, hkv, d, seq_lens, torch.float32, poison=False)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(sum(q_lens), h, d, generator=gen).to(DEVICE) for h in (hq, hkv, hkv))
+    slots = [int(tables[i, p // BS]) * BS + p % BS
+             for i, (ql, sl) in enumerate(zip(q_lens, seq_lens)) for p in range(sl - ql, sl)]
+    qsl = [0]
+    for ql in q_lens:
+        qsl.append(qsl[-1] + ql)
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, 5, 8], dtype=torch.int32, device=DEVICE),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
         block_tables=tables,
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
-        max_query_len=5,
-        max_seq_len=20,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        **meta_kw,
     )
+    return q, k, v, kv, tables, meta
+
+
+def test_backend_prefill_delegates_to_torch():
+    q, k, v, kv, _, meta = _chunked_case([5, 3], [20, 9], seed=2)
     kv_t = kv.clone()
     out = TritonPagedAttention().forward(q, k, v, kv, meta, 0.3)
     ref = TorchPagedAttention().forward(q, k, v, kv_t, meta, 0.3)
@@ -251,30 +257,9 @@ def test_backend_mixed_step_decodes_with_the_kernel():
     """Decode rows first, then prefill chunks (meta.num_decodes): the decode rows go through the
     Triton kernel, the prefill rows through the torch path over the prefill sequences alone;
     the result and the KV writes equal the torch backend over the whole batch."""
-    hq, hkv, d = 4, 2, 32
     seq_lens = [40, 7, 300, 20, 9]
     q_lens = [1, 1, 1, 5, 3]  # three decodes, two prefill chunks
-    _, kv, tables, _ = _make_case(len(seq_lens), hq, hkv, d, seq_lens, torch.float32, poison=False)
-    t = sum(q_lens)
-    gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(t, h, d, generator=gen).to(DEVICE) for h in (hq, hkv, hkv))
-    slots = []
-    for i, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
-        for p in range(sl - ql, sl):
-            slots.append(int(tables[i, p // BS]) * BS + p % BS)
-    qsl = [0]
-    for ql in q_lens:
-        qsl.append(qsl[-1] + ql)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=tables,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
-        max_query_len=5,
-        max_seq_len=300,
-        num_decodes=3,
-        prefill_max_seq_len=20,
-    )
+    q, k, v, kv, tables, meta = _chunked_case(q_lens, seq_lens, seed=3, num_decodes=3, prefill_max_seq_len=20)
     kv_t = kv.clone()
     out = TritonPagedAttention().forward(q, k, v, kv, meta, 0.3)
     ref = TorchPagedAttention().forward(q, k, v, kv_t, meta, 0.3)
