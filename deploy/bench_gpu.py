@@ -328,7 +328,6 @@ def run_ttfa(repeats: int = 8, prompt: list[int] | None = None) -> dict:
                     res.setdefault("phase_ms_per_step", []).append(
                         {n: 1e3 * v / steps for n, v in zip(eng.PHASES, eng.phase_s)})
                     res.setdefault("step_ms", []).append([round(x, 2) for x in step_ms])
-        eng.abort_request(f"ttfa-{i}")
     fa = sorted(res["first_audio_ms"])
     res["p50_ms"] = statistics.median(fa)
     log(f"  engine-only time to first audio: p50 {res['p50_ms']:.1f} ms (min {fa[0]:.1f}, max {fa[-1]:.1f}), "

@@ -184,11 +184,10 @@ class ModelRunner:
         bs = self.block_size
         T = sched.num_batched_tokens
         # Host inputs, packed so one pinned copy moves them all:
-        # [ids T | positions T | slot_mapping T | seq_lens B | query_start_loc B+1], each
-        # segment padded to an even length
-        # Segments start at even offsets (16 bytes): Triton specialises pointer arguments on
-        # 16-byte alignment, and an odd T used to give the RoPE/KV-write kernel's positions and
-        # slot mapping a second compiled variant (a 0.2 s stall the first time it happened).
+        # [ids T | positions T | slot_mapping T | seq_lens B | query_start_loc B+1]. Segments
+        # start at even offsets (16 bytes): Triton specialises pointer arguments on 16-byte
+        # alignment, and an odd T gave the RoPE/KV-write kernel's positions and slot mapping a
+        # second compiled variant (a 0.2 s stall the first time it happened).
         Ta, Ba = T + T % 2, B + B % 2
         pack = np.zeros(3 * Ta + 2 * Ba + 2, dtype=np.int64)
         ids, pos, slot_map = pack[:T], pack[Ta : Ta + T], pack[2 * Ta : 2 * Ta + T]

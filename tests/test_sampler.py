@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 if not __import__("torch").cuda.is_available():
     # Must be set before runner.sampling_kernels is imported: @triton.jit picks the interpreter
@@ -33,6 +30,7 @@ from transformers.generation.logits_process import (
 
 from runner.sampler import Sampler, SamplingBatch, SlotState, race_noise
 from runner.sampling_params import SamplingParams
+from tests.triton_interpreter import compile_offline, has_nvidia_backend
 
 CPU = torch.device("cpu")
 V = 97  # odd, small vocabulary
@@ -1016,24 +1014,10 @@ _COMPILE_SCRIPT = textwrap.dedent(
 )
 
 
-def _has_nvidia_backend() -> bool:
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-@pytest.mark.skipif(SK is None or not _has_nvidia_backend(), reason="triton's NVIDIA backend is not installed")
+@pytest.mark.skipif(SK is None or not has_nvidia_backend(), reason="triton's NVIDIA backend is not installed")
 def test_sampling_kernels_compile_for_sm90():
-    """Lowering errors the interpreter cannot see, without a GPU (subprocess: this process may
-    have TRITON_INTERPRET=1 set)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    repo = Path(__file__).resolve().parent.parent
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT], cwd=repo, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-4000:]
+    """Lowering errors the interpreter cannot see, without a GPU."""
+    compile_offline(_COMPILE_SCRIPT, timeout=600)
 
 
 # --------------------------------------------------------------------------- race noise

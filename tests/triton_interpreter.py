@@ -63,3 +63,32 @@ def patch_interpreter() -> None:
     # create_fp_ext / create_fp_trunc / ... call self.cast_impl, so patching it covers them.
     interp.InterpreterBuilder.cast_impl = exact_bf16(interp.InterpreterBuilder.cast_impl)
     interp.InterpreterBuilder.create_fp_to_fp = exact_bf16(interp.InterpreterBuilder.create_fp_to_fp)
+
+
+# ---- offline compile for sm_90 (no GPU needed) ---------------------------------------------------
+
+
+def has_nvidia_backend() -> bool:
+    """Whether triton's NVIDIA compiler backend is importable (compiling needs no GPU)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def compile_offline(script: str, timeout: float) -> None:
+    """Run a script that compiles kernels for a GPU target, in a subprocess without
+    TRITON_INTERPRET (this process may have set it, which turns @triton.jit kernels into
+    interpreted ones); it must print "compiled". Catches lowering errors the interpreter
+    cannot see."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-4000:]
