@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from streaming.audio import FrameCursor, WindowJob, WindowPolicy, chunk_bounds, plan_offline
+from streaming.audio import FrameCursor, WindowJob, WindowPolicy, chunk_bounds, max_real_time_factor, plan_offline
 
 POLICIES = [
     WindowPolicy(),
@@ -19,8 +19,42 @@ POLICIES = [
 
 def test_default_schedule() -> None:
     p = WindowPolicy()
-    assert [chunk_bounds(p, k) for k in range(6)] == [(0, 1), (1, 3), (3, 7), (7, 15), (15, 23), (23, 31)]
+    sizes = [1, 1, 1, 2, 2, 3, 4, 5, 7, 8, 8, 8]
+    starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+    assert [chunk_bounds(p, k) for k in range(len(sizes))] == list(zip(starts, starts[1:]))
     assert p.max_window_frames == 2 + 8 + 2
+
+
+def _player_stalls(policy: WindowPolicy, n: int, rho: float) -> bool:
+    """Simulate: frame i is generated at time (i + 1) * rho (frame durations); a chunk is sent
+    when FrameCursor hands it out; the player starts at the first chunk and never pauses."""
+    cursor, play_start, sent = FrameCursor(policy), None, 0
+    for i in range(1, n + 1):
+        for job in cursor.ready(i, ended=i == n):
+            now = i * rho
+            if play_start is None:
+                play_start = now
+            elif now > play_start + job.emit_start + 1e-9:  # playback already passed the chunk's start
+                return True
+            sent = job.emit_end
+    assert sent == n
+    return False
+
+
+@pytest.mark.parametrize("n", [9, 50, 137, 400])
+def test_max_real_time_factor_is_where_players_start_to_stall(n: int) -> None:
+    for policy in (WindowPolicy(), WindowPolicy(chunk_frames=(1, 2, 4, 8)), WindowPolicy(right_context=0, chunk_frames=(2, 3))):
+        rho = max_real_time_factor(policy, n)
+        assert not _player_stalls(policy, n, rho)
+        assert _player_stalls(policy, n, rho * 1.02)
+
+
+def test_default_schedule_tolerates_slower_generation_than_doubling() -> None:
+    # the doubling schedule stalls as soon as generation is slower than 2x real time; the
+    # default holds to rho = 0.75 (an H200 at 256 streams ran at ~0.64)
+    assert max_real_time_factor(WindowPolicy(chunk_frames=(1, 2, 4, 8)), 50) == pytest.approx(0.5)
+    for n in (20, 50, 400):
+        assert max_real_time_factor(WindowPolicy(), n) >= 0.75
 
 
 def test_custom_schedule_repeats_last_size() -> None:
