@@ -61,6 +61,10 @@ class CodecConfig:
     policy: WindowPolicy = field(default_factory=WindowPolicy)
     noise_seed: int = 0  # default seed of the positional decoder noise (see module doc)
     max_batch_windows: int = 128  # windows per SNAC call; bounds activation memory
+    # Launched windows whose PCM has not been collected yet. Collection does not wait for the
+    # codec stream (the model keeps stepping meanwhile) unless more than this many are in
+    # flight: a bound on the backlog and its pinned host buffers when the codec falls behind.
+    max_inflight_windows: int = 2048
     # Decoder implementation: "triton" (fused kernels, runner/snac_kernels.py), "torch" (SNAC's
     # layers), or "auto" = triton on CUDA when it is installed and the model fits, else torch.
     kernels: str = "auto"
@@ -71,7 +75,7 @@ class CodecConfig:
     matmul_precision: str = "tf32x3"
 
     def __post_init__(self) -> None:
-        for name in ("codebook_size", "sample_rate", "samples_per_frame", "max_batch_windows"):
+        for name in ("codebook_size", "sample_rate", "samples_per_frame", "max_batch_windows", "max_inflight_windows"):
             if getattr(self, name) < 1:
                 raise CodecError(f"CodecConfig.{name}: must be >= 1, got {getattr(self, name)}")
         if self.audio_token_offset < 0:
@@ -475,16 +479,16 @@ class SnacWindowDecoder:
 
     def launch_jobs(self, windows: list[np.ndarray], jobs: list[WindowJob], seeds: list[int]) -> "PendingPCM":
         """Start decoding; on CUDA the work runs on the codec's own stream and lands in pinned
-        host memory, so neither the model's stream nor the host waits for it here."""
+        host memory, so neither the model's stream nor the host waits for it here. The whole
+        (B, W * spf) int16 block is copied and each job's emitted part is cut on the host: one
+        copy instead of a device slice per window (host time grows with the batch otherwise)."""
         cuts = [j.emit_slice(self.samples_per_frame) for j in jobs]
-        lengths = [hi - lo for lo, hi in cuts]
         if self.stream is None:
             codes = torch.from_numpy(np.stack(windows)).to(self.device)
             starts = torch.tensor([j.window_start for j in jobs], dtype=torch.int64, device=self.device)
             seed_t = torch.tensor(seeds, dtype=torch.int64, device=self.device)
-            pcm = float_to_s16(self.decode(codes, starts, seed_t))  # (B, W * spf) int16
-            flat = torch.cat([pcm[i, lo:hi] for i, (lo, hi) in enumerate(cuts)]).cpu()
-            return PendingPCM(flat, lengths, None)
+            pcm = float_to_s16(self.decode(codes, starts, seed_t)).cpu()  # (B, W * spf) int16
+            return PendingPCM(pcm, cuts, None)
         with torch.cuda.stream(self.stream):
             # inputs come from the host only: no dependency on the model's stream
             # rows padded to an even length: meta[1] then starts 16-byte aligned for any batch
@@ -495,26 +499,31 @@ class SnacWindowDecoder:
             meta = meta.to(self.device, non_blocking=True)
             n = len(jobs)
             pcm = float_to_s16(self.decode(codes, meta[0, :n], meta[1, :n]))
-            flat = torch.cat([pcm[i, lo:hi] for i, (lo, hi) in enumerate(cuts)])
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
+            host = torch.empty(pcm.shape, dtype=pcm.dtype, pin_memory=True)
+            host.copy_(pcm, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
-        return PendingPCM(host, lengths, event)
+        return PendingPCM(host, cuts, event)
 
 
 @dataclass
 class PendingPCM:
-    """Emitted PCM of one batched decode, possibly still being copied to the host."""
+    """PCM of one batched decode, possibly still being computed and copied to the host."""
 
-    host: torch.Tensor  # [sum(lengths)] int16 on the host
-    lengths: list[int]
+    host: torch.Tensor  # (B, W * spf) int16 on the host
+    cuts: list[tuple[int, int]]  # emitted samples [lo, hi) of each row
     event: "torch.cuda.Event | None"
+
+    @property
+    def ready(self) -> bool:
+        """The copy has landed (get() will not wait)."""
+        return self.event is None or self.event.query()
 
     def get(self) -> list[np.ndarray]:
         if self.event is not None:
             self.event.synchronize()
-        return np.split(self.host.numpy(), np.cumsum(self.lengths)[:-1])
+        pcm = self.host.numpy()
+        return [pcm[i, lo:hi] for i, (lo, hi) in enumerate(self.cuts)]
 
 
 def offline_decode(decoder: SnacWindowDecoder, codes: np.ndarray, policy: WindowPolicy, seed: int = 0) -> np.ndarray:
@@ -555,8 +564,14 @@ class CodecStage:
         self.cfg = cfg
         self.decoder = SnacWindowDecoder(load_snac(cfg, device, dtype), cfg.samples_per_frame, cfg.kernels, cfg.matmul_precision)
         self._reqs: dict[object, _Request] = {}
-        self._pending: list[tuple[list[tuple[object, WindowJob]], PendingPCM]] = []
+        # launched batches in launch order: (key, job) per window, the windows' _Request
+        # objects, and the PCM on its way
+        self._pending: list[tuple[list[tuple[object, WindowJob]], list[_Request], PendingPCM]] = []
         self._inflight: Counter = Counter()  # launched, not yet collected, windows per key
+        self._num_inflight = 0  # sum of _inflight
+        # CUDA: launches run on the decoder's stream and are collected by later step() calls;
+        # CPU: a launch has finished when it returns (chosen once, here)
+        self.asynchronous = self.decoder.stream is not None
         # keys whose frame count, end or error changed since the last step(): only they can
         # have new windows or be done (most requests complete a frame every 7th token)
         self._dirty: set = set()
@@ -610,8 +625,10 @@ class CodecStage:
             self._dirty.add(key)
 
     def abort(self, key: object) -> None:
-        """Drop all state of the request; nothing more is emitted for it."""
+        """Drop all state of the request; nothing more is emitted for it (its windows in flight
+        are dropped when they land)."""
         self._reqs.pop(key, None)
+        self._inflight.pop(key, None)
 
     def allowed_token_range(self, num_audio_tokens: int) -> tuple[int, int]:
         """[lo, hi) of valid ids for the next audio token after `num_audio_tokens` audio
@@ -626,16 +643,18 @@ class CodecStage:
 
     # -- decoding ----------------------------------------------------------------------
 
-    def step(self) -> dict[object, StageResult]:
-        """Collect the PCM of windows launched by the previous call (CUDA) and launch every
-        window ready now, batched by window length. On the CPU the launch completes at once,
-        so its PCM is returned by the same call. Returns results for keys with news (PCM,
-        completion or error); keys reported done are forgotten. On CUDA a chunk therefore
-        reaches the host one engine step after its last frame, while the decode overlaps the
-        model's next step instead of stalling it."""
+    def step(self, wait: bool = False) -> dict[object, StageResult]:
+        """Collect the PCM of launched windows that have finished and launch every window ready
+        now, batched by window length, first chunks first (time to first audio). Returns results
+        for keys with news (PCM, completion or error); keys reported done are forgotten.
+
+        On the CPU a launch completes at once, so its PCM is returned by the same call. On CUDA
+        the decode runs on the codec's stream, overlapping the model's steps, and a window's PCM
+        is returned by the first call after it has landed: the host never waits for the codec
+        unless `wait` (the caller has nothing else to do) or more than
+        cfg.max_inflight_windows are in flight."""
         results: dict[object, StageResult] = {}
         pieces: dict[object, list[tuple[int, np.ndarray]]] = defaultdict(list)
-        touched = self._collect(pieces)
         dirty, self._dirty = self._dirty, set()
         groups: dict[int, list[tuple[object, WindowJob]]] = defaultdict(list)
         for key in dirty:
@@ -644,18 +663,19 @@ class CodecStage:
                 for job in req.cursor.ready(req.n_frames, req.ended):
                     groups[job.window_frames].append((key, job))
         step_max = self.cfg.max_batch_windows
-        for items in groups.values():
+        for items in sorted(groups.values(), key=lambda it: min(j.chunk_index for _, j in it)):
             for i in range(0, len(items), step_max):
                 batch = items[i : i + step_max]
                 reqs = [self._reqs[k] for k, _ in batch]
                 jobs = [j for _, j in batch]
                 windows = [r.codes[j.window_start : j.window_end] for r, j in zip(reqs, jobs)]
                 pending = self.decoder.launch_jobs(windows, jobs, [r.seed for r in reqs])
-                self._pending.append((batch, pending))
+                self._pending.append((batch, reqs, pending))
+                self._num_inflight += len(batch)
                 for key, _ in batch:
                     self._inflight[key] += 1
-        if self.decoder.stream is None:
-            touched |= self._collect(pieces)
+        # after the launches: the in-flight bound then holds when step() returns
+        touched = self._collect(pieces, wait or not self.asynchronous)
 
         for key, parts in pieces.items():
             parts.sort(key=lambda t: t[0])  # chunk order; groups were decoded in any order
@@ -674,15 +694,31 @@ class CodecStage:
             self._inflight.pop(key, None)
         return results
 
-    def _collect(self, pieces: dict[object, list[tuple[int, np.ndarray]]]) -> set:
-        """PCM of the launched windows into `pieces`; returns the keys collected."""
-        pending, self._pending = self._pending, []
+    @property
+    def num_inflight(self) -> int:
+        """Windows launched and not yet collected."""
+        return self._num_inflight
+
+    def _collect(self, pieces: dict[object, list[tuple[int, np.ndarray]]], wait: bool) -> set:
+        """PCM of finished launches into `pieces` (of all launches if `wait`, and of the oldest
+        ones while too many windows are in flight); returns the keys collected. Launches run in
+        order on one stream, so the finished ones are a prefix of the list."""
+        done = 0
+        inflight = self._num_inflight
+        for batch, _, p in self._pending:
+            if not (wait or inflight > self.cfg.max_inflight_windows or p.ready):
+                break
+            inflight -= len(batch)
+            done += 1
+        collect, self._pending = self._pending[:done], self._pending[done:]
+        self._num_inflight = inflight
         keys = set()
-        for batch, p in pending:
-            for (key, job), pcm in zip(batch, p.get()):
-                if key in self._reqs:  # aborted meanwhile: drop
+        for batch, reqs, p in collect:
+            for (key, job), req, pcm in zip(batch, reqs, p.get()):
+                # by identity: an aborted request's key may belong to a newer request by now
+                if self._reqs.get(key) is req:
                     self._inflight[key] -= 1
                     keys.add(key)
-                    if self._reqs[key].error is None:
+                    if req.error is None:
                         pieces[key].append((job.chunk_index, pcm))
         return keys

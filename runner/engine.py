@@ -175,7 +175,9 @@ class Engine:
         results = self._emit(prev) if prev is not None else []
         t4 = time.perf_counter()
         if self.codec is not None and self._audio_open:
-            results = self._merge(results, self._codec_step())
+            # with no model work queued the host would only spin on the codec: wait for it
+            idle = sched.is_empty and self._pending is None
+            results = self._merge(results, self._codec_step(wait=idle))
         t5 = time.perf_counter()
         ph[0] += t1 - t0
         ph[1] += t2 - t1
@@ -219,11 +221,11 @@ class Engine:
             o.hidden, o.hidden_positions = rows, (first, first + rows.shape[0])
         return list(by_req.values())
 
-    def _codec_step(self) -> list[RequestOutput]:
+    def _codec_step(self, wait: bool) -> list[RequestOutput]:
         """Outputs of audio requests: PCM chunks, errors, completion; each carries the
         request's tokens accepted since its previous output."""
         outs = []
-        for key, r in self.codec.step().items():
+        for key, r in self.codec.step(wait).items():
             req = self._audio_open.get(key)
             if req is None:
                 continue

@@ -308,6 +308,11 @@ class Tiles:
 # with the fused prologues on the H200 (limit 227 KiB, OutOfResources on 2026-11-30), so the
 # default is the tile shape that ran there and that deploy/RESULTS.md's codec figures used.
 CUDA_TILES = Tiles(bm=64, bn=64, bk=32, num_warps=4, num_stages=2)
+# bf16 models (the CUDA serving default): wider N tiles, 3 stages. H200, 2026-11-30
+# (deploy/bench_gpu.py --sections codec_tiles): 12-frame windows at batch 256 take 57.5 ms
+# against 66.6 ms with CUDA_TILES (batch 64: 14.7 vs 17.1 ms; one 3-frame window: 1.13 vs
+# 2.16 ms), and every other shape tried was slower or did not fit in shared memory.
+CUDA_TILES_BF16 = Tiles(bm=64, bn=128, bk=32, num_warps=4, num_stages=3)
 # Fallback if CUDA_TILES do not fit a GPU: 2 * (64 + 64) * 32 * 4 B = 32 KiB of pipeline buffers.
 SAFE_TILES = Tiles(bm=64, bn=64, bk=32, num_warps=4, num_stages=2)
 # Under the interpreter a program costs ~ms whatever its size: few, tall tiles.
@@ -549,7 +554,9 @@ class FusedSnacDecoder:
         # The knob is about fp32 operands ("ieee" = FMA loops, slow); bf16 dots use the
         # default setting every bf16 Triton dot compiles with.
         self.precision = precision if self.dtype == torch.float32 else "tf32"
-        self.tiles = tiles or (CUDA_TILES if self.device.type == "cuda" else INTERPRETER_TILES)
+        if tiles is None and self.device.type == "cuda":
+            tiles = CUDA_TILES_BF16 if self.dtype == torch.bfloat16 else CUDA_TILES
+        self.tiles = tiles or INTERPRETER_TILES
 
         with torch.no_grad():
             # Quantizer: out_proj(codebook[code]) is a lookup into a precomputed table

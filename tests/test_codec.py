@@ -131,7 +131,9 @@ def test_batched_equals_single_and_noise_is_positional(stage_factory) -> None:
     dec = st.decoder
     rng = np.random.default_rng(1)
     codes = _codes(rng, 30)
-    jobs = [j for j in plan_offline(st.cfg.policy, 30) if j.window_frames == 12]
+    plan = plan_offline(st.cfg.policy, 30)
+    length = max({j.window_frames for j in plan}, key=lambda n: sum(j.window_frames == n for j in plan))
+    jobs = [j for j in plan if j.window_frames == length]  # equal-length windows batch together
     assert len(jobs) >= 2
     windows = [codes[j.window_start : j.window_end] for j in jobs]
     batched = dec.decode_jobs(windows, jobs, [0] * len(jobs))
@@ -243,11 +245,11 @@ def test_abort_drops_state(stage_factory) -> None:
     st = stage_factory()
     toks = codes_to_tokens(st.cfg, _codes(np.random.default_rng(6), 12))
     st.open("x")
-    st.push("x", toks[: 7 * 4])
+    st.push("x", toks[: 7 * 3])
     first = st.step()["x"]
     assert first.pcm.size == SPF and not first.done  # chunk 0 ready once frames 0..2 exist
     st.abort("x")
-    st.push("x", toks[7 * 4 :])  # a late output after abort is ignored
+    st.push("x", toks[7 * 3 :])  # a late output after abort is ignored
     st.close("x")
     assert st.step() == {} and "x" not in st
     # The key can be reused afterwards and starts from scratch.
@@ -258,6 +260,84 @@ def test_abort_drops_state(stage_factory) -> None:
     st.open("y")
     with pytest.raises(KeyError, match="already open"):
         st.open("y")
+
+
+class _Event:
+    """Stands in for a CUDA event: the test decides when the launch has landed."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def _async_stage(stage_factory, **overrides) -> tuple[CodecStage, list[_Event]]:
+    """A CPU stage that behaves like the CUDA one: launches complete only when their event says."""
+    st = stage_factory(**overrides)
+    events: list[_Event] = []
+    launch = st.decoder.launch_jobs
+
+    def deferred(windows, jobs, seeds):
+        p = launch(windows, jobs, seeds)
+        p.event = _Event()
+        events.append(p.event)
+        return p
+
+    st.decoder.launch_jobs = deferred
+    st.asynchronous = True  # as on CUDA: collection happens on later steps
+    return st, events
+
+
+def test_collect_does_not_wait_for_the_codec(stage_factory) -> None:
+    st, events = _async_stage(stage_factory)
+    codes = _codes(np.random.default_rng(8), 6)
+    toks = codes_to_tokens(st.cfg, codes)
+    st.open("a")
+    st.push("a", toks[: 7 * 3])
+    assert st.step() == {} and len(events) == 1 and st.num_inflight == 1  # chunk 0 launched
+    assert st.step() == {} and not events[0].waited  # not landed: nothing, no wait
+    events[0].done = True
+    st.push("a", toks[7 * 3 :] + [st.cfg.end_token_id])
+    res = st.step()["a"]
+    assert res.pcm.size == SPF and not res.done  # chunk 0 collected; the rest just launched
+    assert st.num_inflight > 0 and not any(e.done for e in events[1:])
+    res = st.step(wait=True)["a"]  # the caller is idle: wait for everything in flight
+    assert res.done and st.num_inflight == 0 and all(e.waited for e in events[1:])
+    _assert_pcm_close(res.pcm, offline_decode(st.decoder, codes, st.cfg.policy)[SPF:])
+
+
+def test_inflight_bound_waits_for_the_oldest(stage_factory) -> None:
+    st, events = _async_stage(stage_factory, max_inflight_windows=1)
+    toks = codes_to_tokens(st.cfg, _codes(np.random.default_rng(9), 4))
+    for key in ("a", "b"):
+        st.open(key)
+        st.push(key, toks[: 7 * 3])
+        st.step()  # one window each, launched in separate calls
+    assert len(events) == 2 and events[0].waited and not events[1].waited  # 2 > 1 in flight
+    assert st.num_inflight == 1
+
+
+def test_abort_with_window_in_flight_does_not_leak_into_a_reused_key(stage_factory) -> None:
+    st, events = _async_stage(stage_factory)
+    old = codes_to_tokens(st.cfg, _codes(np.random.default_rng(10), 3))
+    st.open("x")
+    st.push("x", old)
+    st.step()
+    st.abort("x")  # its chunk-0 window is still on the codec stream
+    new = _codes(np.random.default_rng(11), 1)
+    st.open("x")
+    st.push("x", codes_to_tokens(st.cfg, new) + [st.cfg.end_token_id])
+    st.step()
+    for e in events:
+        e.done = True
+    res = st.step()["x"]
+    assert res.done
+    _assert_pcm_close(res.pcm, offline_decode(st.decoder, new, st.cfg.policy))
 
 
 def test_trailing_partial_frame_dropped(stage_factory) -> None:
