@@ -5,8 +5,9 @@ A pure-decode batch of B <= max sequences replays the graph of the smallest capt
 write their K/V into a scratch block that the block manager never hands out, have seq_len 0
 (the decode kernel writes zeros for them) and their logits are ignored.
 
-Captured: embedding -> layers -> norm -> lm_head, i.e. logits for every row. Sampling stays
-outside: its kernels branch on per-batch flags (which filters any row uses) chosen on the host.
+Captured: embedding -> layers -> final norm, i.e. the last hidden state of every row. The
+lm_head and sampling stay outside: which vocabulary columns a row needs (all of them, or a
+constraint's span) and which filters run are per-step choices made on the host.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.max_blocks = max_blocks
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
         self.pool = None
 
     def _meta(self, b: int) -> AttentionMetadata:
@@ -60,7 +61,7 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         hidden, _ = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
-        return self.model.compute_logits(hidden)
+        return hidden
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -77,7 +78,7 @@ class DecodeGraphs:
         for b in reversed(self.buckets):
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                self.logits[b] = self._forward(b)
+                self.hidden[b] = self._forward(b)
             if self.pool is None:
                 self.pool = g.pool()
             self.graphs[b] = g
@@ -95,7 +96,8 @@ class DecodeGraphs:
     def run(self, bucket: int, b: int, ids: torch.Tensor, pos: torch.Tensor, slot_map: torch.Tensor,
             seq_lens: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """Fill the persistent buffers (rows [0, b) real, [b, bucket) padding), replay, and
-        return the logits of the real rows ([b, V] float32, a view of the graph's output)."""
+        return the final hidden states of the real rows ([b, H], a view of the graph's output,
+        valid until the next replay)."""
         self.input_ids[:b].copy_(ids, non_blocking=True)
         self.positions[:b].copy_(pos, non_blocking=True)
         self.slot_mapping[:b].copy_(slot_map, non_blocking=True)
@@ -106,4 +108,4 @@ class DecodeGraphs:
             self.slot_mapping[b:bucket].fill_(self.scratch_slot)
             self.seq_lens[b:bucket].zero_()
         self.graphs[bucket].replay()
-        return self.logits[bucket][:b]
+        return self.hidden[bucket][:b]

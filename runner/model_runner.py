@@ -1,8 +1,8 @@
 """The model runner: turns a SchedulerOutput into a forward pass and sampled tokens.
 
 Two phases, as in the engine step's description:
-  execute_model(sched)  prepare inputs, run the forward pass, compute logits; keeps ExecuteState.
-  sample_tokens()       sample, record the ids in device-side slot state, start the device->host
+  execute_model(sched)  prepare inputs, run the forward pass to the final norm; keeps ExecuteState.
+  sample_tokens()       lm_head over the columns each row can sample, sample, record the ids in device-side slot state, start the device->host
                         copies (sampled ids, and hidden rows only for requests that asked) and
                         return an AsyncOutput without waiting for them.
 
@@ -38,12 +38,17 @@ MAX_TOKEN_ROW_QUERY = 128
 class LogitsConstraint(Protocol):
     """A model-declared rule on which ids may come next, as a per-row window of allowed ids.
 
-    out_index: index among the request's outputs of the token being sampled ([R] int64, on
-    the device), true even in async mode. gather_window gives the window's logits ([R, W],
-    -inf on ids not allowed); window_ids maps sampled window columns back to token ids. The
-    sampler's filters and race then run over W columns instead of the vocabulary."""
+    vocab_span: [lo, hi), contiguous ids holding every window; the runner computes only those
+    logits for constrained rows. out_index: index among the request's outputs of the token
+    being sampled ([R] int64, on the device), true even in async mode. gather_window gives the
+    window's logits ([R, W], -inf on ids not allowed) from logits of ids [base, base + N);
+    window_ids maps sampled window columns back to token ids. The sampler's filters and race
+    then run over W columns instead of the vocabulary."""
 
-    def gather_window(self, logits: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor: ...
+    @property
+    def vocab_span(self) -> tuple[int, int]: ...
+
+    def gather_window(self, logits: torch.Tensor, out_index: torch.Tensor, base: int = 0) -> torch.Tensor: ...
 
     def window_ids(self, cols: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor: ...
 
@@ -52,7 +57,7 @@ class LogitsConstraint(Protocol):
 class ExecuteState:
     sched: SchedulerOutput
     sample_entries: list[ScheduledRequest]
-    logits: torch.Tensor  # [S, V] float32, one row per sampling entry
+    final_hidden: torch.Tensor | None  # [S, H] last hidden state (after the final norm) per sampling entry
     hidden: torch.Tensor | None  # [R, n_capture, H] rows of requests that want hidden states
     hidden_spans: list[tuple[Request, int, int, int, tuple[int, ...]]]  # (req, row0, nrows, first_pos, layer idx)
 
@@ -135,6 +140,9 @@ class ModelRunner:
         self.noise_seeds = [0] * S
         self._seed_rng = random.Random()
         self.copier = CudaOutputCopier(self.device) if self.device.type == "cuda" else OutputCopier()
+        if constraint is not None and not (0 <= constraint.vocab_span[0] < constraint.vocab_span[1] <= cfg.model.vocab_size):
+            raise ValueError(f"the model's logits constraint spans ids {constraint.vocab_span}, outside the "
+                             f"vocabulary of {cfg.model.vocab_size} (codec audio_token_offset / codebook_size?)")
         self.constraint = constraint
         self.wants_constraint = wants_constraint or (lambda r: False)
         self.eos = cfg.model.eos_token_ids
@@ -271,7 +279,7 @@ class ModelRunner:
             bucket = self.graphs.bucket_for(B)
         if bucket is not None:
             # pure decode: every row samples, rows are in entry order
-            logits = self.graphs.run(bucket, B, input_ids, pos_d, slot_d, seq_d, self._to_dev(tables))
+            final_h = self.graphs.run(bucket, B, input_ids, pos_d, slot_d, seq_d, self._to_dev(tables))
             captured = {}
         else:
             q_lens = np.diff(qsl)
@@ -294,9 +302,7 @@ class ModelRunner:
             )
             cap = tuple(sorted(capture))
             hidden, captured = self.model(input_ids, pos_d, self.kv_caches, meta, cap)
-            logits = None
-            if logits_rows:
-                logits = self.model.compute_logits(hidden[self._to_dev(np.asarray(logits_rows, dtype=np.int64))])
+            final_h = hidden[self._to_dev(np.asarray(logits_rows, dtype=np.int64))] if logits_rows else None
 
         h_out = None
         spans = []
@@ -308,7 +314,7 @@ class ModelRunner:
             for req, first, n, layers in hidden_spans:
                 spans.append((req, r0, n, first, [cap.index(l) for l in layers]))
                 r0 += n
-        self._state = ExecuteState(sched, sample_entries, logits, h_out, spans)
+        self._state = ExecuteState(sched, sample_entries, final_h, h_out, spans)
 
     # ---- phase 2 ---------------------------------------------------------------------------
 
@@ -323,15 +329,23 @@ class ModelRunner:
         return SamplingBatch.build([r.sampling for r in reqs], slots, [self.noise_seeds[s] for s in slots], out_index,
                                    extra_bias, self.device)
 
-    def _sample_constrained(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Rows under the model's constraint: penalties and bias on the full rows, then the
-        sampler's filters and race over the constraint's window of allowed ids only."""
-        self.sampler.penalize(logits, batch, self.slots)
-        window = self.constraint.gather_window(logits, batch.counters)
+    def _sample_constrained(self, final_h: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Rows under the model's constraint: logits of the constraint's vocabulary span only,
+        penalties and bias on those, then the sampler's filters and race over each row's
+        window of allowed ids (the same distribution as the masked full row)."""
+        lo, hi = self.constraint.vocab_span
+        logits = self.model.compute_logits(final_h, (lo, hi))  # [R, hi - lo]
+        self.sampler.penalize(logits, batch, self.slots, col0=lo)
+        window = self.constraint.gather_window(logits, batch.counters, base=lo)
         return self.constraint.window_ids(self.sampler.sample(window, batch), batch.counters)
+
+    def _sample_free(self, final_h: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        return self.sampler(self.model.compute_logits(final_h), batch, self.slots)
 
     @torch.inference_mode()
     def sample_tokens(self) -> AsyncOutput:
+        """Phase 2: lm_head (over the columns each row can sample) and sampling; the sampled
+        ids are copied to the host asynchronously."""
         st, self._state = self._state, None
         assert st is not None, "execute_model() must come first"
         entries = st.sample_entries
@@ -341,13 +355,10 @@ class ModelRunner:
         # index among outputs of the token sampled now (in-flight count already includes it)
         out_index = [r.num_outputs_with_inflight - 1 for r in reqs]
         c_rows = [i for i, r in enumerate(reqs) if self.wants_constraint(r)] if self.constraint is not None else []
-        logits = st.logits
+        final_h = st.final_hidden
         if not c_rows or len(c_rows) == len(reqs):
             batch = self._sampling_batch(reqs, out_index)
-            if c_rows:
-                sampled = self._sample_constrained(logits, batch)
-            else:
-                sampled = self.sampler(logits, batch, self.slots)
+            sampled = (self._sample_constrained if c_rows else self._sample_free)(final_h, batch)
             self.slots.record(batch.slots, sampled, batch.counters)
         else:
             # Constrained and free rows sample separately, each as it would alone: a request's
@@ -355,11 +366,10 @@ class ModelRunner:
             sampled = torch.empty(len(reqs), dtype=torch.int64, device=self.device)
             constrained_rows = set(c_rows)
             free = [i for i in range(len(reqs)) if i not in constrained_rows]
-            for rows, constrained in ((c_rows, True), (free, False)):
+            for rows, sample in ((c_rows, self._sample_constrained), (free, self._sample_free)):
                 rows_t = self._to_dev(np.asarray(rows, dtype=np.int64))
                 batch = self._sampling_batch([reqs[i] for i in rows], [out_index[i] for i in rows])
-                part = logits[rows_t]
-                ids = self._sample_constrained(part, batch) if constrained else self.sampler(part, batch, self.slots)
+                ids = sample(final_h[rows_t], batch)
                 sampled[rows_t] = ids
                 self.slots.record(batch.slots, ids, batch.counters)
         if self.record_timeline and self._t0 is not None:

@@ -6,12 +6,13 @@ and end-of-speech may only come at a frame boundary (k % 7 == 0). A well-trained
 this anyway; enforcing it means a stream can never stop mid-frame or emit an undecodable id,
 and the embedded random-weight default still produces (noise) audio.
 
-The rule is a window per row: the runner gathers the window's logits (codebook_size + 1
-columns), the sampler filters and draws among those columns only, and the chosen column maps
-back to a token id. That is the same distribution as masking every other id to -inf in the
-full row, at a fraction of the sampler's work (4097 of 156940 columns for Orpheus-3B). It runs
-on the device, vectorised over rows, with the true output index of each row (correct in async
-mode, where the host has not seen the previous token yet).
+The rule is a window per row: the runner computes only the logits of the span of ids that
+holds every window (`vocab_span`, 28680 of Orpheus-3B's 156940 lm_head rows), gathers the
+row's window (codebook_size + 1 columns), the sampler filters and draws among those columns
+only, and the chosen column maps back to a token id. That is the same distribution as masking
+every other id to -inf in the full row, at a fraction of the lm_head's and the sampler's work.
+It runs on the device, vectorised over rows, with the true output index of each row (correct
+in async mode, where the host has not seen the previous token yet).
 """
 
 from __future__ import annotations
@@ -27,18 +28,27 @@ class OrpheusCodeConstraint:
         self.end = end_token_id
 
     @property
+    def vocab_span(self) -> tuple[int, int]:
+        """[lo, hi): the contiguous ids that hold every window (the 7 codebook slots and the
+        end token), so the runner computes only these logits for constrained rows: 28680 of
+        Orpheus-3B's 156940 lm_head rows."""
+        return min(self.offset, self.end), max(self.offset + self.tpf * self.cb, self.end + 1)
+
+    @property
     def window_width(self) -> int:
         """Columns of `gather_window`: the codebook slot's ids, then the end token."""
         return self.cb + 1
 
-    def gather_window(self, logits: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor:
-        """logits [R, V] -> [R, cb + 1]: column j < cb is id offset + k * cb + j (k = out_index
-        % 7), column cb the end token (-inf where k != 0, or where the end id is outside V)."""
+    def gather_window(self, logits: torch.Tensor, out_index: torch.Tensor, base: int = 0) -> torch.Tensor:
+        """logits [R, N] of ids [base, base + N) -> [R, cb + 1]: column j < cb is id
+        offset + k * cb + j (k = out_index % 7), column cb the end token (-inf where k != 0,
+        or where the end id is outside the logits). The codebook ids must lie inside."""
         k = out_index % self.tpf
-        lo = self.offset + k * self.cb  # [R]
+        lo = self.offset - base + k * self.cb  # [R]
         cols = lo[:, None] + torch.arange(self.cb, device=logits.device)  # [R, cb]
-        if 0 <= self.end < logits.shape[1]:
-            end = torch.where(k == 0, logits[:, self.end], float("-inf"))
+        end_col = self.end - base
+        if 0 <= end_col < logits.shape[1]:
+            end = torch.where(k == 0, logits[:, end_col], float("-inf"))
         else:
             end = torch.full(k.shape, float("-inf"), device=logits.device, dtype=logits.dtype)
         return torch.cat([logits.gather(1, cols), end[:, None]], dim=1)

@@ -432,10 +432,14 @@ class Sampler:
         self._penalize_and_bias(logits, batch, state)
         return self.sample(logits, batch)
 
-    def penalize(self, logits: Tensor, batch: SamplingBatch, state: SlotState) -> None:
-        """Stages 1-2 alone (in place on logits [B, V]); `sample` does the rest."""
+    def penalize(self, logits: Tensor, batch: SamplingBatch, state: SlotState, col0: int = 0) -> None:
+        """Stages 1-2 alone (in place); `sample` does the rest. logits [B, N] hold the ids
+        [col0, col0 + N) of the vocabulary (the runner: a constraint's span); bias entries for
+        ids outside them are dropped (those ids cannot be sampled from these logits anyway)."""
         self._check(logits, batch)
-        self._penalize_and_bias(logits, batch, state)
+        if col0 < 0 or col0 + logits.shape[1] > state.vocab_size:
+            raise ValueError(f"logits columns [{col0}, {col0 + logits.shape[1]}) exceed the vocabulary of {state.vocab_size}")
+        self._penalize_and_bias(logits, batch, state, col0)
 
     def sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         """Stages 3-5 on logits [B, N] that already carry penalties and bias: ids in [0, N).
@@ -489,23 +493,31 @@ class Sampler:
             self._buffers[name] = buf
         return buf[:rows]
 
-    def _penalize_and_bias(self, logits: Tensor, batch: SamplingBatch, state: SlotState) -> None:
-        """Stages 1-2, in place on logits [B, V]."""
+    def _penalize_and_bias(self, logits: Tensor, batch: SamplingBatch, state: SlotState, col0: int = 0) -> None:
+        """Stages 1-2, in place on logits [B, N] of ids [col0, col0 + N)."""
         if batch.any_penalty:
             if self._kernels is not None:
                 # One fused pass that reads the state rows directly (no [B, V] gathers).
-                self._kernels.apply_penalties(logits, batch, state)
+                self._kernels.apply_penalties(logits, batch, state, col0)
             else:
-                self._penalize_torch(logits, batch, state)
+                self._penalize_torch(logits, batch, state, col0)
         if batch.bias_vals is not None:
             assert batch.bias_rows is not None and batch.bias_cols is not None
-            logits.index_put_((batch.bias_rows, batch.bias_cols), batch.bias_vals, accumulate=True)
+            if col0 == 0 and logits.shape[1] == state.vocab_size:
+                logits.index_put_((batch.bias_rows, batch.bias_cols), batch.bias_vals, accumulate=True)
+            else:  # entries outside the columns add 0 to column 0 (no host sync to drop them)
+                cols = batch.bias_cols - col0
+                inside = (cols >= 0) & (cols < logits.shape[1])
+                logits.index_put_((batch.bias_rows, torch.where(inside, cols, 0)),
+                                  torch.where(inside, batch.bias_vals, 0.0), accumulate=True)
 
     @staticmethod
-    def _penalize_torch(logits: Tensor, batch: SamplingBatch, state: SlotState) -> None:
+    def _penalize_torch(logits: Tensor, batch: SamplingBatch, state: SlotState, col0: int = 0) -> None:
         """Penalties with the reference roundings (x*p, x/p, x - f*c, x - p*1), each term only
         when some row uses it (the neutral values 1 / 0 are exact identities)."""
         prompt_mask, counts = state.gather_penalty_rows(batch.slots)  # [B, V] bool, [B, V] int32
+        n = logits.shape[1]
+        prompt_mask, counts = prompt_mask[:, col0 : col0 + n], counts[:, col0 : col0 + n]
         if batch.any_repetition:
             seen = counts > 0
             seen |= prompt_mask

@@ -389,17 +389,19 @@ def _penalty_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def apply_penalties(logits: torch.Tensor, batch: "SamplingBatch", state: "SlotState") -> None:
-    """Stage 1 in place on logits [B, V] f32, reading the state rows directly."""
+def apply_penalties(logits: torch.Tensor, batch: "SamplingBatch", state: "SlotState", col0: int = 0) -> None:
+    """Stage 1 in place on logits [B, N] f32 of ids [col0, col0 + N), reading the state rows
+    directly (the state's columns from col0 on are a view: the kernel sees them as its ids)."""
     prompt_mask, counts = state.penalty_buffers()  # [S+1, V] each (raises if never allocated)
     b, v = logits.shape
     if b == 0:
         return
     if logits.stride(1) != 1:
         dense = logits.contiguous()
-        apply_penalties(dense, batch, state)
+        apply_penalties(dense, batch, state, col0)
         logits.copy_(dense)
         return
+    prompt_mask, counts = prompt_mask[:, col0:], counts[:, col0:]
     rows = state.row_index(batch.slots)  # [B] int64, on device
     mask = prompt_mask.view(torch.uint8)
     grid = (b, triton.cdiv(v, _PENALTY_BLOCK))

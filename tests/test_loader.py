@@ -152,3 +152,21 @@ def test_unsupported_activation_is_refused(llama_dir, tmp_path):
     (folder / "config.json").write_text(json.dumps(raw))
     with pytest.raises(LoadError, match="hidden_act 'gelu'"):
         _load(folder)
+
+
+@pytest.mark.parametrize("which", ["llama", "tied"])
+def test_padded_head_gives_the_same_logits(which, llama_dir, tied_dir):
+    """pad_lm_head (done on CUDA at construction, for cuBLAS alignment) stores the head as the
+    first V rows of a longer zero-padded tensor: same logits, full or a span, same embedding."""
+    folder = llama_dir if which == "llama" else tied_dir
+    ref, model = _load(folder), _load(folder)
+    v = model.cfg.vocab_size
+    model.pad_lm_head(multiple=v + 37)  # never a divisor: always pads
+    padded = model.lm_head_padded
+    assert padded.shape[0] == v + 37
+    assert padded.data_ptr() == model.lm_head_weight.data_ptr() and not padded[v:].any()
+    hidden = torch.randn(3, model.cfg.hidden_size)
+    torch.testing.assert_close(model.compute_logits(hidden), ref.compute_logits(hidden), rtol=0, atol=0)
+    torch.testing.assert_close(model.compute_logits(hidden, (5, 17)), ref.compute_logits(hidden)[:, 5:17], rtol=0, atol=1e-6)
+    ids = torch.tensor([0, 3, v - 1])
+    torch.testing.assert_close(model.embed_tokens(ids), ref.embed_tokens(ids), rtol=0, atol=0)

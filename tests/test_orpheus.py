@@ -3,6 +3,7 @@ ids, and sampling the window is sampling the masked full row."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from runner.orpheus import OrpheusCodeConstraint
@@ -59,3 +60,37 @@ def test_sampling_the_window_is_sampling_the_masked_row():
     draws = Sampler("cpu").sample(C.gather_window(logits, torch.tensor(idx)), batch)
     for r, i in enumerate(idx):
         assert int(C.window_ids(draws[r : r + 1], torch.tensor([i]))) in allowed(i)
+
+
+def test_span_logits_give_the_same_windows():
+    lo, hi = C.vocab_span
+    assert (lo, hi) == (END, OFFSET + TPF * CB)  # every window id, nothing beyond
+    idx = [0, 1, 6, 7, 13, 14, 20, 3]
+    logits = torch.randn(len(idx), V, generator=torch.Generator().manual_seed(2))
+    want = C.gather_window(logits, torch.tensor(idx))
+    got = C.gather_window(logits[:, lo:hi].contiguous(), torch.tensor(idx), base=lo)
+    assert torch.equal(got, want)
+
+
+def test_penalties_and_bias_on_the_span_equal_the_full_row():
+    """What the runner does for constrained rows (penalize the span's logits only) gives the
+    span's part of the penalized full row: repetition / frequency / presence penalties read the
+    right state columns, bias entries inside the span land, those outside are dropped."""
+    lo, hi = C.vocab_span
+    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25,
+                             logit_bias={OFFSET + 3: 2.0, 5: -4.0}, min_tokens=3),
+              SamplingParams(repetition_penalty=0.8, logit_bias={hi - 1: -1.5})]
+    state = SlotState(4, V, 64, "cpu")
+    state.admit(1, [OFFSET + 1, 7, END], [OFFSET + 9, OFFSET + 9, 2], track_penalties=True)
+    state.admit(3, [hi - 1, 0], [OFFSET + 20], track_penalties=True)
+    # min_tokens bans the stop ids (END) while out_index < 3: the runner's extra bias entries
+    batch = SamplingBatch.build(params, [1, 3], [5, 6], [1, 4], [(0, END, float("-inf"))], "cpu")
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(3)) * 3
+    full = logits.clone()
+    Sampler("cpu").penalize(full, batch, state)
+    span = logits[:, lo:hi].clone()
+    Sampler("cpu").penalize(span, batch, state, col0=lo)
+    torch.testing.assert_close(span, full[:, lo:hi], rtol=0, atol=0)
+    assert span[0, 0] == float("-inf")  # END (column 0 of the span) banned
+    with pytest.raises(ValueError, match="exceed the vocabulary"):
+        Sampler("cpu").penalize(torch.zeros(2, 10), batch, state, col0=V - 5)

@@ -929,6 +929,12 @@ def test_triton_penalties_equal_torch_bit_for_bit():
     ref = logits.clone()
     OldSampler._penalize_and_bias(ref, build(params, slots, CPU), states[0])
     assert torch.equal(outs[0], ref)
+    # a column span (the runner's constrained rows): the kernel reads the state from col0 on
+    lo, hi = 1237, 2900
+    for dev, st, backend in ((CPU, states[0], "torch"), (KDEV, states[1], "triton")):
+        x = logits[:, lo:hi].clone().to(dev)
+        Sampler(dev, backend=backend).penalize(x, build(params, slots, dev), st, col0=lo)
+        assert torch.equal(x.cpu(), outs[0][:, lo:hi])
 
 
 @needs_triton
