@@ -338,6 +338,112 @@ def run_ttfa(repeats: int = 8, prompt: list[int] | None = None) -> dict:
     return res
 
 
+def run_codec_tiles(tiles_list: list[str]) -> dict:
+    """Fused SNAC decoder per tile shape, bf16 model: ms per call at the serving shapes and the
+    int16 distance from the current default tiles (a tile shape only changes float rounding)."""
+    from runner.codec import CodecConfig, SnacWindowDecoder, float_to_s16, load_snac
+    from runner.snac_kernels import Tiles
+
+    folder = make_snac_24khz_random(Path("/tmp/snac24_random"))
+    model = load_snac(CodecConfig(path=str(folder)), torch.device("cuda"), torch.bfloat16)
+    shapes = [(256, 12), (64, 12), (256, 5), (1, 3)]
+    inputs = {bw: (torch.randint(0, 4096, (bw[0], bw[1], 7), device="cuda"),
+                   torch.arange(bw[0], device="cuda") * 3, torch.arange(bw[0], device="cuda")) for bw in shapes}
+    res, ref = {}, None
+    for t in tiles_list:
+        try:
+            dec = SnacWindowDecoder(model, 2048, kernels="triton", tiles=Tiles(*map(int, t.split(","))))
+        except Exception as e:  # OutOfResources etc.: report, go on with the next shape
+            res[t] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            log(f"  codec tiles {t}: {res[t]['error']}")
+            continue
+        row = {}
+        for (B, W), (codes, starts, seeds) in inputs.items():
+            row[f"B{B}xW{W}_ms"] = time_decode_inputs(dec, codes, starts, seeds) * 1e3
+        codes, starts, seeds = inputs[(64, 12)]
+        pcm = float_to_s16(dec.decode(codes, starts, seeds)).int()
+        ref = pcm if ref is None else ref
+        row["max_lsb_vs_first"] = (pcm - ref).abs().max().item()
+        res[t] = row
+        log(f"  codec tiles {t}: {row}")
+        del dec
+    return res
+
+
+def time_decode_inputs(dec, codes, starts, seeds, repeats: int = 10) -> float:
+    for _ in range(2):
+        dec.decode(codes, starts, seeds)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(repeats):
+        dec.decode(codes, starts, seeds)
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / repeats / 1e3
+
+
+def run_profile_serving(n: int, out_dir: Path, steps: int = 10) -> dict:
+    """The serving engine (Orpheus-3B-shaped random model, random SNAC 24 kHz, bf16 codec) with
+    n audio requests in decode, as a burst of TTS clients leaves it: host ms per phase and the
+    kernel-level profile of a few steps (model, sampler and codec streams)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from runner.engine_proc import EngineProcArgs, build_engine
+    from runner.sampling_params import SamplingParams
+
+    snac = make_snac_24khz_random(Path("/tmp/snac24_random"))
+    folder = make_orpheus_random_folder(Path("/tmp/orpheus3b-random"), snac)
+    eng = build_engine(EngineProcArgs(model_path=str(folder), input_addr="", output_addr="", device="cuda",
+                                      max_num_seqs=max(n, 8), max_model_len=1024, random_weights=True))
+    sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=350)
+    t0 = time.perf_counter()
+    for i in range(n):
+        eng.add_request(f"p{i}", [128259, *range(1000 + i % 7, 1024), 128009, 128260, 128261, 128257], sp, audio=True)
+    # the burst's timeline: every step's wall time and composition until all have audio
+    first: dict[str, float] = {}
+    timeline = []
+    while len(first) < n and eng.has_unfinished:
+        ts = time.perf_counter()
+        outs = eng.step()
+        now = time.perf_counter()
+        sc = eng.last_scheduled
+        timeline.append({"ms": round((now - ts) * 1e3, 2), "seqs": len(sc.scheduled), "tokens": sc.num_batched_tokens,
+                         "audio_outs": sum(o.audio is not None for o in outs), "codec_inflight": eng.codec.num_inflight})
+        for o in outs:
+            if o.audio is not None:
+                first.setdefault(o.request_id, now - t0)
+    t_prefill = max(first.values()) if first else float("nan")
+    fa = sorted(first.values())
+    ttfa = {"p50_ms": 1e3 * fa[len(fa) // 2], "p99_ms": 1e3 * fa[min(len(fa) - 1, int(0.99 * len(fa)))]} if fa else {}
+    log(f"  serving engine burst of {n}: engine-side time to first audio {ttfa}; steps {timeline}")
+    for _ in range(40):  # into steady decode
+        eng.step()
+    torch.cuda.synchronize()
+    eng.phase_s = [0.0] * len(eng.PHASES)
+    t0 = time.perf_counter()
+    for _ in range(steps * 3):
+        eng.step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / (steps * 3)
+    phases = {name: 1e3 * v / (steps * 3) for name, v in zip(eng.PHASES, eng.phase_s)}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    (out_dir / f"profile_serving_B{n}.txt").write_text(
+        ka.table(sort_by="cuda_time_total", row_limit=45) + "\n\n" + ka.table(sort_by="self_cpu_time_total", row_limit=25))
+    res = {"batch": n, "prefill_s": t_prefill, "step_ms": wall_ms, "host_ms_per_step": phases,
+           "running": len(eng.scheduler.running), "burst_ttfa": ttfa, "burst_timeline": timeline}
+    log(f"  serving engine B={n}: {wall_ms:.2f} ms/step, host {phases}")
+    while eng.has_unfinished:
+        eng.step()
+    del eng
+    torch.cuda.empty_cache()
+    return res
+
+
 def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0") -> dict:
     """Start the real server on the Orpheus-3B-shaped random model and run `omnistream bench`
     against it (N concurrent WebSocket TTS sessions read in real time)."""
@@ -394,6 +500,9 @@ def main() -> int:
     ap.add_argument("--serving-max-seqs", type=int, default=512)
     ap.add_argument("--serving-max-tokens", type=int, default=350)
     ap.add_argument("--serving-ramp-s", default="0", help="bench --ramp-s: 0 = all streams start together")
+    ap.add_argument("--profile-serving-batch", type=int, default=400)
+    ap.add_argument("--codec-tiles", nargs="*", default=["64,64,32,4,2", "128,64,32,4,3", "64,128,32,4,3", "128,128,32,8,3",
+                                                          "128,128,64,8,3", "64,256,32,8,3", "256,64,32,8,3"])
     args = ap.parse_args()
     secs = set(args.sections.split(","))
     batches = [int(b) for b in args.batches.split(",")]
@@ -427,6 +536,10 @@ def main() -> int:
         res["codec"] = run_codec()
     if "hf" in secs:
         res["hf"] = run_hf([int(b) for b in args.hf_batches.split(",")], args.hf_budget_s)
+    if "codec_tiles" in secs:
+        res["codec_tiles"] = run_codec_tiles(args.codec_tiles)
+    if "profile_serving" in secs:
+        res["profile_serving"] = run_profile_serving(args.profile_serving_batch, Path(args.out))
     if "ttfa" in secs:
         res["ttfa"] = run_ttfa()
     if "serving" in secs:
@@ -466,6 +579,19 @@ def render(res: dict) -> str:
         lines += ["", "codec window decode (ms): " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in c.items() if k.endswith("_ms")),
                   "codec share of GPU time at 256 real-time streams: " + ", ".join(
                       f"{k.split('_')[0]} {v*100:.1f}%" for k, v in c.items() if k.endswith("share_256_streams")) + f" (policy {c['policy']})"]
+    if "codec_tiles" in res:
+        lines += ["", "fused SNAC decoder (bf16) per tile shape (bm,bn,bk,warps,stages), ms per call:", ""]
+        shapes = next((list(r) for r in res["codec_tiles"].values() if "error" not in r), [])
+        lines += ["| tiles | " + " | ".join(shapes) + " |", "| --- |" + " --- |" * len(shapes)]
+        for t, r in res["codec_tiles"].items():
+            cells = [r["error"]] if "error" in r else [f"{r[k]:.2f}" if k.endswith("_ms") else str(r[k]) for k in shapes]
+            lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    if "profile_serving" in res:
+        p = res["profile_serving"]
+        lines += ["", f"serving engine in-process at {p['running']} audio requests: {p['step_ms']:.2f} ms/step, host ms/step "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in p["host_ms_per_step"].items())
+                      + f"; burst of {p['batch']} requests: engine-side time to first audio {p['burst_ttfa']} "
+                      f"(kernel profile: profile_serving_B{p['batch']}.txt)"]
     if "ttfa" in res:
         t = res["ttfa"]
         lines += ["", f"engine-only time to first audio (one stream, in-process): p50 {t['p50_ms']:.1f} ms over "

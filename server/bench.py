@@ -1,7 +1,7 @@
 """`omnistream bench`: N concurrent WebSocket TTS sessions, each read by a real-time player.
 
-For each concurrency level N, N sessions on /v1/audio/speech/stream each send the same text
-(seeded, one seed per stream) and read the audio as a player would: playback starts at the
+For each concurrency level N, N sessions on /v1/audio/speech/stream are opened and configured,
+then each sends the same text (seeded, one seed per stream) and reads the audio as a player would: playback starts at the
 first audio byte and then consumes audio at real-time speed. A chunk that arrives after
 playback has reached it is an underrun (the player stalls until it arrives). Per level:
 
@@ -124,15 +124,24 @@ def percentile(values: list[float], q: float) -> float:
 # ---- one stream, one level -----------------------------------------------------------------------
 
 
-async def run_stream(http: aiohttp.ClientSession, ws_url: str, text: str, max_tokens: int, seed: int,
-                     delay_s: float = 0.0) -> StreamResult:
-    res = StreamResult()
-    if delay_s > 0:
-        await asyncio.sleep(delay_s)
-    async with http.ws_connect(ws_url + "/v1/audio/speech/stream", max_msg_size=0) as ws:
+async def connect_stream(http: aiohttp.ClientSession, ws_url: str, max_tokens: int, seed: int
+                         ) -> tuple[aiohttp.ClientWebSocketResponse, Player]:
+    """Open and configure one session (not timed: TTFA starts when the text is sent)."""
+    ws = await http.ws_connect(ws_url + "/v1/audio/speech/stream", max_msg_size=0)
+    try:
         created = await ws.receive_json()
-        player = Player(int(created.get("session", {}).get("sample_rate", 24000)))
         await ws.send_json({"type": "session.config", "max_new_tokens": max_tokens, "seed": seed})
+    except BaseException:
+        await ws.close()
+        raise
+    return ws, Player(int(created.get("session", {}).get("sample_rate", 24000)))
+
+
+async def run_stream(ws: aiohttp.ClientWebSocketResponse, player: Player, text: str, delay_s: float = 0.0) -> StreamResult:
+    res = StreamResult()
+    try:
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
         sent = time.perf_counter()
         await ws.send_json({"type": "input.text", "text": text})
         await ws.send_json({"type": "session.close"})  # speak everything, then session.done
@@ -156,26 +165,38 @@ async def run_stream(http: aiohttp.ClientSession, ws_url: str, text: str, max_to
             else:
                 res.error = res.error or f"connection closed before session.done ({msg.type.name})"
                 break
+    finally:
+        await ws.close()
     res.audio_s, res.underruns, res.stall_s = player.received_s, player.underruns, player.stall_s
     return res
 
 
 async def run_level(base_url: str, n: int, text: str, max_tokens: int, timeout_s: float, ramp_s: float = 0.0) -> LevelResult:
-    """n sessions; stream i starts i * ramp_s / n seconds after the first (0: all at once)."""
+    """n sessions, all connected and configured first; then stream i sends its text
+    i * ramp_s / n seconds after the first (0: all at once). Connecting first keeps the
+    client's own n handshakes (and the server's) out of the timed part: a client busy with
+    hundreds of handshakes would otherwise stamp the first audio late."""
     ws_url = base_url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
     connector = aiohttp.TCPConnector(limit=0)  # no client-side cap on concurrent sessions
     async with aiohttp.ClientSession(connector=connector) as http:
-        tasks = [asyncio.create_task(run_stream(http, ws_url, text, max_tokens, BASE_SEED + i, i * ramp_s / n))
-                 for i in range(n)]
+        conns = await asyncio.wait_for(
+            asyncio.gather(*(connect_stream(http, ws_url, max_tokens, BASE_SEED + i) for i in range(n)),
+                           return_exceptions=True), timeout_s)
+        tasks: list[asyncio.Task | None] = [
+            None if isinstance(c, BaseException) else asyncio.create_task(run_stream(*c, text, i * ramp_s / n))
+            for i, c in enumerate(conns)]
         t0 = time.perf_counter()
-        done, pending = await asyncio.wait(tasks, timeout=timeout_s + ramp_s)
+        live = [t for t in tasks if t is not None]
+        done, pending = await asyncio.wait(live, timeout=timeout_s + ramp_s) if live else (set(), set())
         wall = time.perf_counter() - t0
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
     streams = []
-    for t in tasks:
-        if t in pending:
+    for c, t in zip(conns, tasks):
+        if t is None:
+            streams.append(StreamResult(error=f"connect: {type(c).__name__}: {c}"))
+        elif t in pending:
             streams.append(StreamResult(error="did not finish within the level's time limit"))
         elif t.exception() is not None:
             streams.append(StreamResult(error=f"{type(t.exception()).__name__}: {t.exception()}"))
