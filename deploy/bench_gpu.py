@@ -444,7 +444,7 @@ def run_profile_serving(n: int, out_dir: Path, steps: int = 10) -> dict:
     return res
 
 
-def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0") -> dict:
+def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0", admission_wait_ms: float = 20.0) -> dict:
     """Start the real server on the Orpheus-3B-shaped random model and run `omnistream bench`
     against it (N concurrent WebSocket TTS sessions read in real time)."""
     import socket
@@ -458,10 +458,12 @@ def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0") 
         port = sk.getsockname()[1]
     root = Path(__file__).resolve().parent.parent
     out_dir = Path(os.environ.get("OUT", "/tmp"))
-    server_log = open(out_dir / "server.log", "wb")  # the engine's per-5 s step / phase / first-audio log
+    tag = f"-wait{admission_wait_ms:g}"
+    server_log = open(out_dir / f"server{tag}.log", "wb")  # the engine's per-5 s step / phase / first-audio log
     srv = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", str(folder), "--random-weights",
                             "--device", "cuda", "--max-num-seqs", str(max_seqs), "--max-model-len", "1024", "--port", str(port),
-                            "--zmq-endpoint", "none", "--max-concurrent-requests", "4096"], cwd=root,
+                            "--zmq-endpoint", "none", "--max-concurrent-requests", "4096",
+                            "--admission-wait-ms", str(admission_wait_ms)], cwd=root,
                            stdout=server_log, stderr=subprocess.STDOUT)
     try:
         t0 = time.time()
@@ -474,12 +476,12 @@ def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0") 
                     raise RuntimeError("server did not start")
                 time.sleep(1)
         log(f"  server up in {time.time() - t0:.0f}s")
-        out = out_dir / "serving.md"
+        out = out_dir / f"serving{tag}.md"
         subprocess.run([sys.executable, "-m", "server.cli", "bench", "--url", f"http://127.0.0.1:{port}",
                         "--streams", streams, "--max-tokens", str(max_tokens), "--out", str(out), "--ramp-s", ramps,
                         "--text", "Hello there, this is one sentence of streaming speech for the benchmark."],
                        cwd=root, check=True)
-        return {"table": out.read_text()}
+        return {"table": out.read_text(), "admission_wait_ms": admission_wait_ms}
     finally:
         srv.terminate()
         try:
@@ -500,6 +502,7 @@ def main() -> int:
     ap.add_argument("--serving-max-seqs", type=int, default=512)
     ap.add_argument("--serving-max-tokens", type=int, default=350)
     ap.add_argument("--serving-ramp-s", default="0", help="bench --ramp-s: 0 = all streams start together")
+    ap.add_argument("--serving-admission-wait-ms", default="20", help="serve --admission-wait-ms; several: one server each")
     ap.add_argument("--profile-serving-batch", type=int, default=400)
     ap.add_argument("--codec-tiles", nargs="*", default=["64,64,32,4,2", "128,64,32,4,3", "64,128,32,4,3", "128,128,32,8,3",
                                                           "128,128,64,8,3", "64,256,32,8,3", "256,64,32,8,3"])
@@ -543,7 +546,8 @@ def main() -> int:
     if "ttfa" in secs:
         res["ttfa"] = run_ttfa()
     if "serving" in secs:
-        res["serving"] = run_serving(args.streams, args.serving_max_seqs, args.serving_max_tokens, args.serving_ramp_s)
+        res["serving"] = [run_serving(args.streams, args.serving_max_seqs, args.serving_max_tokens, args.serving_ramp_s, float(w))
+                          for w in args.serving_admission_wait_ms.split(",")]
     res["wall_s"] = time.perf_counter() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -598,7 +602,9 @@ def render(res: dict) -> str:
                       f"{len(t['first_audio_ms'])} requests, {t['steps_to_first_audio'][0]} engine steps; host ms/step "
                       + ", ".join(f"{k} {v:.2f}" for k, v in t["phase_ms_per_step"][0].items())]
     if "serving" in res:
-        lines += ["", "Serving (real server, WebSocket TTS clients reading in real time):", "", res["serving"]["table"]]
+        for sv in res["serving"]:
+            lines += ["", f"Serving (real server, `--admission-wait-ms {sv['admission_wait_ms']:g}`, WebSocket TTS clients "
+                          "reading in real time):", "", sv["table"]]
     if bw:
         lines += ["", f"copy bandwidth {bw/1e12:.2f} TB/s; weights {res.get('weight_bytes', 0)/1e9:.2f} GB"]
     return "\n".join(lines) + "\n"

@@ -41,6 +41,7 @@ class EngineProcArgs(msgspec.Struct, forbid_unknown_fields=True):
     dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    admission_wait_ms: float = 0.0
     max_model_len: int | None = None
     block_size: int = 16
     kv_memory_gb: float | None = None
@@ -79,6 +80,7 @@ def build_engine(args: EngineProcArgs):
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
         cuda_graphs=args.cuda_graphs,
+        admission_wait_ms=args.admission_wait_ms,
     )
     dev = cfg.runner.torch_device
     if dev.type == "cpu":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from runner.sampling_params import SamplingParams
@@ -48,6 +49,7 @@ class Request:
     hidden_state_layers: tuple[int, ...] = ()
     audio: bool = False  # sampled tokens go through the codec stage
     arrival: int = field(default_factory=lambda: next(_seq_counter))
+    arrival_time: float = field(default_factory=time.monotonic)  # seconds, for the admission hold
 
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING

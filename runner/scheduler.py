@@ -16,10 +16,12 @@ step N's tokens are known: a request that sampled in step N carries one in-fligh
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
-from runner.config import SchedulerConfig
+from runner.config import ADMISSION_HOLD_MIN_RUNNING, SchedulerConfig
 from runner.kv_cache import BlockManager
 from runner.request import FinishReason, Request, Status
 
@@ -45,8 +47,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, eos_token_ids: frozenset[int] = frozenset()):
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, eos_token_ids: frozenset[int] = frozenset(),
+                 clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
+        self.clock = clock  # Request.arrival_time's clock (tests inject one)
+        self._hold_s = cfg.admission_wait_ms / 1e3
         self.eos_token_ids = eos_token_ids
         self.blocks = blocks
         self.waiting: deque[Request] = deque()
@@ -125,7 +130,10 @@ class Scheduler:
 
         # 2) waiting requests in arrival order (preempted ones first), while budget, slots and
         # blocks allow. A preempted request whose last token is still in flight waits for it.
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        # Under load, new arrivals are admitted in groups (SchedulerConfig.admission_wait_ms).
+        hold = (self._hold_s > 0 and self.waiting and len(self.running) >= ADMISSION_HOLD_MIN_RUNNING
+                and self.clock() - self.waiting[0].arrival_time < self._hold_s)
+        while not hold and self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             if req.num_inflight:
                 break

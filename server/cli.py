@@ -18,6 +18,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="require this key on HTTP and WebSocket requests")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together (batch rows)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
+    p.add_argument("--admission-wait-ms", type=float, default=20.0,
+                   help="with >= 64 requests running, admit new ones in groups at most this often (0: every step)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-memory-gb", type=float, default=None, help="KV cache size (default: enough for every sequence, capped by free memory)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")

@@ -39,6 +39,7 @@ def engine_args_from(args: argparse.Namespace, model_path: str, env: Env) -> Eng
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        admission_wait_ms=args.admission_wait_ms,
         max_model_len=args.max_model_len,
         kv_memory_gb=args.kv_memory_gb,
         enable_prefix_caching=not args.no_prefix_caching,
