@@ -65,6 +65,13 @@ class CodecConfig:
     # codec stream (the model keeps stepping meanwhile) unless more than this many are in
     # flight: a bound on the backlog and its pinned host buffers when the codec falls behind.
     max_inflight_windows: int = 2048
+    # CUDA: each SNAC call costs ~1 ms of host time whatever its batch, and streams that started
+    # at different times have windows of several lengths ready at every step (H200, 64-256
+    # streams arriving over 2 s: 4.6 ms of codec host time per step). So a step launches at most
+    # this many window lengths; the others wait (and grow into bigger batches) for at most
+    # max_defer_steps steps. First chunks (time to first audio) never wait.
+    max_launches_per_step: int = 2
+    max_defer_steps: int = 2
     # Decoder implementation: "triton" (fused kernels, runner/snac_kernels.py), "torch" (SNAC's
     # layers), or "auto" = triton on CUDA when it is installed and the model fits, else torch.
     kernels: str = "auto"
@@ -75,9 +82,12 @@ class CodecConfig:
     matmul_precision: str = "tf32x3"
 
     def __post_init__(self) -> None:
-        for name in ("codebook_size", "sample_rate", "samples_per_frame", "max_batch_windows", "max_inflight_windows"):
+        for name in ("codebook_size", "sample_rate", "samples_per_frame", "max_batch_windows", "max_inflight_windows",
+                     "max_launches_per_step"):
             if getattr(self, name) < 1:
                 raise CodecError(f"CodecConfig.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_defer_steps < 0:
+            raise CodecError(f"CodecConfig.max_defer_steps: must be >= 0, got {self.max_defer_steps}")
         if self.audio_token_offset < 0:
             raise CodecError(f"CodecConfig.audio_token_offset: must be >= 0, got {self.audio_token_offset}")
         if self.tokens_per_frame != sum(len(g) for g in ORPHEUS_LEVELS):
@@ -567,8 +577,12 @@ class CodecStage:
         # launched batches in launch order: (key, job) per window, the windows' _Request
         # objects, and the PCM on its way
         self._pending: list[tuple[list[tuple[object, WindowJob]], list[_Request], PendingPCM]] = []
-        self._inflight: Counter = Counter()  # launched, not yet collected, windows per key
-        self._num_inflight = 0  # sum of _inflight
+        self._inflight: Counter = Counter()  # queued or launched, not yet collected, windows per key
+        self._num_inflight = 0  # windows launched and not collected (sum over _pending)
+        # ready windows not launched yet, by window length: (key, job, request, step queued);
+        # _inflight counts them too, so a request is not done while one waits here
+        self._queued: dict[int, list[tuple[object, WindowJob, _Request, int]]] = defaultdict(list)
+        self._step_no = 0
         # CUDA: launches run on the decoder's stream and are collected by later step() calls;
         # CPU: a launch has finished when it returns (chosen once, here)
         self.asynchronous = self.decoder.stream is not None
@@ -644,36 +658,39 @@ class CodecStage:
     # -- decoding ----------------------------------------------------------------------
 
     def step(self, wait: bool = False) -> dict[object, StageResult]:
-        """Collect the PCM of launched windows that have finished and launch every window ready
-        now, batched by window length, first chunks first (time to first audio). Returns results
-        for keys with news (PCM, completion or error); keys reported done are forgotten.
+        """Queue the windows that became ready, launch queued windows batched by window length
+        (first chunks first, for time to first audio), and collect the PCM of launched windows
+        that have finished. Returns results for keys with news (PCM, completion or error); keys
+        reported done are forgotten.
 
-        On the CPU a launch completes at once, so its PCM is returned by the same call. On CUDA
-        the decode runs on the codec's stream, overlapping the model's steps, and a window's PCM
-        is returned by the first call after it has landed: the host never waits for the codec
-        unless `wait` (the caller has nothing else to do) or more than
-        cfg.max_inflight_windows are in flight."""
+        On the CPU everything ready is launched and, the launch being synchronous, returned by
+        the same call. On CUDA the decode runs on the codec's stream, overlapping the model's
+        steps; a step launches at most cfg.max_launches_per_step lengths (see CodecConfig) and a
+        window's PCM is returned by the first call after it has landed: the host never waits for
+        the codec unless `wait` (the caller has nothing else to do: everything is launched and
+        collected) or more than cfg.max_inflight_windows are in flight."""
         results: dict[object, StageResult] = {}
         pieces: dict[object, list[tuple[int, np.ndarray]]] = defaultdict(list)
+        self._step_no += 1
         dirty, self._dirty = self._dirty, set()
-        groups: dict[int, list[tuple[object, WindowJob]]] = defaultdict(list)
         for key in dirty:
             req = self._reqs.get(key)
             if req is not None and req.error is None:
                 for job in req.cursor.ready(req.n_frames, req.ended):
-                    groups[job.window_frames].append((key, job))
+                    self._queued[job.window_frames].append((key, job, req, self._step_no))
+                    self._inflight[key] += 1
         step_max = self.cfg.max_batch_windows
-        for items in sorted(groups.values(), key=lambda it: min(j.chunk_index for _, j in it)):
+        for length in self._lengths_to_launch(wait or not self.asynchronous):
+            # by identity: a request aborted (or failed) since its window was queued is skipped
+            items = [it for it in self._queued.pop(length) if self._reqs.get(it[0]) is it[2] and it[2].error is None]
             for i in range(0, len(items), step_max):
-                batch = items[i : i + step_max]
-                reqs = [self._reqs[k] for k, _ in batch]
-                jobs = [j for _, j in batch]
-                windows = [r.codes[j.window_start : j.window_end] for r, j in zip(reqs, jobs)]
-                pending = self.decoder.launch_jobs(windows, jobs, [r.seed for r in reqs])
+                part = items[i : i + step_max]
+                batch = [(key, job) for key, job, _, _ in part]
+                reqs = [req for _, _, req, _ in part]
+                windows = [r.codes[j.window_start : j.window_end] for r, (_, j) in zip(reqs, batch)]
+                pending = self.decoder.launch_jobs(windows, [j for _, j in batch], [r.seed for r in reqs])
                 self._pending.append((batch, reqs, pending))
                 self._num_inflight += len(batch)
-                for key, _ in batch:
-                    self._inflight[key] += 1
         # after the launches: the in-flight bound then holds when step() returns
         touched = self._collect(pieces, wait or not self.asynchronous)
 
@@ -693,6 +710,22 @@ class CodecStage:
             del self._reqs[key]
             self._inflight.pop(key, None)
         return results
+
+    def _lengths_to_launch(self, everything: bool) -> list[int]:
+        """Window lengths whose queued windows launch now, first chunks first: every length when
+        `everything`; else those holding a first chunk or a window queued max_defer_steps ago,
+        topped up with the fullest others to max_launches_per_step."""
+        if everything:
+            return sorted(self._queued, key=lambda n: min(j.chunk_index for _, j, _, _ in self._queued[n]))
+        oldest = self._step_no - self.cfg.max_defer_steps
+        urgent, rest = [], []
+        for n, items in self._queued.items():
+            first = min(j.chunk_index for _, j, _, _ in items)
+            (urgent if first == 0 or items[0][3] <= oldest else rest).append((first, n))
+        urgent.sort()
+        rest.sort(key=lambda fn: -len(self._queued[fn[1]]))
+        room = max(0, self.cfg.max_launches_per_step - len(urgent))
+        return [n for _, n in urgent] + [n for _, n in rest[:room]]
 
     @property
     def num_inflight(self) -> int:

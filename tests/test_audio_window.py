@@ -19,7 +19,7 @@ POLICIES = [
 
 def test_default_schedule() -> None:
     p = WindowPolicy()
-    sizes = [1, 1, 1, 2, 2, 3, 4, 5, 7, 8, 8, 8]
+    sizes = [1, 1, 1, 2, 2, 2, 4, 4, 4, 8, 8, 8]
     starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     assert [chunk_bounds(p, k) for k in range(len(sizes))] == list(zip(starts, starts[1:]))
     assert p.max_window_frames == 2 + 8 + 2
@@ -55,6 +55,8 @@ def test_default_schedule_tolerates_slower_generation_than_doubling() -> None:
     assert max_real_time_factor(WindowPolicy(chunk_frames=(1, 2, 4, 8)), 50) == pytest.approx(0.5)
     for n in (20, 50, 400):
         assert max_real_time_factor(WindowPolicy(), n) >= 0.75
+    lengths = {j.window_frames for j in plan_offline(WindowPolicy(), 400)}
+    assert lengths == {3, 4, 5, 6, 8, 12}  # few lengths: windows of many streams batch together
 
 
 def test_custom_schedule_repeats_last_size() -> None:

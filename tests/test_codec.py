@@ -322,6 +322,32 @@ def test_inflight_bound_waits_for_the_oldest(stage_factory) -> None:
     assert st.num_inflight == 1
 
 
+def test_launches_per_step_are_bounded_and_deferred_windows_batch_later(stage_factory) -> None:
+    st, events = _async_stage(stage_factory, max_launches_per_step=1, max_defer_steps=2)
+    calls = []
+    launch = st.decoder.launch_jobs
+    st.decoder.launch_jobs = lambda w, j, s: calls.append([x.window_frames for x in j]) or launch(w, j, s)
+    rng = np.random.default_rng(12)
+    toks = {k: codes_to_tokens(st.cfg, _codes(rng, 8)) for k in "abc"}
+    # a: chunk 0 ready (3 frames); b: chunks 0-1 (4 frames); c: chunks 0-2 (5 frames) -> first
+    # chunks launch at once, whatever the bound
+    for key, n in (("a", 3), ("b", 4), ("c", 5)):
+        st.open(key)
+        st.push(key, toks[key][: 7 * n])
+    st.step()
+    assert sorted(calls[0]) == [3, 3, 3] and len(calls) == 1  # chunk-0 windows: one call
+    # b's and c's chunk-1 windows (length 4) and c's chunk-2 window (length 5): one length
+    # per step, the fullest first; the other waits its 2 steps at most
+    assert st.step() == {}  # nothing has landed yet
+    assert calls[1] == [4, 4] and len(calls) == 2
+    st.step()
+    assert calls[2] == [5] and len(calls) == 3
+    for e in events:
+        e.done = True
+    res = st.step(wait=True)
+    assert {k: r.pcm.size // SPF for k, r in res.items()} == {"a": 1, "b": 2, "c": 3}
+
+
 def test_abort_with_window_in_flight_does_not_leak_into_a_reused_key(stage_factory) -> None:
     st, events = _async_stage(stage_factory)
     old = codes_to_tokens(st.cfg, _codes(np.random.default_rng(10), 3))
