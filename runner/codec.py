@@ -72,6 +72,7 @@ class CodecConfig:
     # max_defer_steps steps. First chunks (time to first audio) never wait.
     max_launches_per_step: int = 2
     max_defer_steps: int = 2
+    cuda_graphs: bool = True  # CUDA + fused kernels: replay captured decodes (runner/codec_graphs.py)
     # Decoder implementation: "triton" (fused kernels, runner/snac_kernels.py), "torch" (SNAC's
     # layers), or "auto" = triton on CUDA when it is installed and the model fits, else torch.
     kernels: str = "auto"
@@ -377,6 +378,8 @@ class SnacWindowDecoder:
         kernels: str = "torch",
         matmul_precision: str = "tf32x3",
         tiles=None,  # runner.snac_kernels.Tiles override (tests, tuning)
+        graph_windows: tuple[int, ...] = (),  # CUDA + fused: capture graphs for these window lengths
+        graph_max_rows: int = 128,
     ) -> None:
         self.model = model
         self.samples_per_frame = samples_per_frame
@@ -403,6 +406,12 @@ class SnacWindowDecoder:
             self._warm_up(required=kernels == "triton", tiles_given=tiles is not None)
         self.kernels = "triton" if self.fused is not None else "torch"
         self._decode = self._decode_fused if self.fused is not None else self.decode_torch
+        self.graphs = None  # runner.codec_graphs.CodecGraphs: launches of these window lengths replay
+        if graph_windows and self.fused is not None and self.device.type == "cuda":
+            from runner.codec_graphs import CodecGraphs
+
+            self.graphs = CodecGraphs(lambda c, s, n: float_to_s16(self._decode_fused(c, s, n)), self.device,
+                                      list(graph_windows), graph_max_rows, sum(map(len, ORPHEUS_LEVELS)), samples_per_frame)
 
     def _build_fused(self, precision: str, tiles, required: bool):
         try:
@@ -503,14 +512,17 @@ class SnacWindowDecoder:
             # inputs come from the host only: no dependency on the model's stream
             # rows padded to an even length: meta[1] then starts 16-byte aligned for any batch
             # size, so Triton keeps one pointer specialisation (an odd batch compiled a second)
-            pad = [0] * (len(jobs) % 2)
+            n, w = len(jobs), windows[0].shape[0]
+            pad = [0] * (n % 2)
             meta = torch.tensor([[j.window_start for j in jobs] + pad, list(seeds) + pad], dtype=torch.int64).pin_memory()
-            codes = torch.from_numpy(np.stack(windows)).pin_memory().to(self.device, non_blocking=True)
-            meta = meta.to(self.device, non_blocking=True)
-            n = len(jobs)
-            pcm = float_to_s16(self.decode(codes, meta[0, :n], meta[1, :n]))
-            host = torch.empty(pcm.shape, dtype=pcm.dtype, pin_memory=True)
-            host.copy_(pcm, non_blocking=True)
+            codes = torch.from_numpy(np.stack(windows)).pin_memory()
+            host = torch.empty((n, w * self.samples_per_frame), dtype=torch.int16, pin_memory=True)
+            if self.graphs is not None and w in self.graphs.window_lengths:
+                self.graphs.run(codes, meta, host)
+            else:
+                codes = codes.to(self.device, non_blocking=True)
+                meta = meta.to(self.device, non_blocking=True)
+                host.copy_(float_to_s16(self.decode(codes, meta[0, :n], meta[1, :n])), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         return PendingPCM(host, cuts, event)
@@ -572,7 +584,11 @@ class CodecStage:
 
     def __init__(self, cfg: CodecConfig, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.cfg = cfg
-        self.decoder = SnacWindowDecoder(load_snac(cfg, device, dtype), cfg.samples_per_frame, cfg.kernels, cfg.matmul_precision)
+        # graphs for the window lengths of an unbounded stream (a stream's last window is eager)
+        lengths = tuple(sorted({j.window_frames for j in plan_offline(cfg.policy, 64 * cfg.policy.max_window_frames)[:-1]}))
+        self.decoder = SnacWindowDecoder(load_snac(cfg, device, dtype), cfg.samples_per_frame, cfg.kernels,
+                                         cfg.matmul_precision, graph_windows=lengths if cfg.cuda_graphs else (),
+                                         graph_max_rows=cfg.max_batch_windows)
         self._reqs: dict[object, _Request] = {}
         # launched batches in launch order: (key, job) per window, the windows' _Request
         # objects, and the PCM on its way
