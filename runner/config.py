@@ -179,7 +179,7 @@ class RunnerConfig:
     device: str = "cpu"
     dtype: str = "auto"
     cuda_graphs: bool = True  # only meaningful on CUDA
-    max_graph_batch_size: int = 512  # decode graphs for batches up to min(this, max_num_seqs)
+    max_graph_batch_size: int = 1024  # graph rows: up to min(this, max_num_seqs + 256 prefill token rows)
     sampler_backend: str = "auto"  # auto | torch | triton (OMNISTREAM_SAMPLER_BACKEND)
 
     @property
