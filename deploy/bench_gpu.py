@@ -237,16 +237,7 @@ def time_decode(dec, frames: int, B: int, repeats: int = 10) -> float:
     codes = torch.randint(0, 4096, (B, frames, 7), device="cuda")
     starts = torch.zeros(B, dtype=torch.int64, device="cuda")
     seeds = torch.arange(B, dtype=torch.int64, device="cuda")
-    for _ in range(2):
-        dec.decode(codes, starts, seeds)
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(repeats):
-        dec.decode(codes, starts, seeds)
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / repeats / 1e3
+    return time_decode_inputs(dec, codes, starts, seeds, repeats)
 
 
 def run_codec():
