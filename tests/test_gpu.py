@@ -109,8 +109,9 @@ def test_triton_decode_backend_matches_torch_backend(model_dir):
 
 
 def test_cuda_codec_stage_streams_equal_offline(tmp_path):
-    """The CUDA codec path (own stream, PCM collected one step later) emits every sample once:
-    the streamed concatenation equals the offline decode under the same window rule."""
+    """The CUDA codec path (own stream, CUDA graphs, PCM collected once it has landed) emits
+    every sample once: the streamed concatenation equals the offline decode under the same
+    window rule."""
     import numpy as np
 
     from runner.codec import CodecConfig, CodecStage, codes_to_tokens, make_tiny_snac, offline_decode
