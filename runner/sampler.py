@@ -64,6 +64,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -95,12 +96,15 @@ def race_noise(seeds: Tensor, counters: Tensor, vocab: int, out: Tensor | None =
     return torch.log(u, out=out).neg_()
 
 
-def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+def _to_device(data: "list | np.ndarray", dtype: torch.dtype, device: torch.device) -> Tensor:
     """One host tensor -> `device`; pinned + non_blocking on CUDA so the host never waits.
 
     The pinned block stays valid until the copy ends: PyTorch's caching host allocator
     records the copy's stream and does not reuse the block before it completes.
     """
+    if isinstance(data, np.ndarray):  # a fresh array the caller does not touch again
+        t = torch.from_numpy(data).to(dtype)
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
     if device.type == "cuda":
         return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
     return torch.tensor(data, dtype=dtype, device=device)
@@ -301,28 +305,25 @@ class SamplingBatch:
         # Rows padded to 4 columns (16 bytes): every row view starts 16-byte aligned whatever B
         # is. Triton specialises pointer arguments on that alignment, so unpadded rows made
         # the sampling kernels compile a new variant (~1 s) whenever B % 4 changed.
-        pad = [0] * (-b % 4)
-        bp = b + len(pad)
-        floats = _to_device(
-            [
-                [p.temperature for p in params] + pad,
-                [p.top_p for p in params] + pad,
-                [p.min_p for p in params] + pad,
-                [p.repetition_penalty for p in params] + pad,
-                [p.frequency_penalty for p in params] + pad,
-                [p.presence_penalty for p in params] + pad,
-            ],
-            torch.float32,
-            device,
-        ).reshape(6, bp)[:, :b]  # reshape: an empty batch gives shape [6, 0] either way
-        ints = _to_device([[p.top_k for p in params] + pad, list(slots) + pad, list(seeds) + pad, list(counters) + pad],
-                          torch.int64, device).reshape(4, bp)[:, :b]
+        bp = b + (-b % 4)
+        # one pass over the params into numpy, the flags from the arrays (host time: ~400 rows
+        # per step when serving)
+        host_f = np.zeros((bp, 6), dtype=np.float32)
+        if b:
+            host_f[:b] = [(p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+                          for p in params]
+        host_i = np.zeros((4, bp), dtype=np.int64)
+        host_i[0, :b] = [p.top_k for p in params]
+        host_i[1, :b], host_i[2, :b], host_i[3, :b] = slots, seeds, counters
+        floats = _to_device(np.ascontiguousarray(host_f.T), torch.float32, device)[:, :b]
+        ints = _to_device(host_i, torch.int64, device)[:, :b]
+        temp, top_p, min_p, rep, freq, pres = host_f[:b].T
 
         b_rows: list[int] = []
         b_cols: list[int] = []
         b_vals: list[float] = []
         for i, p in enumerate(params):
-            for tok, val in p.logit_bias.items():
+            for tok, val in p.logit_bias.items() if p.logit_bias else ():
                 b_rows.append(i)
                 b_cols.append(int(tok))
                 b_vals.append(val)
@@ -350,15 +351,15 @@ class SamplingBatch:
             bias_rows=bias_rows,
             bias_cols=bias_cols,
             bias_vals=bias_vals,
-            all_greedy=all(p.greedy for p in params),
-            any_penalty=any(p.uses_penalties for p in params),
-            any_top_k=any(p.top_k > 0 for p in params),
-            any_top_p=any(p.top_p < 1.0 for p in params),
-            any_min_p=any(p.min_p > 0.0 for p in params),
-            any_greedy=any(p.greedy for p in params),
-            any_repetition=any(p.repetition_penalty != 1.0 for p in params),
-            any_frequency=any(p.frequency_penalty != 0.0 for p in params),
-            any_presence=any(p.presence_penalty != 0.0 for p in params),
+            all_greedy=bool((temp == 0.0).all()),
+            any_penalty=bool((rep != 1.0).any() or (freq != 0.0).any() or (pres != 0.0).any()),
+            any_top_k=bool((host_i[0, :b] > 0).any()),
+            any_top_p=bool((top_p < 1.0).any()),
+            any_min_p=bool((min_p > 0.0).any()),
+            any_greedy=bool((temp == 0.0).any()),
+            any_repetition=bool((rep != 1.0).any()),
+            any_frequency=bool((freq != 0.0).any()),
+            any_presence=bool((pres != 0.0).any()),
         )
 
 

@@ -100,18 +100,29 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         bs = self.blocks
 
-        # 1) running requests, oldest first; preempt the newest when blocks run out.
+        # 1) running requests, oldest first; preempt the newest when blocks run out. This loop
+        # visits every running request each step (hundreds when serving), so it reads the
+        # request's counters once instead of through its properties (Request.num_tokens,
+        # _at_limit) and skips the block manager when the request's blocks already suffice.
+        block_size, max_len = bs.block_size, self.cfg.max_model_len
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = req.num_tokens - req.num_computed_tokens
-            if n <= 0 or self._at_limit(req):
-                # n <= 0: chunk ended the prompt, token still in flight. At the limit: the
-                # in-flight token is the last one; scheduling more would compute a token that
-                # must be dropped.
+            n_out = len(req.output_token_ids) + req.num_inflight
+            total = len(req.prompt_token_ids) + n_out  # = req.num_tokens
+            n = total - req.num_computed_tokens
+            if n <= 0 or n_out >= req.sampling.max_tokens or total >= max_len:
+                # n <= 0: chunk ended the prompt, token still in flight. At the limit (see
+                # _at_limit): the in-flight token is the last one; scheduling more would compute
+                # a token that must be dropped.
                 i += 1
                 continue
             n = min(n, budget)
+            if req.num_computed_tokens + n <= len(req.block_ids) * block_size:
+                out.scheduled.append(self._entry(req, n, new=False))
+                budget -= n
+                i += 1
+                continue
             while not bs.allocate(req, n):
                 victim = self.running[-1]
                 if victim is req and len(self.running) == 1 and not out.scheduled:
