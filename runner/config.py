@@ -163,10 +163,10 @@ class SchedulerConfig:
     max_model_len: int = 4096
     async_scheduling: bool = False
     # Batch admissions under load: with >= ADMISSION_HOLD_MIN_RUNNING requests running, a new
-    # request waits until the oldest waiting one is this old, so arrivals join in groups. Each
-    # step that admits runs mixed prefill/decode without CUDA graphs (H200: ~3.6 ms host per
-    # step instead of ~1 ms at batch 100-200), and spread-out arrivals made nearly every step
-    # one. 0 admits at every step.
+    # request waits until the oldest waiting one is this old, so arrivals join in groups and
+    # fewer steps carry prefill tokens (each such step is larger, and eager when a prompt is
+    # long). H200, 64-256 streams arriving over 2 s: real time up to 128 streams with 20 ms,
+    # underruns from 64 with 0 (deploy/RESULTS.md). 0 admits at every step.
     admission_wait_ms: float = 0.0
 
 
