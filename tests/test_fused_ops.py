@@ -16,21 +16,15 @@ Tolerances: the kernels replicate every rounding of the torch path, so
 
 from __future__ import annotations
 
-import os
 import textwrap
 
 import pytest
 import torch
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    # Before any triton kernel module is imported: @triton.jit picks the interpreter at
-    # decoration time (same arrangement as tests/test_triton_attention.py).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_interpreter import compile_offline, has_nvidia_backend, interpret_without_cuda, patch_interpreter
 
+_CUDA = interpret_without_cuda()  # before any runner module with Triton kernels is imported
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
-
-from tests.triton_interpreter import compile_offline, has_nvidia_backend, patch_interpreter  # noqa: E402
 
 from runner.attention import AttentionMetadata, TorchPagedAttention, allocate_kv_cache  # noqa: E402
 from runner.config import ModelConfig  # noqa: E402

@@ -10,13 +10,11 @@ CPU and 'triton' (runner/sampling_kernels.py), compiled on CUDA or under Triton'
 from __future__ import annotations
 
 import math
-import os
 import textwrap
 
-if not __import__("torch").cuda.is_available():
-    # Must be set before runner.sampling_kernels is imported: @triton.jit picks the interpreter
-    # at decoration time (same convention as tests/test_triton_attention.py).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_interpreter import compile_offline, has_nvidia_backend, interpret_without_cuda
+
+_CUDA = interpret_without_cuda()  # before runner.sampling_kernels is imported
 
 import pytest
 import torch
@@ -30,7 +28,6 @@ from transformers.generation.logits_process import (
 
 from runner.sampler import Sampler, SamplingBatch, SlotState, race_noise
 from runner.sampling_params import SamplingParams
-from tests.triton_interpreter import compile_offline, has_nvidia_backend
 
 CPU = torch.device("cpu")
 V = 97  # odd, small vocabulary
@@ -473,7 +470,6 @@ class OldSampler:
 
 # --------------------------------------------------------------------------- triton backend setup
 
-_CUDA = torch.cuda.is_available()
 KDEV = torch.device("cuda" if _CUDA else "cpu")  # where the triton backend runs
 try:
     import triton  # noqa: F401

@@ -9,20 +9,14 @@ wheel does not bring it) the whole file is skipped.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    # Must be set before runner.triton_attention is imported: @triton.jit picks the interpreter
-    # at decoration time. Left set for the session (triton reads it lazily in other places too).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_interpreter import interpret_without_cuda, patch_interpreter
 
+_CUDA = interpret_without_cuda()  # before runner.triton_attention is imported
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
-
-from tests.triton_interpreter import patch_interpreter  # noqa: E402
 
 from runner.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
 from runner.triton_attention import (  # noqa: E402

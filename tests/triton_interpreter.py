@@ -14,6 +14,21 @@ applied once per session whichever test file imports this first.
 from __future__ import annotations
 
 
+def interpret_without_cuda() -> bool:
+    """Whether CUDA is available. Without it, set TRITON_INTERPRET=1 (left set for the session:
+    triton reads it lazily in other places too), so the runner's Triton kernels run under the
+    interpreter on CPU tensors. @triton.jit decides at decoration time: call this before any
+    runner module with Triton kernels is imported."""
+    import os
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return cuda
+
+
 def patch_interpreter() -> None:
     import numpy as np
     import triton.language as tl
