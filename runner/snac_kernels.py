@@ -65,6 +65,15 @@ def _snake(x, alpha, inv_alpha):
 
 
 @triton.jit
+def _store_snake(out_ptr, offs, val, alpha_ptr, inv_ptr, cols, col_ok, mask):
+    # Epilogue shared by the matmul kernels: store Snake(val) with the per-channel parameters
+    # of the layer that consumes it (cols: the tile's output channels).
+    al = tl.load(alpha_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    iv = tl.load(inv_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, _snake(val, al[None, :], iv[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _positional_noise(seed, pos, salt_a, salt_b):
     # runner.codec.positional_noise for one (seed, absolute position) per element: seed and pos
     # int64 (taken mod 2^32 like the torch version's `& 0xFFFFFFFF`), salts uint32.
@@ -181,9 +190,7 @@ def _rows_gemm_kernel(
     if STORE_X:
         tl.store(x_ptr + offs, val.to(x_ptr.dtype.element_ty), mask=omask)
     if STORE_U:
-        al = tl.load(u_alpha_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)
-        iv = tl.load(u_inv_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(u_ptr + offs, _snake(val, al[None, :], iv[None, :]).to(u_ptr.dtype.element_ty), mask=omask)
+        _store_snake(u_ptr, offs, val, u_alpha_ptr, u_inv_ptr, ns, n_ok, omask)
 
 
 @triton.jit(do_not_specialize=["M", "T_in"])
@@ -241,9 +248,7 @@ def _convt_kernel(
     offs = (b.to(tl.int64)[:, None] * T_out + tt) * C_out + o[None, :]
     tl.store(y_ptr + offs, val.to(y_ptr.dtype.element_ty), mask=omask)
     if STORE_U:
-        al = tl.load(u_alpha_ptr + o, mask=n_ok, other=0.0).to(tl.float32)
-        iv = tl.load(u_inv_ptr + o, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(yu_ptr + offs, _snake(val, al[None, :], iv[None, :]).to(yu_ptr.dtype.element_ty), mask=omask)
+        _store_snake(yu_ptr, offs, val, u_alpha_ptr, u_inv_ptr, o, n_ok, omask)
 
 
 @triton.jit(do_not_specialize=["M", "T"])
