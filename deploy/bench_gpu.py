@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from runner.codec import write_random_snac  # noqa: E402
 from runner.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig  # noqa: E402
 
 ORPHEUS_3B = {
@@ -218,21 +219,6 @@ def run_hf(batches, budget_s: float):
     return out
 
 
-def make_snac_24khz_random(folder: Path) -> Path:
-    """snac_24khz's published architecture with random weights (no download)."""
-    from snac import SNAC
-
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = {"sampling_rate": 24000, "encoder_dim": 48, "encoder_rates": [2, 4, 8, 8], "latent_dim": None,
-           "decoder_dim": 1024, "decoder_rates": [8, 8, 4, 2], "attn_window_size": None, "codebook_size": 4096,
-           "codebook_dim": 8, "vq_strides": [4, 2, 1], "noise": True, "depthwise": True}
-    torch.manual_seed(0)
-    model = SNAC(**cfg)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    torch.save(model.state_dict(), folder / "pytorch_model.bin")
-    return folder
-
-
 def time_decode(dec, frames: int, B: int, repeats: int = 10) -> float:
     codes = torch.randint(0, 4096, (B, frames, 7), device="cuda")
     starts = torch.zeros(B, dtype=torch.int64, device="cuda")
@@ -243,7 +229,7 @@ def time_decode(dec, frames: int, B: int, repeats: int = 10) -> float:
 def run_codec():
     from runner.codec import CodecConfig, CodecStage
 
-    folder = make_snac_24khz_random(Path("/tmp/snac24_random"))
+    folder = write_random_snac(Path("/tmp/snac24_random"))  # snac_24khz, random weights
     res = {}
     for dtype in (torch.float32, torch.bfloat16):
         cfg = CodecConfig(path=str(folder))
@@ -294,7 +280,7 @@ def run_ttfa(repeats: int = 8, prompt: list[int] | None = None) -> dict:
     from runner.engine_proc import EngineProcArgs, build_engine
     from runner.sampling_params import SamplingParams
 
-    snac = make_snac_24khz_random(Path("/tmp/snac24_random"))
+    snac = write_random_snac(Path("/tmp/snac24_random"))  # snac_24khz, random weights
     folder = make_orpheus_random_folder(Path("/tmp/orpheus3b-random"), snac)
     eng = build_engine(EngineProcArgs(model_path=str(folder), input_addr="", output_addr="", device="cuda",
                                       max_num_seqs=8, max_model_len=1024, random_weights=True))
@@ -335,7 +321,7 @@ def run_codec_tiles(tiles_list: list[str]) -> dict:
     from runner.codec import CodecConfig, SnacWindowDecoder, float_to_s16, load_snac
     from runner.snac_kernels import Tiles
 
-    folder = make_snac_24khz_random(Path("/tmp/snac24_random"))
+    folder = write_random_snac(Path("/tmp/snac24_random"))  # snac_24khz, random weights
     model = load_snac(CodecConfig(path=str(folder)), torch.device("cuda"), torch.bfloat16)
     shapes = [(256, 12), (64, 12), (256, 5), (1, 3)]
     inputs = {bw: (torch.randint(0, 4096, (bw[0], bw[1], 7), device="cuda"),
@@ -383,7 +369,7 @@ def run_profile_serving(n: int, out_dir: Path, steps: int = 10) -> dict:
     from runner.engine_proc import EngineProcArgs, build_engine
     from runner.sampling_params import SamplingParams
 
-    snac = make_snac_24khz_random(Path("/tmp/snac24_random"))
+    snac = write_random_snac(Path("/tmp/snac24_random"))  # snac_24khz, random weights
     folder = make_orpheus_random_folder(Path("/tmp/orpheus3b-random"), snac)
     eng = build_engine(EngineProcArgs(model_path=str(folder), input_addr="", output_addr="", device="cuda",
                                       max_num_seqs=max(n, 8), max_model_len=1024, random_weights=True))
@@ -442,7 +428,7 @@ def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0", 
     import subprocess
     import urllib.request
 
-    snac = make_snac_24khz_random(Path("/tmp/snac24_random"))
+    snac = write_random_snac(Path("/tmp/snac24_random"))  # snac_24khz, random weights
     folder = make_orpheus_random_folder(Path("/tmp/orpheus3b-random"), snac)
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))

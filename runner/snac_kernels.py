@@ -692,13 +692,10 @@ def _bench_main() -> None:
     torch and fused decoders on a random snac_24khz-shaped model, int16 LSB distance from the
     fp32 torch path, and the fused path's top kernels (needs CUDA)."""
     import argparse
-    import json
     import tempfile
     from pathlib import Path
 
-    from snac import SNAC
-
-    from runner.codec import CodecConfig, SnacWindowDecoder, float_to_s16, load_snac
+    from runner.codec import CodecConfig, SnacWindowDecoder, float_to_s16, load_snac, write_random_snac
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiles", nargs="*", default=["128,128,32,8,3", "128,64,32,4,3", "64,64,32,4,2", "64,128,32,4,3"])
@@ -706,14 +703,7 @@ def _bench_main() -> None:
     ap.add_argument("--precisions", nargs="*", default=["bf16x3", "tf32"], help="also timed, with the first tiles")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    folder = Path(tempfile.mkdtemp()) / "snac24"
-    folder.mkdir()
-    conf = {"sampling_rate": 24000, "encoder_dim": 48, "encoder_rates": [2, 4, 8, 8], "latent_dim": None,
-            "decoder_dim": 1024, "decoder_rates": [8, 8, 4, 2], "attn_window_size": None, "codebook_size": 4096,
-            "codebook_dim": 8, "vq_strides": [4, 2, 1], "noise": True, "depthwise": True}  # fmt: skip
-    torch.manual_seed(0)
-    (folder / "config.json").write_text(json.dumps(conf))
-    torch.save(SNAC(**conf).state_dict(), folder / "pytorch_model.bin")
+    folder = write_random_snac(Path(tempfile.mkdtemp()) / "snac24")
     model = load_snac(CodecConfig(path=str(folder)), dev)
 
     def timed(fn, reps: int = 5) -> float:

@@ -8,27 +8,22 @@ the `gpu` tests compare the compiled kernels with the torch path on a random SNA
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    # Must be set before runner.snac_kernels is imported (@triton.jit reads it at decoration).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_interpreter import interpret_without_cuda, patch_interpreter
 
+_CUDA = interpret_without_cuda()  # before runner.snac_kernels is imported
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
-
-from tests.triton_interpreter import patch_interpreter  # noqa: E402
 
 from runner import snac_kernels as sk  # noqa: E402
 from runner.codec import (  # noqa: E402
     ORPHEUS_LEVELS,
+    TINY_SNAC_CONFIG,
     CodecConfig,
     SnacWindowDecoder,
     float_to_s16,
@@ -36,6 +31,7 @@ from runner.codec import (  # noqa: E402
     make_tiny_snac,
     noise_salts,
     positional_noise,
+    write_random_snac,
 )
 
 INTERPRET = not _CUDA
@@ -243,18 +239,7 @@ def test_tiny_decoder_rows_do_not_depend_on_the_batch(tiny):
 
 def _tiny_variant(folder: Path, **changes) -> SnacWindowDecoder:
     """The tiny SNAC with config changes and fresh random weights, fused path, fp32."""
-    from snac import SNAC
-
-    d = make_tiny_snac(folder, seed=1)
-    conf = {**json.loads((d / "config.json").read_text()), **changes}
-    (d / "config.json").write_text(json.dumps(conf))
-    torch.manual_seed(1)
-    model = SNAC(**conf)
-    with torch.no_grad():
-        for m in model.decoder.modules():
-            if hasattr(m, "alpha"):
-                m.alpha.uniform_(0.5, 3.0)
-    torch.save(model.state_dict(), d / "pytorch_model.bin")
+    d = write_random_snac(folder, {**TINY_SNAC_CONFIG, **changes}, seed=1, random_alphas=True)
     return load_snac(CodecConfig(path=str(d), codebook_size=64), torch.device(DEVICE))
 
 
@@ -295,21 +280,7 @@ def test_unsupported_model_keeps_torch_path(tmp_path):
 
 def _snac24(folder: Path) -> Path:
     """snac_24khz's architecture with random weights and random Snake alphas."""
-    from snac import SNAC
-
-    cfg = {"sampling_rate": 24000, "encoder_dim": 48, "encoder_rates": [2, 4, 8, 8], "latent_dim": None,
-           "decoder_dim": 1024, "decoder_rates": [8, 8, 4, 2], "attn_window_size": None, "codebook_size": 4096,
-           "codebook_dim": 8, "vq_strides": [4, 2, 1], "noise": True, "depthwise": True}  # fmt: skip
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    model = SNAC(**cfg)
-    with torch.no_grad():
-        for m in model.decoder.modules():
-            if hasattr(m, "alpha"):
-                m.alpha.uniform_(0.5, 3.0)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    torch.save(model.state_dict(), folder / "pytorch_model.bin")
-    return folder
+    return write_random_snac(folder, seed=0, random_alphas=True)
 
 
 @pytest.fixture(scope="module")
