@@ -103,38 +103,35 @@ class Scheduler:
         # 1) running requests, oldest first; preempt the newest when blocks run out. This loop
         # visits every running request each step (hundreds when serving), so it reads the
         # request's counters once instead of through its properties (Request.num_tokens,
-        # _at_limit) and skips the block manager when the request's blocks already suffice.
+        # num_outputs_with_inflight) and skips the block manager when the request's blocks
+        # already suffice.
         block_size, max_len = bs.block_size, self.cfg.max_model_len
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n_out = len(req.output_token_ids) + req.num_inflight
+            n_out = len(req.output_token_ids) + req.num_inflight  # = num_outputs_with_inflight
             total = len(req.prompt_token_ids) + n_out  # = req.num_tokens
             n = total - req.num_computed_tokens
             if n <= 0 or n_out >= req.sampling.max_tokens or total >= max_len:
-                # n <= 0: chunk ended the prompt, token still in flight. At the limit (see
-                # _at_limit): the in-flight token is the last one; scheduling more would compute
-                # a token that must be dropped.
+                # n <= 0: chunk ended the prompt, token still in flight. At max_tokens (in-flight
+                # tokens counted) or max_model_len: the in-flight token is the last one;
+                # scheduling more would compute a token that must be dropped.
                 i += 1
                 continue
             n = min(n, budget)
-            if req.num_computed_tokens + n <= len(req.block_ids) * block_size:
-                out.scheduled.append(self._entry(req, n, new=False))
-                budget -= n
-                i += 1
-                continue
-            while not bs.allocate(req, n):
-                victim = self.running[-1]
-                if victim is req and len(self.running) == 1 and not out.scheduled:
-                    # alone and still no room: the cache cannot hold this sequence
-                    self.finish(req, FinishReason.ERROR, "KV cache too small for this sequence")
-                    self.failed.append(req)
-                    break
-                self._preempt(victim)
-                if victim is req:
-                    break
-            if req.status is not Status.RUNNING:
-                continue  # finished or preempted itself; the list shrank, do not advance i
+            if req.num_computed_tokens + n > len(req.block_ids) * block_size:  # needs blocks
+                while not bs.allocate(req, n):
+                    victim = self.running[-1]
+                    if victim is req and len(self.running) == 1 and not out.scheduled:
+                        # alone and still no room: the cache cannot hold this sequence
+                        self.finish(req, FinishReason.ERROR, "KV cache too small for this sequence")
+                        self.failed.append(req)
+                        break
+                    self._preempt(victim)
+                    if victim is req:
+                        break
+                if req.status is not Status.RUNNING:
+                    continue  # finished or preempted itself; the list shrank, do not advance i
             out.scheduled.append(self._entry(req, n, new=False))
             budget -= n
             i += 1
@@ -175,12 +172,6 @@ class Scheduler:
             out.scheduled.sort(key=lambda e: e.num_tokens != 1)
         out.num_decodes = nd
         return out
-
-    def _at_limit(self, req: Request) -> bool:
-        return (
-            req.num_outputs_with_inflight >= req.sampling.max_tokens
-            or req.num_tokens >= self.cfg.max_model_len
-        )
 
     def _entry(self, req: Request, n: int, new: bool) -> ScheduledRequest:
         start = req.num_computed_tokens
