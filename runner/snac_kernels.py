@@ -57,20 +57,26 @@ from runner.triton_hashing import hash32, uniform24
 
 
 @triton.jit
-def _snake(x, alpha, inv_alpha):
+def _snake(x, alpha, inv_alpha, FAST_SIN: tl.constexpr):
     # SNAC's snake(): x + (alpha + 1e-9).reciprocal() * sin(alpha * x) ** 2; inv_alpha is
-    # precomputed on the host with exactly that expression.
-    s = tl.sin(alpha * x)
+    # precomputed on the host with exactly that expression. FAST_SIN (CUDA, bf16 models): the
+    # SFU's sin.approx (abs error ~1e-6 near 0, ~1e-5 at |x| ~ 100, against bf16's relative
+    # 4e-3) instead of libdevice's range-reduced sinf, ~20 ALU instructions per call.
+    if FAST_SIN:
+        s = tl.inline_asm_elementwise("sin.approx.ftz.f32 $0, $1;", "=f,f", [alpha * x], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    else:
+        s = tl.sin(alpha * x)
     return x + inv_alpha * (s * s)
 
 
 @triton.jit
-def _store_snake(out_ptr, offs, val, alpha_ptr, inv_ptr, cols, col_ok, mask):
+def _store_snake(out_ptr, offs, val, alpha_ptr, inv_ptr, cols, col_ok, mask, FAST_SIN: tl.constexpr):
     # Epilogue shared by the matmul kernels: store Snake(val) with the per-channel parameters
     # of the layer that consumes it (cols: the tile's output channels).
     al = tl.load(alpha_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     iv = tl.load(inv_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, _snake(val, al[None, :], iv[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, _snake(val, al[None, :], iv[None, :], FAST_SIN).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -132,6 +138,7 @@ def _rows_gemm_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     PRECISION: tl.constexpr,
+    FAST_SIN: tl.constexpr,
 ):
     # 1-D grid, N tiles fastest: the programs sharing an A tile run together (L2 reuse of the
     # prologue's loads), and the row-tile count may exceed a grid axis' 65535 limit.
@@ -166,7 +173,7 @@ def _rows_gemm_kernel(
             if SNAKE_A:
                 al = tl.load(a_alpha_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
                 iv = tl.load(a_inv_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                a = _snake(a, al[None, :], iv[None, :])
+                a = _snake(a, al[None, :], iv[None, :], FAST_SIN)
         else:
             a = tl.load(a_ptr + rows64[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + ks[:, None] * N + ns[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -190,7 +197,7 @@ def _rows_gemm_kernel(
     if STORE_X:
         tl.store(x_ptr + offs, val.to(x_ptr.dtype.element_ty), mask=omask)
     if STORE_U:
-        _store_snake(u_ptr, offs, val, u_alpha_ptr, u_inv_ptr, ns, n_ok, omask)
+        _store_snake(u_ptr, offs, val, u_alpha_ptr, u_inv_ptr, ns, n_ok, omask, FAST_SIN)
 
 
 @triton.jit(do_not_specialize=["M", "T_in"])
@@ -213,6 +220,7 @@ def _convt_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     PRECISION: tl.constexpr,
+    FAST_SIN: tl.constexpr,
 ):
     N = STRIDE * C_out
     nt = tl.cdiv(N, BN)
@@ -248,7 +256,7 @@ def _convt_kernel(
     offs = (b.to(tl.int64)[:, None] * T_out + tt) * C_out + o[None, :]
     tl.store(y_ptr + offs, val.to(y_ptr.dtype.element_ty), mask=omask)
     if STORE_U:
-        _store_snake(yu_ptr, offs, val, u_alpha_ptr, u_inv_ptr, o, n_ok, omask)
+        _store_snake(yu_ptr, offs, val, u_alpha_ptr, u_inv_ptr, o, n_ok, omask, FAST_SIN)
 
 
 @triton.jit(do_not_specialize=["M", "T"])
@@ -300,13 +308,23 @@ def _noise_kernel(seed_ptr, start_ptr, salt_ptr, out_ptr, M, T, BM: tl.constexpr
 @dataclass(frozen=True)
 class Tiles:
     """Tile shape of a matmul kernel; BN / BK shrink to the layer (never below 16, tl.dot's
-    minimum). Fixed per layer, never per batch: see the module docstring."""
+    minimum). Fixed per layer, never per batch: see the module docstring. fast_sin: Snake
+    through the SFU's approximate sine (CUDA only: inline PTX; see _snake)."""
 
     bm: int = 128
     bn: int = 128
     bk: int = 32
     num_warps: int = 8
     num_stages: int = 3
+    fast_sin: bool = False
+
+    @classmethod
+    def parse(cls, spec: str) -> "Tiles":
+        """'bm,bn,bk,warps,stages[,fast_sin 0/1]' (bench and tuning command lines)."""
+        v = [int(x) for x in spec.split(",")]
+        if len(v) not in (5, 6):
+            raise ValueError(f"tiles {spec!r}: expected bm,bn,bk,warps,stages[,fast_sin]")
+        return cls(*v[:5], fast_sin=bool(v[5]) if len(v) == 6 else False)
 
 
 # Default on CUDA. The larger Tiles() (128x128, 3 stages) needed 242-274 KiB of shared memory
@@ -317,7 +335,11 @@ CUDA_TILES = Tiles(bm=64, bn=64, bk=32, num_warps=4, num_stages=2)
 # (deploy/bench_gpu.py --sections codec_tiles): 12-frame windows at batch 256 take 57.5 ms
 # against 66.6 ms with CUDA_TILES (batch 64: 14.7 vs 17.1 ms; one 3-frame window: 1.13 vs
 # 2.16 ms), and every other shape tried was slower or did not fit in shared memory.
-CUDA_TILES_BF16 = Tiles(bm=64, bn=128, bk=32, num_warps=4, num_stages=3)
+# The SFU sine halves the decode time (57.6 -> 29.8 ms; every tile shape with it was faster than
+# any without, `--sections codec_tiles`, s4-run1): libdevice's sinf, twice per element in the
+# Snake prologues and epilogues, was the decoder's bottleneck, not the matmuls. bf16 only: the
+# fp32 path keeps its ~1 LSB agreement with the torch path.
+CUDA_TILES_BF16 = Tiles(bm=64, bn=128, bk=32, num_warps=4, num_stages=3, fast_sin=True)
 # Fallback if CUDA_TILES do not fit a GPU: 2 * (64 + 64) * 32 * 4 B = 32 KiB of pipeline buffers.
 SAFE_TILES = Tiles(bm=64, bn=64, bk=32, num_warps=4, num_stages=2)
 # Under the interpreter a program costs ~ms whatever its size: few, tall tiles.
@@ -385,7 +407,7 @@ def rows_gemm(
         M, T, K, N,
         DW=dw is not None, DIL=dil, SNAKE_A=snake_a is not None, HAS_BIAS=bias is not None,
         HAS_RES=res is not None, NOISE=noise is not None, STORE_X=x_out is not None,
-        STORE_U=u_out is not None, BM=tiles.bm, BN=bn, BK=bk, PRECISION=precision,
+        STORE_U=u_out is not None, BM=tiles.bm, BN=bn, BK=bk, PRECISION=precision, FAST_SIN=tiles.fast_sin,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
@@ -423,7 +445,7 @@ def conv_transpose(
     _convt_kernel[grid](
         u, w2, bias, y, yu, al, iv, M, T_in, c_in, c_out,
         STRIDE=stride, PAD=pad, STORE_U=u_out is not None, BM=tiles.bm, BN=bn, BK=bk,
-        PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        PRECISION=precision, FAST_SIN=tiles.fast_sin, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return y
 
@@ -562,6 +584,8 @@ class FusedSnacDecoder:
         if tiles is None and self.device.type == "cuda":
             tiles = CUDA_TILES_BF16 if self.dtype == torch.bfloat16 else CUDA_TILES
         self.tiles = tiles or INTERPRETER_TILES
+        if self.tiles.fast_sin and self.device.type != "cuda":
+            raise ValueError("Tiles.fast_sin is inline PTX: CUDA only")
 
         with torch.no_grad():
             # Quantizer: out_proj(codebook[code]) is a lookup into a precomputed table
@@ -721,7 +745,7 @@ def _bench_main() -> None:
     fused = {}
     runs = [("tf32x3", t) for t in args.tiles] + [(p, args.tiles[0]) for p in args.precisions]
     for prec, t in runs:  # each tile shape compiles its own ~10 kernels (~1 s each)
-        tiles = Tiles(*map(int, t.split(",")))
+        tiles = Tiles.parse(t)
         try:
             fused[(prec, t)] = SnacWindowDecoder(model, 2048, kernels="triton", matmul_precision=prec, tiles=tiles)
         except Exception as e:  # e.g. bf16x3 on an older Triton: report and go on
