@@ -20,6 +20,7 @@ from runner.kv_cache import BlockManager
 from runner.model_runner import AsyncOutput, ModelRunner, StepResult
 from runner.orpheus import OrpheusCodeConstraint
 from runner.request import FinishReason, Request
+from runner.sampler import pick_backend
 from runner.sampling_params import InvalidRequest, SamplingParams
 from runner.scheduler import Scheduler, SchedulerOutput
 
@@ -71,7 +72,8 @@ class Engine:
         constraint = None
         if codec is not None:
             c = codec.cfg
-            constraint = OrpheusCodeConstraint(c.audio_token_offset, c.codebook_size, c.tokens_per_frame, c.end_token_id)
+            constraint = OrpheusCodeConstraint(c.audio_token_offset, c.codebook_size, c.tokens_per_frame, c.end_token_id,
+                                               backend=pick_backend(self.device, cfg.runner.sampler_backend))
         self.runner = ModelRunner(cfg, self.model, self.num_blocks, constraint, lambda r: r.audio)
         self.requests: dict[str, Request] = {}
         self._pending: _Pending | None = None

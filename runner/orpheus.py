@@ -21,11 +21,21 @@ import torch
 
 
 class OrpheusCodeConstraint:
-    def __init__(self, audio_token_offset: int, codebook_size: int, tokens_per_frame: int, end_token_id: int):
+    def __init__(self, audio_token_offset: int, codebook_size: int, tokens_per_frame: int, end_token_id: int,
+                 backend: str = "torch"):
+        """backend: 'torch', or 'triton' (CUDA): the window gather and the id map as one kernel
+        launch each instead of ~10 torch ops (the sampler's backend; runner/sampling_kernels.py)."""
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"OrpheusCodeConstraint backend must be 'torch' or 'triton', got {backend!r}")
         self.offset = audio_token_offset
         self.cb = codebook_size
         self.tpf = tokens_per_frame
         self.end = end_token_id
+        self._kernels = None
+        if backend == "triton":
+            from runner import sampling_kernels
+
+            self._kernels = sampling_kernels
 
     @property
     def vocab_span(self) -> tuple[int, int]:
@@ -43,11 +53,15 @@ class OrpheusCodeConstraint:
         """logits [R, N] of ids [base, base + N) -> [R, cb + 1]: column j < cb is id
         offset + k * cb + j (k = out_index % 7), column cb the end token (-inf where k != 0,
         or where the end id is outside the logits). The codebook ids must lie inside."""
+        end_col = self.end - base
+        has_end = 0 <= end_col < logits.shape[1]
+        if self._kernels is not None and logits.stride(1) == 1:
+            return self._kernels.code_window(logits, out_index, self.offset - base, self.cb, self.tpf,
+                                             end_col if has_end else None)
         k = out_index % self.tpf
         lo = self.offset - base + k * self.cb  # [R]
         cols = lo[:, None] + torch.arange(self.cb, device=logits.device)  # [R, cb]
-        end_col = self.end - base
-        if 0 <= end_col < logits.shape[1]:
+        if has_end:
             end = torch.where(k == 0, logits[:, end_col], float("-inf"))
         else:
             end = torch.full(k.shape, float("-inf"), device=logits.device, dtype=logits.dtype)
@@ -55,5 +69,7 @@ class OrpheusCodeConstraint:
 
     def window_ids(self, cols: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor:
         """Sampled columns of `gather_window` [R] -> token ids [R]."""
+        if self._kernels is not None and cols.dim() == 1:
+            return self._kernels.code_window_ids(cols, out_index, self.offset, self.cb, self.tpf, self.end)
         lo = self.offset + (out_index % self.tpf) * self.cb
         return torch.where(cols < self.cb, lo + cols, self.end)

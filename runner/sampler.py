@@ -69,6 +69,7 @@ import torch
 from torch import Tensor
 
 from runner.hashing import M32, hash32, uniform24
+from runner.host_staging import staging_for
 from runner.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -97,16 +98,12 @@ def race_noise(seeds: Tensor, counters: Tensor, vocab: int, out: Tensor | None =
 
 
 def _to_device(data: "list | np.ndarray", dtype: torch.dtype, device: torch.device) -> Tensor:
-    """One host tensor -> `device`; pinned + non_blocking on CUDA so the host never waits.
-
-    The pinned block stays valid until the copy ends: PyTorch's caching host allocator
-    records the copy's stream and does not reuse the block before it completes.
-    """
-    if isinstance(data, np.ndarray):  # a fresh array the caller does not touch again
-        t = torch.from_numpy(data).to(dtype)
-        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+    """One host array -> `device`; on CUDA a non-blocking copy through the pinned staging ring
+    (runner/host_staging.py), so the host never waits."""
     if device.type == "cuda":
-        return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return staging_for(device).to_device(np.asarray(data), dtype)
+    if isinstance(data, np.ndarray):
+        return torch.from_numpy(data).to(dtype)
     return torch.tensor(data, dtype=dtype, device=device)
 
 
@@ -124,7 +121,16 @@ class SlotState:
       - out_index < max_model_len for every recorded real row (outputs never exceed it).
     """
 
-    def __init__(self, num_slots: int, vocab_size: int, max_model_len: int, device: torch.device | str):
+    def __init__(self, num_slots: int, vocab_size: int, max_model_len: int, device: torch.device | str,
+                 backend: str = "torch"):
+        """backend: 'torch', or 'triton' to record with one kernel launch (see Sampler.backend)."""
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"SlotState backend must be 'torch' or 'triton', got {backend!r}")
+        self._kernels = None
+        if backend == "triton":
+            from runner import sampling_kernels
+
+            self._kernels = sampling_kernels
         self.num_slots = num_slots
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -225,6 +231,9 @@ class SlotState:
         with token 0 / index 0 so they can never touch a real slot or index out of range.
         Real slots must be distinct within one call (one token per request per step).
         """
+        if self._kernels is not None:
+            self._kernels.record_tokens(self._last_token, self._history, self._output_counts, slots, tokens, out_index)
+            return
         valid = slots >= 0
         rows = torch.where(valid, slots, self.num_slots)
         toks = torch.where(valid, tokens, 0)
@@ -386,7 +395,7 @@ def order_key(y: Tensor, out: Tensor | None = None, tmp: Tensor | None = None) -
     return key
 
 
-def _pick_backend(device: torch.device, backend: str) -> str:
+def pick_backend(device: torch.device, backend: str) -> str:
     """'torch' or 'triton'. auto = torch off CUDA, triton on CUDA when it imports. (The engine
     passes RunnerConfig.sampler_backend, which OMNISTREAM_SAMPLER_BACKEND sets for A/B runs.)"""
     if backend not in _BACKENDS:
@@ -412,7 +421,7 @@ class Sampler:
 
     def __init__(self, device: torch.device | str, backend: str = "auto"):
         self.device = torch.device(device)
-        self.backend = _pick_backend(self.device, backend)
+        self.backend = pick_backend(self.device, backend)
         self._kernels = None
         if self.backend == "triton":
             from runner import sampling_kernels

@@ -3,6 +3,10 @@ ids, and sampling the window is sampling the masked full row."""
 
 from __future__ import annotations
 
+from tests.triton_interpreter import interpret_without_cuda
+
+_CUDA = interpret_without_cuda()  # before runner.sampling_kernels is imported
+
 import pytest
 import torch
 
@@ -94,3 +98,26 @@ def test_penalties_and_bias_on_the_span_equal_the_full_row():
     assert span[0, 0] == float("-inf")  # END (column 0 of the span) banned
     with pytest.raises(ValueError, match="exceed the vocabulary"):
         Sampler("cpu").penalize(torch.zeros(2, 10), batch, state, col0=V - 5)
+
+
+def _triton_constraint():
+    try:
+        return OrpheusCodeConstraint(OFFSET, CB, TPF, END, backend="triton")
+    except ImportError:
+        return None
+
+
+@pytest.mark.skipif(_triton_constraint() is None, reason="triton missing")
+@pytest.mark.parametrize("base,end", [(0, END), (OFFSET - 2, END), (0, OFFSET + TPF * CB + 3)])
+def test_triton_window_and_ids_equal_torch(base, end):
+    """The kernel launches give the torch ops' windows and ids, with the end column inside the
+    logits, outside them (-inf), and after the codebooks."""
+    dev = torch.device("cuda" if _CUDA else "cpu")
+    ref, fast = OrpheusCodeConstraint(OFFSET, CB, TPF, end), OrpheusCodeConstraint(OFFSET, CB, TPF, end, backend="triton")
+    idx = torch.tensor([0, 1, 6, 7, 13, 14, 20, 3, 700])
+    logits = torch.randn(len(idx), V - base, generator=torch.Generator().manual_seed(3))
+    want = ref.gather_window(logits, idx, base=base)
+    got = fast.gather_window(logits.to(dev), idx.to(dev), base=base)
+    assert torch.equal(got.cpu(), want)
+    cols = torch.tensor([0, CB - 1, CB, 3, CB, 5, 1, CB - 2, 4])
+    assert torch.equal(fast.window_ids(cols.to(dev), idx.to(dev)).cpu(), ref.window_ids(cols, idx))

@@ -1011,6 +1011,16 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ptx = k.asm["ptx"]
         # bit-exact with torch: IEEE division, no contraction of x - f * c into an FMA
         assert "div.full" not in ptx and "div.approx" not in ptx and "fma.rn.f32" not in ptx, flags
+    rsig = dict(slots_ptr="*i64", tok_ptr="*i64", idx_ptr="*i64", last_ptr="*i64", hist_ptr="*i64", stride_h="i32",
+                cnt_ptr="*i32", stride_c="i32", B="i32")
+    for counts in (False, True):
+        build(m._record_kernel, rsig, dict(HAS_COUNTS=counts, BLOCK=m._ROW_BLOCK), 4)
+    wsig = dict(x_ptr="*fp32", stride_x="i32", ctr_ptr="*i64", out_ptr="*fp32", stride_o="i32", first_col="i32",
+                end_col="i32", CB="i32", GROUPS="i32")
+    for end in (False, True):
+        build(m._code_window_kernel, wsig, dict(HAS_END=end, BLOCK=1024), 4)
+    build(m._code_window_ids_kernel, dict(col_ptr="*i64", ctr_ptr="*i64", out_ptr="*i64", offset="i32", end_id="i32",
+          CB="i32", GROUPS="i32", B="i32"), dict(BLOCK=m._ROW_BLOCK), 4)
     print("compiled")
     """
 )
@@ -1063,3 +1073,25 @@ def test_batch_rows_are_16_byte_aligned_for_any_batch_size():
                   batch.presence_penalty, batch.top_k, batch.slots, batch.seeds, batch.counters):
             assert t.data_ptr() % 16 == 0 and t.shape == (b,) and t.stride() == (1,)
         assert batch.top_p.tolist() == [0.5] * b and batch.seeds.tolist() == list(range(b))
+
+
+@needs_triton
+@pytest.mark.parametrize("track", [False, True])
+def test_triton_record_equals_torch(track):
+    """SlotState.record through one kernel launch: the same rows, history, last tokens and
+    counts as the torch ops (padding rows write nothing a real slot can see)."""
+    def run(backend: str, dev: torch.device) -> SlotState:
+        st = SlotState(6, V, 8, dev, backend=backend)
+        for s in range(6):
+            st.admit(s, [1 + s, 2], [], track_penalties=track)
+        for step, (slots, toks) in enumerate([([3, -1, 0, 5], [11, 13, 12, 96]), ([0, 3, -1, 5], [12, 11, 4, 0]),
+                                              ([5, 4, 3, 2, 1, 0], [7, 7, 7, 7, 7, 7])]):
+            idx = [step] * len(slots)
+            st.record(*(torch.tensor(v, device=dev) for v in (slots, toks, idx)))
+        return st
+
+    want, got = run("torch", CPU), run("triton", KDEV)
+    assert torch.equal(got.last_token.cpu(), want.last_token) and torch.equal(got.history.cpu(), want.history)
+    if track:
+        assert torch.equal(got.output_counts.cpu(), want.output_counts)
+        assert torch.equal(got.prompt_mask.cpu(), want.prompt_mask)
