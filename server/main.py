@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import ipaddress
 import logging
 import signal
@@ -84,6 +85,10 @@ async def run_server(args: argparse.Namespace) -> None:
         if args.zmq_endpoint != "none":
             gateway = ZmqGateway(engine, tokenizer, profile, args.zmq_endpoint)
             await gateway.start()
+        # as in the engine process (runner.engine_proc.freeze_startup_heap): full collections
+        # over the start-up heap would stall every stream's event loop for ~100+ ms
+        gc.collect()
+        gc.freeze()
         port = site._server.sockets[0].getsockname()[1] if site._server else args.port  # the real port for --port 0
         print(f"omnistream ready on http://{args.host}:{port} (zmq: {args.zmq_endpoint}, model: {model_path})", flush=True)
         stop = asyncio.Event()
