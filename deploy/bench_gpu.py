@@ -329,7 +329,7 @@ def run_codec_tiles(tiles_list: list[str]) -> dict:
     res, ref = {}, None
     for t in tiles_list:
         try:
-            dec = SnacWindowDecoder(model, 2048, kernels="triton", tiles=Tiles(*map(int, t.split(","))))
+            dec = SnacWindowDecoder(model, 2048, kernels="triton", tiles=Tiles.parse(t))
         except Exception as e:  # OutOfResources etc.: report, go on with the next shape
             res[t] = {"error": f"{type(e).__name__}: {e}"[:300]}
             log(f"  codec tiles {t}: {res[t]['error']}")
@@ -341,10 +341,26 @@ def run_codec_tiles(tiles_list: list[str]) -> dict:
         pcm = float_to_s16(dec.decode(codes, starts, seeds)).int()
         ref = pcm if ref is None else ref
         row["max_lsb_vs_first"] = (pcm - ref).abs().max().item()
+        if ref is pcm:  # the first (default) tiles: which layers the time goes to
+            row["kernel_timeline_us"] = codec_kernel_timeline(dec, *inputs[(256, 12)])
         res[t] = row
         log(f"  codec tiles {t}: {row}")
         del dec
     return res
+
+
+def codec_kernel_timeline(dec, codes, starts, seeds) -> list[tuple[str, float]]:
+    """Kernels of one window decode in launch order (= decoder layer order) and their µs."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    dec.decode(codes, starts, seeds)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dec.decode(codes, starts, seeds)
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    return [(e.name[:40], round(e.time_range.elapsed_us(), 1)) for e in ev]
 
 
 def time_decode_inputs(dec, codes, starts, seeds, repeats: int = 10) -> float:
@@ -366,13 +382,15 @@ def run_profile_serving(n: int, out_dir: Path, steps: int = 10) -> dict:
     kernel-level profile of a few steps (model, sampler and codec streams)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from runner.engine_proc import EngineProcArgs, build_engine
+    from runner.engine_proc import EngineProcArgs, build_engine, freeze_startup_heap
     from runner.sampling_params import SamplingParams
 
     snac = write_random_snac(Path("/tmp/snac24_random"))  # snac_24khz, random weights
     folder = make_orpheus_random_folder(Path("/tmp/orpheus3b-random"), snac)
     eng = build_engine(EngineProcArgs(model_path=str(folder), input_addr="", output_addr="", device="cuda",
                                       max_num_seqs=max(n, 8), max_model_len=1024, random_weights=True))
+    eng.warm_up()  # as the engine process does before it serves: no compiles in the timed burst
+    freeze_startup_heap()
     sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=350)
     t0 = time.perf_counter()
     for i in range(n):
@@ -411,14 +429,79 @@ def run_profile_serving(n: int, out_dir: Path, steps: int = 10) -> dict:
     ka = prof.key_averages()
     (out_dir / f"profile_serving_B{n}.txt").write_text(
         ka.table(sort_by="cuda_time_total", row_limit=45) + "\n\n" + ka.table(sort_by="self_cpu_time_total", row_limit=25))
-    res = {"batch": n, "prefill_s": t_prefill, "step_ms": wall_ms, "host_ms_per_step": phases,
+    gpu_ms = sum(e.self_device_time_total for e in ka) / 1e3 / steps
+    calls_ms = host_ms_by_call(eng, steps * 3)
+    log(f"  serving engine B={n}: host ms/step by call {calls_ms}")
+    # Where the host time goes (Python functions): cProfile over the same kind of steps. Its
+    # own overhead inflates Python-heavy code, so read it for ranking, not for totals.
+    import cProfile
+    import io
+    import pstats
+
+    prof_py = cProfile.Profile()
+    prof_py.enable()
+    for _ in range(steps * 3):
+        eng.step()
+    prof_py.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    st = pstats.Stats(prof_py, stream=buf)
+    st.sort_stats("tottime").print_stats(45)
+    st.sort_stats("cumulative").print_stats(45)
+    (out_dir / f"host_profile_serving_B{n}.txt").write_text(buf.getvalue())
+    res = {"batch": n, "prefill_s": t_prefill, "step_ms": wall_ms, "gpu_ms_per_step": gpu_ms, "host_ms_per_step": phases,
+           "host_ms_by_call": calls_ms,
            "running": len(eng.scheduler.running), "burst_ttfa": ttfa, "burst_timeline": timeline}
-    log(f"  serving engine B={n}: {wall_ms:.2f} ms/step, host {phases}")
+    log(f"  serving engine B={n}: {wall_ms:.2f} ms/step (GPU kernels {gpu_ms:.2f} ms), host {phases}")
     while eng.has_unfinished:
         eng.step()
     del eng
     torch.cuda.empty_cache()
     return res
+
+
+def host_ms_by_call(eng, steps: int) -> dict[str, float]:
+    """Host ms per step spent in each of the step's main calls (nested: sample_tokens includes
+    the sampler's calls), timed by wrapping them for `steps` steps, then unwrapped."""
+    import runner.model_runner as mr
+
+    r = eng.runner
+    targets = {
+        "schedule": (eng.scheduler, "schedule"), "update_from_output": (eng.scheduler, "update_from_output"),
+        "execute_model": (r, "execute_model"), "graphs.run": (r.graphs, "run"), "sample_tokens": (r, "sample_tokens"),
+        "sampling_batch": (r, "_sampling_batch"), "compute_logits": (r.model, "compute_logits"),
+        "penalize": (r.sampler, "penalize"), "gather_window": (r.constraint, "gather_window"),
+        "sample": (r.sampler, "sample"), "window_ids": (r.constraint, "window_ids"), "record": (r.slots, "record"),
+        "copy_out": (r.copier, "copy"), "emit": (eng, "_emit"), "output_get": (mr.AsyncOutput, "get"),
+        "codec_step": (eng.codec, "step"),
+    }
+    acc = dict.fromkeys(targets, 0.0)
+    saved = []
+    for name, (obj, attr) in targets.items():
+        if obj is None:
+            continue
+        fn = getattr(obj, attr)
+        saved.append((obj, attr, obj.__dict__.get(attr)))
+
+        def wrapped(*a, _fn=fn, _name=name, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[_name] += time.perf_counter() - t
+
+        setattr(obj, attr, wrapped)
+    try:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    finally:
+        for obj, attr, old in reversed(saved):
+            if old is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, old)
+    return {k: round(v * 1e3 / steps, 3) for k, v in acc.items()}
 
 
 def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0", admission_wait_ms: float = 20.0) -> dict:
@@ -481,8 +564,9 @@ def main() -> int:
     ap.add_argument("--serving-ramp-s", default="0", help="bench --ramp-s: 0 = all streams start together")
     ap.add_argument("--serving-admission-wait-ms", default="20", help="serve --admission-wait-ms; several: one server each")
     ap.add_argument("--profile-serving-batch", type=int, default=400)
-    ap.add_argument("--codec-tiles", nargs="*", default=["64,64,32,4,2", "128,64,32,4,3", "64,128,32,4,3", "128,128,32,8,3",
-                                                          "128,128,64,8,3", "64,256,32,8,3", "256,64,32,8,3"])
+    ap.add_argument("--codec-tiles", nargs="*", default=["64,128,32,4,3", "64,128,32,4,3,1", "128,128,32,8,3,1", "64,64,32,4,2,1",
+                                                          "64,256,32,8,3,1"],
+                    help="bm,bn,bk,warps,stages[,fast_sin]; the first is the reference (and gets a kernel timeline)")
     args = ap.parse_args()
     secs = set(args.sections.split(","))
     batches = [int(b) for b in args.batches.split(",")]
@@ -562,14 +646,19 @@ def render(res: dict) -> str:
                       f"{k.split('_')[0]} {v*100:.1f}%" for k, v in c.items() if k.endswith("share_256_streams")) + f" (policy {c['policy']})"]
     if "codec_tiles" in res:
         lines += ["", "fused SNAC decoder (bf16) per tile shape (bm,bn,bk,warps,stages), ms per call:", ""]
-        shapes = next((list(r) for r in res["codec_tiles"].values() if "error" not in r), [])
+        shapes = next(([k for k in r if k != "kernel_timeline_us"] for r in res["codec_tiles"].values() if "error" not in r), [])
         lines += ["| tiles | " + " | ".join(shapes) + " |", "| --- |" + " --- |" * len(shapes)]
         for t, r in res["codec_tiles"].items():
             cells = [r["error"]] if "error" in r else [f"{r[k]:.2f}" if k.endswith("_ms") else str(r[k]) for k in shapes]
             lines.append(f"| {t} | " + " | ".join(cells) + " |")
+        for t, r in res["codec_tiles"].items():
+            if "kernel_timeline_us" in r:
+                lines += ["", f"kernels of one 256 x 12-frame decode, tiles {t}, in layer order (us): "
+                          + ", ".join(f"{n} {us:.0f}" for n, us in r["kernel_timeline_us"])]
     if "profile_serving" in res:
         p = res["profile_serving"]
-        lines += ["", f"serving engine in-process at {p['running']} audio requests: {p['step_ms']:.2f} ms/step, host ms/step "
+        lines += ["", f"serving engine in-process at {p['running']} audio requests: {p['step_ms']:.2f} ms/step "
+                      f"(GPU kernels {p['gpu_ms_per_step']:.2f} ms), host ms/step "
                       + ", ".join(f"{k} {v:.2f}" for k, v in p["host_ms_per_step"].items())
                       + f"; burst of {p['batch']} requests: engine-side time to first audio {p['burst_ttfa']} "
                       f"(kernel profile: profile_serving_B{p['batch']}.txt)"]
