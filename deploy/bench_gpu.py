@@ -399,12 +399,14 @@ def run_profile_serving(n: int, out_dir: Path, steps: int = 10) -> dict:
     first: dict[str, float] = {}
     timeline = []
     while len(first) < n and eng.has_unfinished:
+        ph0 = list(eng.phase_s)
         ts = time.perf_counter()
         outs = eng.step()
         now = time.perf_counter()
         sc = eng.last_scheduled
         timeline.append({"ms": round((now - ts) * 1e3, 2), "seqs": len(sc.scheduled), "tokens": sc.num_batched_tokens,
-                         "audio_outs": sum(o.audio is not None for o in outs), "codec_inflight": eng.codec.num_inflight})
+                         "audio_outs": sum(o.audio is not None for o in outs), "codec_inflight": eng.codec.num_inflight,
+                         "phase_ms": {k: round(1e3 * (v - v0), 2) for k, v, v0 in zip(eng.PHASES, eng.phase_s, ph0)}})
         for o in outs:
             if o.audio is not None:
                 first.setdefault(o.request_id, now - t0)

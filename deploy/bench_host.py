@@ -3,7 +3,7 @@
 At 400 streams the H200 engine step is bounded by host work as much as by the GPU
 (deploy/RESULTS.md: schedule ~1.2 ms, sample ~2 ms, emit ~1 ms per step). This times the
 device-independent parts on the CPU, so a change to them can be measured anywhere:
-Scheduler.schedule, SamplingBatch.build (the per-step sampling inputs) and
+Scheduler.schedule, SamplingTable.batch (the per-step sampling inputs) and
 Scheduler.update_from_output, for N running decode requests.
 
     python deploy/bench_host.py --rows 64,256,400
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runner.config import SchedulerConfig  # noqa: E402
 from runner.kv_cache import BlockManager  # noqa: E402
 from runner.request import Request  # noqa: E402
-from runner.sampler import SamplingBatch  # noqa: E402
+from runner.sampler import SamplingTable  # noqa: E402
 from runner.sampling_params import SamplingParams  # noqa: E402
 from runner.scheduler import Scheduler  # noqa: E402
 
@@ -33,7 +33,10 @@ def measure(n: int, steps: int = 300) -> dict[str, float]:
     for i in range(n):
         sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=100000, seed=i)
         sched.add(Request(f"r{i}", [1 + (i + j) % 100 for j in range(30)], sp, audio=True))
+    table = SamplingTable(n, eos_token_ids=(2,))  # the runner's per-slot sampling inputs
     out = sched.schedule()  # the prefill step
+    for e in out.scheduled:
+        table.set(e.req.slot, e.req.sampling, e.req.sampling.seed)
     sched.update_from_output(out, [5] * n)
     times: dict[str, list[float]] = {"schedule": [], "build": [], "update": []}
     for _ in range(steps):
@@ -41,8 +44,7 @@ def measure(n: int, steps: int = 300) -> dict[str, float]:
         out = sched.schedule()
         t1 = time.perf_counter()
         reqs = [e.req for e in out.scheduled]
-        SamplingBatch.build([r.sampling for r in reqs], [r.slot for r in reqs], [r.sampling.seed for r in reqs],
-                            [len(r.output_token_ids) for r in reqs], [], "cpu")
+        table.batch([r.slot for r in reqs], [len(r.output_token_ids) for r in reqs], [r.sampling for r in reqs], "cpu")
         t2 = time.perf_counter()
         sched.update_from_output(out, [7] * len(out.scheduled))
         t3 = time.perf_counter()

@@ -26,7 +26,7 @@ from runner.cuda_graphs import DecodeGraphs
 from runner.host_staging import staging_for
 from runner.config import EngineConfig
 from runner.request import Request
-from runner.sampler import Sampler, SamplingBatch, SlotState
+from runner.sampler import Sampler, SamplingBatch, SamplingTable, SlotState
 from runner.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -158,8 +158,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, backend=cfg.runner.sampler_backend)
         self.slots = SlotState(S, cfg.model.vocab_size, cfg.scheduler.max_model_len, self.device, backend=self.sampler.backend)
         self.slot_owner: list[Request | None] = [None] * S
-        # race-noise seed per slot: the request's seed, else a random one drawn at admission
-        self.noise_seeds = [0] * S
+        self.sampling_table = SamplingTable(S, cfg.model.eos_token_ids)
         self._seed_rng = random.Random()
         self.copier = CudaOutputCopier(self.device, S) if self.device.type == "cuda" else OutputCopier()
         if constraint is not None and not (0 <= constraint.vocab_span[0] < constraint.vocab_span[1] <= cfg.model.vocab_size):
@@ -204,8 +203,8 @@ class ModelRunner:
         req = e.req
         if self.slot_owner[req.slot] is not req:
             self.slot_owner[req.slot] = req
-            seed = req.sampling.seed
-            self.noise_seeds[req.slot] = seed if seed is not None else self._seed_rng.getrandbits(63)
+            p = req.sampling
+            self.sampling_table.set(req.slot, p, p.seed if p.seed is not None else self._seed_rng.getrandbits(63))
         admitted.append((req.slot, req.prompt_token_ids, req.output_token_ids, req.sampling.uses_penalties))
 
     @torch.inference_mode()
@@ -355,15 +354,7 @@ class ModelRunner:
     # ---- phase 2 ---------------------------------------------------------------------------
 
     def _sampling_batch(self, reqs: list[Request], out_index: list[int]) -> SamplingBatch:
-        extra_bias: list[tuple[int, int, float]] = []
-        for row, r in enumerate(reqs):
-            p = r.sampling
-            if out_index[row] < p.min_tokens:  # stop ids may not be sampled yet
-                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
-                extra_bias.extend((row, tok, float("-inf")) for tok in banned)
-        slots = [r.slot for r in reqs]
-        return SamplingBatch.build([r.sampling for r in reqs], slots, [self.noise_seeds[s] for s in slots], out_index,
-                                   extra_bias, self.device)
+        return self.sampling_table.batch([r.slot for r in reqs], out_index, [r.sampling for r in reqs], self.device)
 
     def _sample_constrained(self, final_h: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Rows under the model's constraint: logits of the constraint's vocabulary span only,

@@ -1095,3 +1095,29 @@ def test_triton_record_equals_torch(track):
     if track:
         assert torch.equal(got.output_counts.cpu(), want.output_counts)
         assert torch.equal(got.prompt_mask.cpu(), want.prompt_mask)
+
+
+def test_sampling_table_batch_equals_build():
+    """The runner's per-slot table gives the batch SamplingBatch.build gives from the params,
+    min_tokens' stop-id bans and logit_bias included."""
+    from runner.sampler import SamplingTable
+
+    params = [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1),
+              SamplingParams(top_k=5, min_tokens=3, stop_token_ids=[7, 9]),
+              SamplingParams(temperature=0.0, logit_bias={4: 2.5, 11: -1.0}, frequency_penalty=0.5),
+              SamplingParams(min_p=0.1, presence_penalty=0.2, min_tokens=1, ignore_eos=True, stop_token_ids=[3])]
+    slots, seeds, counters = [5, 0, 3, 2], [11, 12, 13, 14], [0, 2, 9, 1]
+    table = SamplingTable(6, eos_token_ids=(1,))
+    for sl, p, sd in zip(slots, params, seeds):
+        table.set(sl, p, sd)
+    got = table.batch(slots, counters, params, CPU)
+    extra = [(1, t, float("-inf")) for t in (1, 7, 9)]  # row 1: 2 < min_tokens 3; row 3: 1 == min_tokens
+    want = SamplingBatch.build(params, slots, seeds, counters, extra, CPU)
+    for f in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+              "slots", "seeds", "counters"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    entries = lambda b: sorted(zip(b.bias_rows.tolist(), b.bias_cols.tolist(), b.bias_vals.tolist()))  # noqa: E731
+    assert entries(got) == entries(want) and len(entries(got)) == 5
+    for flag in ("all_greedy", "any_penalty", "any_top_k", "any_top_p", "any_min_p", "any_greedy", "any_repetition",
+                 "any_frequency", "any_presence"):
+        assert getattr(got, flag) == getattr(want, flag), flag
