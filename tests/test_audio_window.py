@@ -19,7 +19,7 @@ POLICIES = [
 
 def test_default_schedule() -> None:
     p = WindowPolicy()
-    sizes = [1, 1, 1, 2, 2, 2, 4, 4, 4, 8, 8, 8]
+    sizes = [1, 1, 1, 1, 2, 2, 2, 2, 4, 4, 4, 4, 8, 8, 8]
     starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     assert [chunk_bounds(p, k) for k in range(len(sizes))] == list(zip(starts, starts[1:]))
     assert p.max_window_frames == 2 + 8 + 2
@@ -51,10 +51,10 @@ def test_max_real_time_factor_is_where_players_start_to_stall(n: int) -> None:
 
 def test_default_schedule_tolerates_slower_generation_than_doubling() -> None:
     # the doubling schedule stalls as soon as generation is slower than 2x real time; the
-    # default holds to rho = 0.75 (an H200 at 256 streams ran at ~0.64)
+    # default holds to rho = 0.8 (an H200 at 400 streams starting together ran at ~0.73)
     assert max_real_time_factor(WindowPolicy(chunk_frames=(1, 2, 4, 8)), 50) == pytest.approx(0.5)
     for n in (20, 50, 400):
-        assert max_real_time_factor(WindowPolicy(), n) >= 0.75
+        assert max_real_time_factor(WindowPolicy(), n) >= 0.8
     lengths = {j.window_frames for j in plan_offline(WindowPolicy(), 400)}
     assert lengths == {3, 4, 5, 6, 8, 12}  # few lengths: windows of many streams batch together
 
