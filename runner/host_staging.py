@@ -20,6 +20,10 @@ import numpy as np
 import torch
 
 _ALIGN = 64  # bytes: Triton specialises pointers on 16-byte alignment, keep every copy aligned
+_NUMPY_DTYPE = {torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32), torch.float32: np.dtype(np.float32),
+                torch.bool: np.dtype(np.bool_), torch.uint8: np.dtype(np.uint8), torch.int16: np.dtype(np.int16),
+                torch.float64: np.dtype(np.float64), torch.float16: np.dtype(np.float16)}
+_TORCH_DTYPE = {v: k for k, v in _NUMPY_DTYPE.items()}
 
 
 class PinnedStaging:
@@ -37,10 +41,8 @@ class PinnedStaging:
     def to_device(self, arr: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A device tensor with arr's contents (shape kept; converted to dtype first if given).
         Asynchronous: the copy is queued on the current stream."""
-        if dtype is not None:
-            np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-            if arr.dtype != np_dtype:
-                arr = arr.astype(np_dtype)
+        if dtype is not None and _TORCH_DTYPE.get(arr.dtype) != dtype:
+            arr = arr.astype(_NUMPY_DTYPE[dtype])
         arr = np.ascontiguousarray(arr)
         n = arr.nbytes
         if n > self.capacity // 4:  # rare and large: a block of its own
@@ -54,7 +56,7 @@ class PinnedStaging:
         while self._fences and (self._fences[0][0] < self._lap - 1 or (self._fences[0][0] < self._lap and self._fences[0][1] < end)):
             self._fences.popleft()[2].synchronize()
         self._np[start:end] = arr.reshape(-1).view(np.uint8)
-        src = self._buf[start:end].view(torch.from_numpy(arr[:0].reshape(-1)).dtype).view(arr.shape)
+        src = self._buf[start:end].view(_TORCH_DTYPE[arr.dtype]).view(arr.shape)
         out = src.to(self.device, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from runner.attention import AttentionMetadata, allocate_kv_cache
+from runner.config import EngineConfig
 from runner.cuda_graphs import DecodeGraphs
 from runner.host_staging import staging_for
-from runner.config import EngineConfig
 from runner.request import Request
 from runner.sampler import Sampler, SamplingBatch, SamplingTable, SlotState
 from runner.scheduler import ScheduledRequest, SchedulerOutput
