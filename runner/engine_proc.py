@@ -250,9 +250,10 @@ class EngineLoop:
 def freeze_startup_heap() -> None:
     """Move every object alive after start-up (modules, model wrappers, Triton and torch caches:
     ~300k objects) out of the garbage collector's reach. They live as long as the process, yet
-    each full collection scanned them all: ~150-280 ms during which no step ran (the H200
-    serving log's 'slow step 160 ms ... emit 155.6 ms', an audio stall for every stream).
-    Per-step garbage is young and stays cheap to collect."""
+    each full collection scanned them all: ~150-280 ms during which no engine step ran (the
+    H200 serving log's 'slow step 160 ms ... emit 155.6 ms', an audio stall for every stream)
+    or the front end's event loop stood still. Per-step garbage is young and stays cheap to
+    collect. Called by the engine process and by the server once they are ready."""
     gc.collect()
     gc.freeze()
 

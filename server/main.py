@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import ipaddress
 import logging
 import signal
@@ -13,7 +12,7 @@ from urllib.parse import urlparse
 from aiohttp import web
 
 from runner.config import Env
-from runner.engine_proc import EngineProcArgs
+from runner.engine_proc import EngineProcArgs, freeze_startup_heap
 
 log = logging.getLogger("omnistream")
 
@@ -85,10 +84,9 @@ async def run_server(args: argparse.Namespace) -> None:
         if args.zmq_endpoint != "none":
             gateway = ZmqGateway(engine, tokenizer, profile, args.zmq_endpoint)
             await gateway.start()
-        # as in the engine process (runner.engine_proc.freeze_startup_heap): full collections
-        # over the start-up heap would stall every stream's event loop for ~100+ ms
-        gc.collect()
-        gc.freeze()
+        # as in the engine process: full collections over the start-up heap would stall every
+        # stream's event loop for ~100+ ms
+        freeze_startup_heap()
         port = site._server.sockets[0].getsockname()[1] if site._server else args.port  # the real port for --port 0
         print(f"omnistream ready on http://{args.host}:{port} (zmq: {args.zmq_endpoint}, model: {model_path})", flush=True)
         stop = asyncio.Event()
