@@ -298,11 +298,13 @@ class ModelRunner:
             rs = self._to_dev(np.asarray([dev_rows, dev_slots], dtype=np.int64))
             input_ids[rs[0]] = self.slots.last_token[rs[1]]
         q_lens = np.diff(qsl)
+        # every query chunk short enough to run as per-token decode rows (MAX_TOKEN_ROW_QUERY)
+        token_rows = self.token_rows and int(q_lens.max()) <= MAX_TOKEN_ROW_QUERY
         bucket = None
         if self.graphs is not None and not hidden_spans:
             if T == B:
                 bucket = self.graphs.bucket_for(B)
-            elif self.token_rows and int(q_lens.max()) <= MAX_TOKEN_ROW_QUERY:
+            elif token_rows:
                 # Short prefill chunks as decode rows (one per token, causal by its own sequence
                 # length: the eager token-row path's computation) fit the decode graphs too, so
                 # a step that admits requests replays a graph instead of ~300 eager launches
@@ -314,13 +316,11 @@ class ModelRunner:
             else:
                 tok_tables = self._to_dev(np.repeat(tables, q_lens, axis=0))
                 final_h = self.graphs.run(bucket, T, input_ids, pos_d, slot_d, pos_d + 1, tok_tables)
-            if len(logits_rows) != T:
-                final_h = final_h[self._to_dev(np.asarray(logits_rows, dtype=np.int64))] if logits_rows else None
             captured = {}
         else:
             nd = sched.num_decodes if T > B else 0  # the scheduler puts one-token rows first
             tok_lens = tok_tables = None
-            if self.token_rows and int(q_lens.max()) <= MAX_TOKEN_ROW_QUERY:
+            if token_rows:
                 tok_lens = (pos_d + 1).to(torch.int32)
                 tok_tables = self._to_dev(np.repeat(tables, q_lens, axis=0))
             meta = AttentionMetadata(
@@ -336,8 +336,9 @@ class ModelRunner:
                 token_block_tables=tok_tables,
             )
             cap = tuple(sorted(capture))
-            hidden, captured = self.model(input_ids, pos_d, self.kv_caches, meta, cap)
-            final_h = hidden[self._to_dev(np.asarray(logits_rows, dtype=np.int64))] if logits_rows else None
+            final_h, captured = self.model(input_ids, pos_d, self.kv_caches, meta, cap)
+        if len(logits_rows) != T:  # [T, H] -> the sampling rows
+            final_h = final_h[self._to_dev(np.asarray(logits_rows, dtype=np.int64))] if logits_rows else None
 
         h_out = None
         spans = []
