@@ -32,6 +32,7 @@ from snac import SNAC
 from snac.layers import DecoderBlock, NoiseBlock
 
 from runner.hashing import M32, hash32, hash32_int, uniform24
+from runner.host_staging import staging_for
 from streaming.audio import FrameCursor, WindowJob, WindowPolicy, plan_offline
 
 _log = logging.getLogger(__name__)
@@ -541,14 +542,14 @@ class SnacWindowDecoder:
             # size, so Triton keeps one pointer specialisation (an odd batch compiled a second)
             n, w = len(jobs), windows[0].shape[0]
             pad = [0] * (n % 2)
-            meta = torch.tensor([[j.window_start for j in jobs] + pad, list(seeds) + pad], dtype=torch.int64).pin_memory()
-            codes = torch.from_numpy(np.stack(windows)).pin_memory()
+            staging = staging_for(self.device)  # the runner's pinned ring: no pinned block per copy
+            meta = staging.to_device(np.array([[j.window_start for j in jobs] + pad, list(seeds) + pad], dtype=np.int64))
+            codes = staging.to_device(np.stack(windows))
+            # the PCM stays here until the stage collects it (steps later): a block of its own
             host = torch.empty((n, w * self.samples_per_frame), dtype=torch.int16, pin_memory=True)
             if self.graphs is not None and w in self.graphs.window_lengths:
                 self.graphs.run(codes, meta, host)
             else:
-                codes = codes.to(self.device, non_blocking=True)
-                meta = meta.to(self.device, non_blocking=True)
                 host.copy_(float_to_s16(self.decode(codes, meta[0, :n], meta[1, :n])), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)

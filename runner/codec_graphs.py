@@ -92,16 +92,15 @@ class CodecGraphs:
         log.info("captured codec CUDA graphs: windows of %s frames, %s rows", sorted(self.window_lengths), self.buckets)
 
     def run(self, codes: torch.Tensor, meta: torch.Tensor, out: torch.Tensor) -> None:
-        """Decode on the current stream. codes (n, W, frame) and meta (2, >= n) in pinned host
-        memory, out (n, W * spf) int16 pinned: filled when the stream gets there. W must be one of
-        window_lengths."""
+        """Decode on the current stream. codes (n, W, frame) and meta (2, >= n) on the device,
+        out (n, W * spf) int16 in pinned host memory: filled when the stream gets there. W must
+        be one of window_lengths."""
         n, w = codes.shape[0], codes.shape[1]
         i = 0
         for take, rows in split_rows(n, self.buckets):
             g = self.graphs[(rows, w)]
             g.codes[:take].copy_(codes[i : i + take], non_blocking=True)
-            for r in range(2):  # row by row: contiguous pinned slices stay asynchronous copies
-                g.meta[r, :take].copy_(meta[r, i : i + take], non_blocking=True)
+            g.meta[:, :take].copy_(meta[:, i : i + take], non_blocking=True)
             g.graph.replay()
             out[i : i + take].copy_(g.pcm[:take], non_blocking=True)
             i += take
