@@ -275,15 +275,24 @@ def make_orpheus_random_folder(root: Path, snac: Path) -> Path:
     return root
 
 
+def serving_model_folder() -> Path:
+    """The random Orpheus-3B + SNAC 24 kHz folder that serving, ttfa and profile_serving use."""
+    return make_orpheus_random_folder(Path("/tmp/orpheus3b-random"), write_random_snac(Path("/tmp/snac24_random")))
+
+
+def in_process_engine(max_num_seqs: int):
+    """The serving engine (as `serve` builds it, random weights) in this process."""
+    from runner.engine_proc import EngineProcArgs, build_engine
+
+    return build_engine(EngineProcArgs(model_path=str(serving_model_folder()), input_addr="", output_addr="",
+                                       device="cuda", max_num_seqs=max_num_seqs, max_model_len=1024, random_weights=True))
+
+
 def run_ttfa(repeats: int = 8, prompt: list[int] | None = None) -> dict:
     """Engine-only time to first audio at one stream, on the serving model folder."""
-    from runner.engine_proc import EngineProcArgs, build_engine
     from runner.sampling_params import SamplingParams
 
-    snac = write_random_snac(Path("/tmp/snac24_random"))  # snac_24khz, random weights
-    folder = make_orpheus_random_folder(Path("/tmp/orpheus3b-random"), snac)
-    eng = build_engine(EngineProcArgs(model_path=str(folder), input_addr="", output_addr="", device="cuda",
-                                      max_num_seqs=8, max_model_len=1024, random_weights=True))
+    eng = in_process_engine(8)
     prompt = prompt or [128259, *range(1000, 1024), 128009, 128260, 128261, 128257]  # ~Orpheus prompt length
     sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=60, seed=1)
     res = {"first_audio_ms": [], "steps_to_first_audio": []}
@@ -382,13 +391,10 @@ def run_profile_serving(n: int, out_dir: Path, steps: int = 10) -> dict:
     kernel-level profile of a few steps (model, sampler and codec streams)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from runner.engine_proc import EngineProcArgs, build_engine, freeze_startup_heap
+    from runner.engine_proc import freeze_startup_heap
     from runner.sampling_params import SamplingParams
 
-    snac = write_random_snac(Path("/tmp/snac24_random"))  # snac_24khz, random weights
-    folder = make_orpheus_random_folder(Path("/tmp/orpheus3b-random"), snac)
-    eng = build_engine(EngineProcArgs(model_path=str(folder), input_addr="", output_addr="", device="cuda",
-                                      max_num_seqs=max(n, 8), max_model_len=1024, random_weights=True))
+    eng = in_process_engine(max(n, 8))
     eng.warm_up()  # as the engine process does before it serves: no compiles in the timed burst
     freeze_startup_heap()
     sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=350)
@@ -513,8 +519,7 @@ def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0", 
     import subprocess
     import urllib.request
 
-    snac = write_random_snac(Path("/tmp/snac24_random"))  # snac_24khz, random weights
-    folder = make_orpheus_random_folder(Path("/tmp/orpheus3b-random"), snac)
+    folder = serving_model_folder()
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
