@@ -6,6 +6,7 @@ Sections (all by default; pick with --sections):
   engine     omnistream decode step time at batch 1..256 (100-token prompts, 500 new tokens),
              CUDA graphs + async scheduling, next to the bandwidth bound
              (weight bytes + live KV bytes) / bandwidth; GPU idle gap between steps at batch 64
+  decode     the engine section's greedy decode only (no sampling figures): quick A/B runs
   eager      the same engine without CUDA graphs and without async scheduling (reference)
   hf         transformers generate, static cache + torch.compile, same shapes
   codec      batched SNAC 24 kHz (random weights) window decode cost, and its share of GPU
@@ -15,6 +16,12 @@ Sections (all by default; pick with --sections):
              floor under the serving TTFA (which adds the front end and two IPC hops)
   serving    the real server (engine process + aiohttp) with N concurrent WebSocket TTS
              clients reading in real time: TTFA p50/p99, RTF, largest real-time N
+  gemm       tile sweep of the skinny decode GEMMs against cuBLAS (deploy/bench_gemm.py);
+             writes gemm_tuned.json, the table runner/triton_linear.py's TUNED holds
+
+--skinny-linear 0 / --pdl 0 turn the decode kernels of runner/triton_linear.py and
+runner/triton_pdl.py off for an A/B run of the engine sections; --tuned FILE replaces the
+tile table with a sweep's gemm_tuned.json.
 
 Writes results.json and results.md into --out and prints the table last.
 Run on the lent H200 (see deploy/RESULTS.md for the exact command).
@@ -53,6 +60,8 @@ ORPHEUS_3B = {
     "eos_token_id": 128258,
 }
 BATCHES = [1, 8, 32, 64, 128, 256]
+# RunnerConfig kernel options of every engine this run builds (--skinny-linear, --pdl)
+KERNELS = {"skinny_linear": True, "pdl": True}
 PROMPT, NEW = 100, 500
 
 
@@ -87,7 +96,8 @@ def engine_config(max_seqs: int, graphs: bool, async_sched: bool) -> EngineConfi
         cache=CacheConfig(block_size=16, num_blocks=max_seqs * ((PROMPT + NEW) // 16 + 2) + 64),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=8192, max_model_len=2048,
                                   async_scheduling=async_sched),
-        runner=RunnerConfig(device="cuda", dtype="bfloat16", cuda_graphs=graphs, max_graph_batch_size=max_seqs),
+        runner=RunnerConfig(device="cuda", dtype="bfloat16", cuda_graphs=graphs, max_graph_batch_size=max_seqs,
+                            **KERNELS),
     )
 
 
@@ -571,14 +581,26 @@ def main() -> int:
     ap.add_argument("--serving-ramp-s", default="0", help="bench --ramp-s: 0 = all streams start together")
     ap.add_argument("--serving-admission-wait-ms", default="20", help="serve --admission-wait-ms; several: one server each")
     ap.add_argument("--profile-serving-batch", type=int, default=400)
+    ap.add_argument("--skinny-linear", type=int, default=1, help="0: decode GEMMs in cuBLAS (A/B)")
+    ap.add_argument("--pdl", type=int, default=1, help="0: no programmatic dependent launch (A/B)")
+    ap.add_argument("--tuned", default=None, help="gemm_tuned.json of a --sections gemm run: use its tile table")
+    ap.add_argument("--profile-batches", default="", help="greedy graph-mode kernel profiles at these batch sizes")
     ap.add_argument("--codec-tiles", nargs="*", default=["64,128,32,4,3", "64,128,32,4,3,1", "128,128,32,8,3,1", "64,64,32,4,2,1",
                                                           "64,256,32,8,3,1"],
                     help="bm,bn,bk,warps,stages[,fast_sin]; the first is the reference (and gets a kernel timeline)")
     args = ap.parse_args()
     secs = set(args.sections.split(","))
     batches = [int(b) for b in args.batches.split(",")]
+    KERNELS.update(skinny_linear=bool(args.skinny_linear), pdl=bool(args.pdl))
+    if args.tuned:
+        from bench_gemm import load_tuned
+
+        from runner import triton_linear
+
+        triton_linear.TUNED.clear()
+        triton_linear.TUNED.update(load_tuned(args.tuned))
     res: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                 "command": " ".join(sys.argv)}
+                 "command": " ".join(sys.argv), "kernels": dict(KERNELS, tuned=args.tuned)}
     t0 = time.perf_counter()
     from runner.models.llama import build_random_model
     from runner.sampling_params import SamplingParams
@@ -586,18 +608,29 @@ def main() -> int:
     if "bandwidth" in secs:
         res["bandwidth_Bps"] = bench_bandwidth()
         log(f"copy bandwidth: {res['bandwidth_Bps']/1e12:.2f} TB/s")
-    if secs & {"engine", "eager"}:
-        from runner.attention import make_attention_backend
+    if "gemm" in secs:
+        from bench_gemm import run_gemm_sweep, tuned_literal
+
+        res["gemm"] = run_gemm_sweep()
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "gemm_tuned.json").write_text(json.dumps(res["gemm"]["tuned"]))
+        log(tuned_literal(res["gemm"]["tuned"]))
+    if secs & {"engine", "eager", "decode"}:
+        from runner.loader import kernels_for
 
         m = ModelConfig.from_dict(ORPHEUS_3B, "orpheus-3b-random")
-        model = build_random_model(m, "cuda", torch.bfloat16, attn=make_attention_backend(torch.device("cuda")))
+        attn, ops = kernels_for(engine_config(1, True, True).runner)
+        model = build_random_model(m, "cuda", torch.bfloat16, attn=attn, ops=ops)
         res["weight_bytes"] = weight_bytes(model)
         greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-        if "engine" in secs:
+        if secs & {"engine", "decode"}:
             res["engine"] = run_engine(model, batches, graphs=True, async_sched=True, sampling=greedy)
+        if "engine" in secs:
             orpheus = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=NEW, ignore_eos=True, seed=0)
             res["engine_orpheus_sampling"] = run_engine(model, [b for b in batches if b in (1, 64, 256)], True, True, orpheus,
                                                         timeline_at=64 if "profile" in secs else None)
+        for B in (int(b) for b in args.profile_batches.split(",") if b):
+            run_engine(model, [B], True, True, greedy, timeline_at=B)
         if "eager" in secs:
             res["eager"] = run_engine(model, [b for b in batches if b in (1, 64)], graphs=False, async_sched=False, sampling=greedy,
                                       timeline_at=1 if "profile" in secs else None)
@@ -678,6 +711,15 @@ def render(res: dict) -> str:
         for sv in res["serving"]:
             lines += ["", f"Serving (real server, `--admission-wait-ms {sv['admission_wait_ms']:g}`, WebSocket TTS clients "
                           "reading in real time):", "", sv["table"]]
+    if "gemm" in res:
+        lines += ["", "Skinny decode GEMMs, us per call in a CUDA graph (weights rotated past L2), TB/s of weight bytes:", "",
+                  "| GEMM | M | cuBLAS | best Triton tile | tile (bm,bn,bk,warps,stages) | fused prologue: separate op + GEMM | fused |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for name, rows in res["gemm"]["shapes"].items():
+            for e in rows:
+                fused = (f"{e['fused']} {e['separate_us']:.1f}", f"{e['fused_best_us']:.1f} ({e['fused_best_tile']})") if "fused" in e else ("", "")
+                lines.append(f"| {name} | {e['m']} | {e['cublas_us']:.1f} ({e['cublas_TBps']:.2f}) | {e['best_us']:.1f} "
+                             f"({e['best_TBps']:.2f}) | {e['best_tile']} | {fused[0]} | {fused[1]} |")
     if bw:
         lines += ["", f"copy bandwidth {bw/1e12:.2f} TB/s; weights {res.get('weight_bytes', 0)/1e9:.2f} GB"]
     return "\n".join(lines) + "\n"

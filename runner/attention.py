@@ -156,11 +156,13 @@ class TorchPagedAttention:
     __call__ = forward
 
 
-def make_attention_backend(device: torch.device | str):
+def make_attention_backend(device: torch.device | str, pdl: bool = True):
     """Pick the attention backend for a device once, at model construction: the Triton paged
-    decode kernel on CUDA (prefill still goes through the torch path), plain torch elsewhere."""
+    decode kernel on CUDA (prefill still goes through the torch path; `pdl`: launched with
+    programmatic dependent launch where the GPU has it), plain torch elsewhere."""
     if torch.device(device).type == "cuda":
         from runner.triton_attention import TritonPagedAttention  # needs triton, present with CUDA torch
+        from runner.triton_pdl import pdl_available
 
-        return TritonPagedAttention()
+        return TritonPagedAttention(pdl=pdl and pdl_available(device))
     return TorchPagedAttention()

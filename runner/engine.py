@@ -61,9 +61,10 @@ class Engine:
         self.cfg = cfg
         self.device = cfg.runner.torch_device
         if model is None:
-            from runner.attention import make_attention_backend
+            from runner.loader import kernels_for
 
-            model = load_model(cfg.model, self.device, cfg.runner.torch_dtype, attn=make_attention_backend(self.device))
+            attn, ops = kernels_for(cfg.runner)
+            model = load_model(cfg.model, self.device, cfg.runner.torch_dtype, attn=attn, ops=ops)
         self.model = model
         self.num_blocks = num_kv_blocks(cfg, kv_bytes_per_token(cfg.model, cfg.runner.torch_dtype))
         self.blocks = BlockManager(self.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)

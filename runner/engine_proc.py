@@ -90,10 +90,11 @@ def build_engine(args: EngineProcArgs):
     codec = load_codec_for(args.model_path, args.codec_path, dev, codec_dtype)
     model = None
     if args.random_weights:
-        from runner.attention import make_attention_backend
+        from runner.loader import kernels_for
         from runner.models.llama import build_random_model
 
-        model = build_random_model(cfg.model, dev, cfg.runner.torch_dtype, attn=make_attention_backend(dev))
+        attn, ops = kernels_for(cfg.runner)
+        model = build_random_model(cfg.model, dev, cfg.runner.torch_dtype, attn=attn, ops=ops)
     return Engine(cfg, model=model, codec=codec)
 
 

@@ -21,6 +21,11 @@ Contract shared by both (shapes: T tokens, hidden H, heads Hq/Hkv, head_dim D, i
       rope, then the rotated k and v written to their flat slots of kv_cache
       [2, NB, BS, Hkv, D] (same contract as runner.attention.write_kv).
 * silu_and_mul(gate_up [T, 2I]) -> [T, I]            silu(gate) * up, gate = first half
+* linear(x [T, K], lin: nn.Linear [N, K]) -> [T, N]   x @ W^T + b
+* norm_linear(x, residual | None, w, eps, lin) -> (linear(normed), new_residual)
+      add_rmsnorm (rmsnorm when residual is None: new_residual = x) followed by the GEMM;
+      TritonOps may run both as one launch at decode batch sizes (runner/triton_linear.py)
+* silu_mul_linear(gate_up [T, 2I], lin [N, I]) -> [T, N]   linear(silu_and_mul(gate_up))
 
 None of them reads a tensor value on the host, so a decode step stays CUDA-graph capturable.
 """
@@ -88,11 +93,29 @@ class TorchOps:
         gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
         return F.silu(gate) * up
 
+    def linear(self, x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
+        return F.linear(x, lin.weight, lin.bias)
 
-def make_ops(device: torch.device | str):
-    """Fused Triton kernels on CUDA, plain torch elsewhere (chosen once, at construction)."""
+    def norm_linear(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, lin: torch.nn.Linear
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self.linear(torch_rmsnorm(x, weight, eps), lin), x
+        normed, residual = self.add_rmsnorm(x, residual, weight, eps)
+        return self.linear(normed, lin), residual
+
+    def silu_mul_linear(self, gate_up: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
+        return self.linear(self.silu_and_mul(gate_up), lin)
+
+
+def make_ops(device: torch.device | str, skinny_linear: bool = True, pdl: bool = True):
+    """Fused Triton kernels on CUDA, plain torch elsewhere (chosen once, at construction).
+
+    On CUDA: `skinny_linear` runs decode-sized 16-bit GEMMs in Triton (runner/triton_linear.py),
+    `pdl` launches the kernels with programmatic dependent launch where the GPU has it."""
     if torch.device(device).type == "cuda":
         from runner.triton_fused_ops import TritonOps  # needs triton, present with CUDA torch
+        from runner.triton_pdl import pdl_available
 
-        return TritonOps()
+        return TritonOps(pdl=pdl and pdl_available(device), skinny_linear=skinny_linear)
     return TorchOps()

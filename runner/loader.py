@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from runner.config import ModelConfig
+from runner.attention import make_attention_backend
+from runner.config import ModelConfig, RunnerConfig
+from runner.fused_ops import make_ops
 from runner.models.llama import LlamaForCausalLM, build_empty_model, o_proj_has_bias
 
 # Checkpoint entries that carry no weights we need (recomputed or redundant).
@@ -155,12 +157,19 @@ def _names(names: list[str], limit: int = 8) -> str:
     return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
 
 
+def kernels_for(runner: RunnerConfig) -> tuple[object, object]:
+    """(attention backend, elementwise/GEMM ops) for the runner's device and kernel options,
+    chosen once per model (runner/attention.py, runner/fused_ops.py)."""
+    dev = runner.torch_device
+    return make_attention_backend(dev, pdl=runner.pdl), make_ops(dev, skinny_linear=runner.skinny_linear, pdl=runner.pdl)
+
+
 @torch.no_grad()
-def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, attn=None) -> LlamaForCausalLM:
+def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, attn=None, ops=None) -> LlamaForCausalLM:
     """Build the model for `cfg` on `device` in `dtype` and fill it from the safetensors in cfg.path."""
     _check_unsupported_features(Path(cfg.path))
     plan = plan_load(cfg, find_safetensors(cfg.path))
-    model = build_empty_model(cfg, device, dtype, attn)
+    model = build_empty_model(cfg, device, dtype, attn, ops)
     params = dict(model.named_parameters())
     _check_coverage(plan, params)
     by_file: dict[Path, list[tuple[str, _Target]]] = {}

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from runner.attention import AttentionMetadata, TorchPagedAttention, write_kv
+from runner.triton_pdl import pdl_enter
 
 # Finite "minus infinity" for the running max; see the module docstring. (constexpr: jit
 # functions may only read globals declared as such.)
@@ -94,7 +95,9 @@ def _paged_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PREC: tl.constexpr,  # "ieee" for fp32 caches (tf32 would cost ~1e-3), else unused
     LOOP_STAGES: tl.constexpr,
+    USE_GDC: tl.constexpr,  # launched with PDL (runner/triton_pdl.py)
 ):
+    pdl_enter(USE_GDC)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -175,7 +178,9 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,  # NUM_SPLITS padded to a power of two
+    USE_GDC: tl.constexpr,
 ):
+    pdl_enter(USE_GDC)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P)
@@ -238,6 +243,7 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,  # None: choose_num_splits
     block_n: int | None = None,  # tile length in tokens; None: DEFAULT_BLOCK_N
+    pdl: bool = False,  # launch with programmatic dependent launch (runner/triton_pdl.py)
 ) -> torch.Tensor:  # [B, Hq, D], q's dtype unless `out` is given
     """Attention of one query token per sequence over positions [0, seq_lens[b]) of its paged KV.
 
@@ -289,7 +295,7 @@ def paged_decode_attention(
         hq, max_blocks,
         GROUP=group, GROUP_P=group_p, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=bn,
         NUM_SPLITS=splits, DOT_PREC=dot_prec, LOOP_STAGES=_NUM_STAGES,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, USE_GDC=pdl, launch_pdl=pdl,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(bsz, hq)](
@@ -297,7 +303,7 @@ def paged_decode_attention(
             out.stride(0), out.stride(1), out.stride(2),
             hq,
             HEAD_DIM=d, NUM_SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits),
-            num_warps=_NUM_WARPS,
+            num_warps=_NUM_WARPS, USE_GDC=pdl, launch_pdl=pdl,
         )  # fmt: skip
     return out
 
@@ -315,9 +321,10 @@ class TritonPagedAttention:
     accepts_prewritten_kv = True
     supports_token_rows = True  # AttentionMetadata.token_*: short prefills as decode rows
 
-    def __init__(self, num_splits: int | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, pdl: bool = False) -> None:
         self._torch = TorchPagedAttention()
         self.num_splits = num_splits  # None: choose from shapes per call
+        self.pdl = pdl  # fixed at construction (make_attention_backend)
 
     def forward(
         self,
@@ -354,7 +361,7 @@ class TritonPagedAttention:
         if meta.token_seq_lens is not None:  # every query row as a decode row (causal by seq_len)
             assert meta.token_block_tables is not None and q.shape[0] == meta.token_seq_lens.shape[0]
             return paged_decode_attention(q, kv_cache, meta.token_block_tables, meta.token_seq_lens, scale,
-                                          num_splits=self.num_splits)
+                                          num_splits=self.num_splits, pdl=self.pdl)
         if meta.max_query_len != 1:
             # The torch prefill path writes k/v (again, when the caller already did: the same
             # values to the same slots, redundant but harmless; prefill is not launch-bound).
@@ -363,13 +370,13 @@ class TritonPagedAttention:
                 return self._torch.forward(q, k, v, kv_cache, meta, scale)
             out = torch.empty_like(q)
             paged_decode_attention(q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                                   out=out[:nd], num_splits=self.num_splits)
+                                   out=out[:nd], num_splits=self.num_splits, pdl=self.pdl)
             out[nd:] = self._torch.forward(q[nd:], k[nd:], v[nd:], kv_cache, meta.prefill_part(), scale)
             return out
         # Decode: one token per sequence, so T == B and query row b belongs to sequence b.
         assert q.shape[0] == meta.seq_lens.shape[0], (q.shape, meta.seq_lens.shape)
         return paged_decode_attention(
-            q, kv_cache, meta.block_tables, meta.seq_lens, scale, num_splits=self.num_splits
+            q, kv_cache, meta.block_tables, meta.seq_lens, scale, num_splits=self.num_splits, pdl=self.pdl
         )
 
     __call__ = forward

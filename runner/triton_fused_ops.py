@@ -23,8 +23,12 @@ TRITON_INTERPRET=1 on CPU).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from runner.triton_linear import ADD_RMSNORM, PLAIN, RMSNORM, SILU_MUL, skinny_linear, tile_for
+from runner.triton_pdl import pdl_enter
 
 # SiLU*mul: columns per program. 1024 bf16 = 2 KiB per operand: at T=1 and I=8192 that still
 # spreads over 8 programs; at large T the grid is big anyway.
@@ -52,7 +56,9 @@ def _rmsnorm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,  # next power of two >= n_cols: one row lives in registers
+    USE_GDC: tl.constexpr,  # launched with PDL (runner/triton_pdl.py)
 ):
+    pdl_enter(USE_GDC)
     r = tl.program_id(0).to(tl.int64)  # int64: prefill offsets can pass 2^31 on big batches
     ro = r // rows_inner
     ri = r % rows_inner
@@ -141,7 +147,9 @@ def _rope_kernel(
     HALF_P: tl.constexpr,
     ROUND: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    pdl_enter(USE_GDC)
     t = tl.program_id(0).to(tl.int64)  # one program per token: all its q and k heads
     # Clamp: a stale position in a padded graph row must not read past the table.
     pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t).to(tl.int64), 0), max_pos - 1)
@@ -183,7 +191,9 @@ def _silu_and_mul_kernel(
     stride_xt,
     inter,  # I
     BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    pdl_enter(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -206,7 +216,8 @@ def _rows_layout(x: torch.Tensor) -> tuple[int, int, int, int]:
     return x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+            pdl: bool = False):
     """RMSNorm over the last dim of x [T, N] or [T, H, N] (strided rows allowed), one launch.
 
     With `residual` (same shape as x), returns (normed, x + residual) with the sum in x.dtype;
@@ -228,6 +239,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
             x, residual if residual is not None else x, weight, out, res_out,
             inner, sxo, sxi, sro, sri, n, eps,
             HAS_RESIDUAL=residual is not None, BLOCK_N=block, num_warps=_norm_warps(block),
+            USE_GDC=pdl, launch_pdl=pdl,
         )  # fmt: skip
     return out if residual is None else (out, res_out)
 
@@ -241,6 +253,7 @@ def rope_(
     v: torch.Tensor | None = None,  # [T, Hkv, D], with kv_cache / slot_mapping: write the cache
     kv_cache: torch.Tensor | None = None,  # [2, NB, BS, Hkv, D]
     slot_mapping: torch.Tensor | None = None,  # [T] int64
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k in place (one launch); optionally also write rotated k and v to the cache."""
     t, hq, d = q.shape
@@ -270,12 +283,12 @@ def rope_(
             cos.stride(0), sin.stride(0), *kv_strides, cos.shape[0],
             HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq), HKV_P=triton.next_power_of_2(hkv),
             HALF=half, HALF_P=triton.next_power_of_2(half),
-            ROUND=q.dtype != torch.float32, WRITE_KV=write, num_warps=4,
+            ROUND=q.dtype != torch.float32, WRITE_KV=write, num_warps=4, USE_GDC=pdl, launch_pdl=pdl,
         )  # fmt: skip
     return q, k
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """[T, 2I] (gate | up) -> [T, I] = silu(gate) * up, one launch."""
     assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(1) == 1, gate_up.shape
     t, two_i = gate_up.shape
@@ -283,25 +296,45 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, inter, device=gate_up.device, dtype=gate_up.dtype)
     if t and inter:
         grid = (t, triton.cdiv(inter, _SILU_BLOCK))
-        _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), inter, BLOCK=_SILU_BLOCK, num_warps=4)
+        _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), inter, BLOCK=_SILU_BLOCK, num_warps=4,
+                                   USE_GDC=pdl, launch_pdl=pdl)
     return out
 
 
+_SKINNY_DTYPES = (torch.bfloat16, torch.float16)  # fp32 keeps cuBLAS (tl.dot would round to tf32)
+
+
 class TritonOps:
-    """The runner.fused_ops contract with one Triton launch per op (CUDA; interpreter in tests)."""
+    """The runner.fused_ops contract with one Triton launch per op (CUDA; interpreter in tests).
+
+    `pdl`: launch every kernel with programmatic dependent launch (runner/triton_pdl.py; only
+    where `pdl_available`). `skinny_linear`: 16-bit GEMMs of M <= 64 rows (decode) run in
+    runner/triton_linear.py, with the norm or SiLU*mul fused in where its tile table says so;
+    otherwise F.linear (cuBLAS). Both fixed at construction.
+    """
+
+    def __init__(self, pdl: bool = False, skinny_linear: bool = True) -> None:
+        self.pdl = pdl
+        self.skinny = skinny_linear
+
+    def _tile(self, prologue: int, x: torch.Tensor, lin: torch.nn.Linear):
+        if not self.skinny or x.dtype not in _SKINNY_DTYPES or lin.weight.dtype != x.dtype:
+            return None
+        n, k = lin.weight.shape
+        return tile_for(prologue, n, k, x.shape[0])
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rmsnorm(x, weight, eps)
+        return rmsnorm(x, weight, eps, pdl=self.pdl)
 
     def add_rmsnorm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rmsnorm(x, weight, eps, residual=residual)
+        return rmsnorm(x, weight, eps, residual=residual, pdl=self.pdl)
 
     def rope(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_(q, k, cos, sin, positions)
+        return rope_(q, k, cos, sin, positions, pdl=self.pdl)
 
     def rope_write_kv(
         self,
@@ -314,7 +347,34 @@ class TritonOps:
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_(q, k, cos, sin, positions, v=v, kv_cache=kv_cache, slot_mapping=slot_mapping)
+        return rope_(q, k, cos, sin, positions, v=v, kv_cache=kv_cache, slot_mapping=slot_mapping, pdl=self.pdl)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(gate_up)
+        return silu_and_mul(gate_up, pdl=self.pdl)
+
+    def linear(self, x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
+        tile = self._tile(PLAIN, x, lin)
+        if tile is None:
+            return F.linear(x, lin.weight, lin.bias)
+        return skinny_linear(x, lin.weight, lin.bias, tile, pdl=self.pdl)[0]
+
+    def norm_linear(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, lin: torch.nn.Linear
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        prologue = RMSNORM if residual is None else ADD_RMSNORM
+        tile = self._tile(prologue, x, lin)
+        if tile is None:
+            if residual is None:
+                normed, residual = self.rmsnorm(x, weight, eps), x
+            else:
+                normed, residual = self.add_rmsnorm(x, residual, weight, eps)
+            return self.linear(normed, lin), residual
+        out, new_res = skinny_linear(x, lin.weight, lin.bias, tile, prologue, residual=residual,
+                                     norm_weight=weight, eps=eps, pdl=self.pdl)
+        return out, (x if residual is None else new_res)
+
+    def silu_mul_linear(self, gate_up: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
+        tile = self._tile(SILU_MUL, gate_up, lin)
+        if tile is None:
+            return self.linear(self.silu_and_mul(gate_up), lin)
+        return skinny_linear(gate_up, lin.weight, lin.bias, tile, SILU_MUL, pdl=self.pdl)[0]

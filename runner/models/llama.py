@@ -122,10 +122,10 @@ class Attention(nn.Module):
         self._rotary = (rotary,)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q_size + 2*kv_size]
+        """qkv [T, q_size + 2*kv_size] (the layer ran qkv_proj, fused with its norm) -> [T, H]."""
+        t = qkv.shape[0]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         # Strided views into qkv (row stride q_size + 2*kv_size); the ops handle the strides.
         q = q.view(t, self.num_heads, self.head_dim)
@@ -142,7 +142,7 @@ class Attention(nn.Module):
         else:
             q, k = self.ops.rope(q, k, rot.cos, rot.sin, positions)
             out = self.attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.ops.linear(out.reshape(t, self.q_size), self.o_proj)
 
 
 def o_proj_has_bias(cfg: ModelConfig) -> bool:
@@ -151,14 +151,13 @@ def o_proj_has_bias(cfg: ModelConfig) -> bool:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
+    """Holds the weights; the layer applies them through its ops: gate_up fused with the norm
+    before it, down with the SiLU*mul (runner/fused_ops.py, norm_linear / silu_mul_linear)."""
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate | up
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.ops = ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -167,7 +166,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx, attn, rotary, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, ops)
+        self.mlp = MLP(cfg)
         self.ops = ops
 
     def forward(
@@ -185,14 +184,11 @@ class DecoderLayer(nn.Module):
         """
         ops = self.ops
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        if residual is None:  # layer 0 (fixed per layer, not data-dependent)
-            residual = h
-            x = ops.rmsnorm(h, ln1.weight, ln1.eps)
-        else:
-            x, residual = ops.add_rmsnorm(h, residual, ln1.weight, ln1.eps)
-        h = self.self_attn(x, positions, kv_cache, meta)
-        x, residual = ops.add_rmsnorm(h, residual, ln2.weight, ln2.eps)
-        return self.mlp(x), residual
+        # residual None: layer 0 (fixed per layer, not data-dependent); h becomes the residual
+        qkv, residual = ops.norm_linear(h, residual, ln1.weight, ln1.eps, self.self_attn.qkv_proj)
+        h = self.self_attn(qkv, positions, kv_cache, meta)
+        gate_up, residual = ops.norm_linear(h, residual, ln2.weight, ln2.eps, self.mlp.gate_up_proj)
+        return ops.silu_mul_linear(gate_up, self.mlp.down_proj), residual  # [T, 2I] -> [T, H]
 
 
 class LlamaForCausalLM(nn.Module):
