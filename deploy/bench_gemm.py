@@ -1,17 +1,16 @@
 """Tile sweep of the skinny decode GEMMs (runner/triton_linear.py) against cuBLAS, on the
 Orpheus-3B shapes, at the graph bucket sizes where the tile can change (M = 1, 16, 32, 64).
 
-For each (shape, M) every candidate tile is timed, and so is cuBLAS (F.linear); for the fused
-prologues (add+RMSNorm before qkv and gate_up, SiLU*mul before down) the fused kernel is timed
-against "the separate Triton op + the faster of cuBLAS and the best plain tile". The winners
-form a tile table in runner.triton_linear.TUNED's layout, written to gemm_tuned.json and printed
-as the Python literal that goes into the source.
+For each (GEMM, M) every candidate tile is timed, and so is cuBLAS (F.linear); gate_up with
+the SiLU*mul epilogue (gated) is timed against the faster plain GEMM + the SiLU*mul kernel.
+The winners form a tile table in runner.triton_linear.TUNED's layout, written to
+gemm_tuned.json and printed as the Python literal that goes into the source.
 
 Timing: a CUDA graph of 24 launches, replayed; weights rotate over enough copies (>= 256 MB in
 all) that no launch finds its weight in L2, as in a real decode step. Launches are without PDL,
 so a figure is kernel time + the graph's launch gap, like a step's GEMM without its neighbours.
-Compiling ~400 variants one by one would take ~10 min: worker processes compile them first (a
-JIT launch on the real shapes fills Triton's on-disk cache), then this process times them.
+Worker processes compile every variant first (a JIT launch on the real shapes fills Triton's
+on-disk cache), then this process times them.
 
     python3 deploy/bench_gemm.py --out DIR          # or bench_gpu.py --sections gemm
 """
@@ -32,18 +31,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runner.triton_linear import (  # noqa: E402
-    ADD_RMSNORM,
-    PLAIN,
-    PROLOGUE_NAMES,
-    SILU_MUL,
-    LinearTile,
-    skinny_linear,
-)
+from runner.triton_linear import GATED, KIND_NAMES, PLAIN, LinearTile, skinny_linear  # noqa: E402
 
-# name: (N, K, fused prologue worth measuring)
-SHAPES = {"qkv": (5120, 3072, ADD_RMSNORM), "o": (3072, 3072, None), "gate_up": (16384, 3072, ADD_RMSNORM),
-          "down": (3072, 8192, SILU_MUL)}
+# name: (weight rows, K, whether the gated kind is timed too)
+SHAPES = {"qkv": (5120, 3072, False), "o": (3072, 3072, False), "gate_up": (16384, 3072, True),
+          "down": (3072, 8192, False)}
 MS = (1, 16, 32, 64)  # bucket thresholds of runner.triton_linear.tile_for
 LAUNCHES = 24
 SMEM_BUDGET = 200 * 1024
@@ -70,26 +62,18 @@ def candidates(m: int, k: int) -> list[LinearTile]:
             and (t.block_m == 1 or t.num_stages * (t.block_m + t.block_n) * t.block_k * 2 <= SMEM_BUDGET)]
 
 
-def _inputs(n: int, k: int, m: int, prologue: int, copies: int = 1):
+def _inputs(n: int, k: int, m: int, copies: int = 1):
     g = torch.Generator(device="cuda").manual_seed(0)
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)]
-    x = torch.randn(m, 2 * k if prologue == SILU_MUL else k, device="cuda", dtype=torch.bfloat16, generator=g)
-    res = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
-    nw = torch.ones(k, device="cuda", dtype=torch.bfloat16)
-    return ws, x, res, nw
-
-
-def _call(x, w, res, nw, prologue, tile):
-    return skinny_linear(x, w, None, tile, prologue, residual=res if prologue == ADD_RMSNORM else None,
-                         norm_weight=nw if prologue == ADD_RMSNORM else None, eps=1e-5)[0]
+    return ws, torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
 
 
 def _compile_one(job) -> str | None:
     """Worker: one launch on the real shapes (fills the Triton cache); the error, if any."""
-    n, k, m, prologue, tile = job
+    n, k, m, kind, tile = job
     try:
-        ws, x, res, nw = _inputs(n, k, m, prologue)
-        _call(x, ws[0], res, nw, prologue, tile)
+        ws, x = _inputs(n, k, m)
+        skinny_linear(x, ws[0], None, tile, gated=kind == GATED)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - a tile that does not fit is a result of the sweep
         return f"{type(e).__name__}: {str(e)[:120]}"
@@ -127,14 +111,18 @@ def _tile_key(t: LinearTile) -> str:
     return f"{t.block_m},{t.block_n},{t.block_k},{t.num_warps},{t.num_stages}"
 
 
-def run_gemm_sweep(workers: int = 14) -> dict:
-    from runner.triton_fused_ops import rmsnorm, silu_and_mul
+def _best(results: dict) -> tuple[str | None, float, LinearTile | None]:
+    if not results:
+        return None, math.inf, None
+    key = min(results, key=lambda kk: results[kk][0])
+    return key, results[key][0], results[key][1]
 
-    jobs = []
-    for name, (n, k, fused) in SHAPES.items():
-        for m in MS:
-            for p in (PLAIN, fused) if fused is not None and m <= 16 else (PLAIN,):
-                jobs += [(n, k, m, p, t) for t in candidates(m, k)]
+
+def run_gemm_sweep(workers: int = 14) -> dict:
+    from runner.triton_fused_ops import silu_and_mul
+
+    jobs = [(n, k, m, kind, t) for n, k, gated in SHAPES.values() for m in MS
+            for kind in ((PLAIN, GATED) if gated else (PLAIN,)) for t in candidates(m, k)]
     t0 = time.perf_counter()
     ctx = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
@@ -142,56 +130,43 @@ def run_gemm_sweep(workers: int = 14) -> dict:
     print(f"gemm sweep: compiled {len(jobs)} variants in {time.perf_counter() - t0:.0f} s "
           f"({sum(e is not None for e in errors.values())} failed)", flush=True)
 
+    def sweep(n, k, m, kind, x, ws, copies):
+        res = {}
+        for t in candidates(m, k):
+            if errors[(n, k, m, kind, t)] is None:
+                res[_tile_key(t)] = (_time_graph(lambda i, t=t: skinny_linear(x, ws[i], None, t, gated=kind == GATED),
+                                                 copies), t)
+        return res
+
     out: dict = {"shapes": {}, "tuned": []}
-    for name, (n, k, fused) in SHAPES.items():
+    for name, (n, k, gated) in SHAPES.items():
         copies = max(2, math.ceil(256e6 / (n * k * 2)))
         wbytes = n * k * 2
-        rows_plain, rows_fused = [], []
+        rows = {PLAIN: []} | ({GATED: []} if gated else {})
         for m in MS:
-            ws, x, res, nw = _inputs(n, k, m, PLAIN, copies)
+            ws, x = _inputs(n, k, m, copies)
             cublas = _time_graph(lambda i: F.linear(x, ws[i]), copies)
-            results = {}
-            for t in candidates(m, k):
-                if errors[(n, k, m, PLAIN, t)] is None:
-                    results[_tile_key(t)] = (_time_graph(lambda i, t=t: _call(x, ws[i], res, nw, PLAIN, t), copies), t)
-            best_key = min(results, key=lambda key: results[key][0]) if results else None
-            best_us, best_tile = results[best_key] if best_key else (math.inf, None)
+            best_key, best_us, best_tile = _best(sweep(n, k, m, PLAIN, x, ws, copies))
             entry = {"m": m, "cublas_us": cublas, "cublas_TBps": wbytes / cublas / 1e6,
-                     "best_tile": best_key, "best_us": best_us, "best_TBps": wbytes / best_us / 1e6,
-                     "all_us": {key: round(v[0], 2) for key, v in sorted(results.items(), key=lambda kv: kv[1][0])}}
-            rows_plain.append((m, best_tile if best_us < cublas else None))
-            if fused is not None and m <= 16:
-                wsf, xf, resf, nwf = _inputs(n, k, m, fused, copies)
-                if fused == SILU_MUL:
-                    def separate_op():
-                        return silu_and_mul(xf)
+                     "best_tile": best_key, "best_us": best_us, "best_TBps": wbytes / best_us / 1e6}
+            rows[PLAIN].append((m, best_tile if best_us < cublas else None))
+            if gated:
+                if best_us < cublas:
+                    separate = _time_graph(lambda i: silu_and_mul(skinny_linear(x, ws[i], None, best_tile)), copies)
                 else:
-                    def separate_op():
-                        return rmsnorm(xf, nwf, 1e-5, residual=resf)[0]
-                act = separate_op()
-                sep_gemm = (lambda i: _call(act, wsf[i], None, None, PLAIN, best_tile)) if best_us < cublas else (
-                    lambda i: F.linear(act, wsf[i]))
-                separate = _time_graph(lambda i: (separate_op(), sep_gemm(i)), copies)
-                fres = {}
-                for t in candidates(m, k):
-                    if errors[(n, k, m, fused, t)] is None:
-                        fres[_tile_key(t)] = (_time_graph(lambda i, t=t: _call(xf, wsf[i], resf, nwf, fused, t), copies), t)
-                fkey = min(fres, key=lambda key: fres[key][0]) if fres else None
-                fus, ftile = fres[fkey] if fkey else (math.inf, None)
-                entry.update({"fused": PROLOGUE_NAMES[fused], "separate_us": separate, "fused_best_tile": fkey,
-                              "fused_best_us": fus})
-                rows_fused.append((m, ftile if fus < separate else None))
-                del wsf
+                    separate = _time_graph(lambda i: silu_and_mul(F.linear(x, ws[i])), copies)
+                fkey, fus, ftile = _best(sweep(n, k, m, GATED, x, ws, copies))
+                entry.update({"fused": "gated", "separate_us": separate, "fused_best_tile": fkey, "fused_best_us": fus})
+                rows[GATED].append((m, ftile if fus < separate else None))
             out["shapes"].setdefault(name, []).append(entry)
             print(f"  {name} N={n} K={k} M={m}: cuBLAS {cublas:.1f} us ({entry['cublas_TBps']:.2f} TB/s), "
                   f"best {best_key} {best_us:.1f} us ({entry['best_TBps']:.2f} TB/s)"
-                  + (f"; {entry['fused']}: separate {entry['separate_us']:.1f} us, fused {fkey} {fus:.1f} us"
-                     if "fused" in entry else ""), flush=True)
+                  + (f"; gated: GEMM + SiLU*mul kernel {entry['separate_us']:.1f} us, fused {entry['fused_best_tile']} "
+                     f"{entry['fused_best_us']:.1f} us" if gated else ""), flush=True)
             del ws
             torch.cuda.empty_cache()
-        out["tuned"].append([PLAIN, n, k, [[m, None if t is None else list(dataclasses.astuple(t))] for m, t in rows_plain]])
-        if fused is not None:
-            out["tuned"].append([fused, n, k, [[m, None if t is None else list(dataclasses.astuple(t))] for m, t in rows_fused]])
+        for kind, rr in rows.items():
+            out["tuned"].append([kind, n, k, [[m, None if t is None else list(dataclasses.astuple(t))] for m, t in rr]])
     out["compile_s"] = time.perf_counter() - t0
     return out
 
@@ -208,7 +183,7 @@ def tuned_literal(tuned: list) -> str:
     lines = ["TUNED = {"]
     for prologue, n, k, rows in tuned:
         cells = ", ".join(f"({m}, {'None' if t is None else 'LinearTile(' + ', '.join(map(str, t)) + ')'})" for m, t in rows)
-        lines.append(f"    ({PROLOGUE_NAMES[prologue].upper()}, {n}, {k}): ({cells},),")
+        lines.append(f"    ({KIND_NAMES[prologue].upper()}, {n}, {k}): ({cells},),")
     return "\n".join(lines + ["}"])
 
 

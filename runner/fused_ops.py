@@ -6,6 +6,8 @@ transformers computes, op by op, in the same dtypes. `TritonOps` (runner/triton_
 CUDA only) does each op in one fused kernel with the same roundings; a decode layer then launches
 ~9 kernels (4 GEMMs, attention, 4 fused ops) instead of ~41, which matters because at small
 batch those tiny launches, not the weight reads, dominate the step (see the docstring there).
+It also runs decode-sized GEMMs in Triton where they measured faster than cuBLAS, with the
+SiLU*mul folded into gate_up, and launches its kernels with programmatic dependent launch.
 
 Contract shared by both (shapes: T tokens, hidden H, heads Hq/Hkv, head_dim D, intermediate I):
 
@@ -22,10 +24,9 @@ Contract shared by both (shapes: T tokens, hidden H, heads Hq/Hkv, head_dim D, i
       [2, NB, BS, Hkv, D] (same contract as runner.attention.write_kv).
 * silu_and_mul(gate_up [T, 2I]) -> [T, I]            silu(gate) * up, gate = first half
 * linear(x [T, K], lin: nn.Linear [N, K]) -> [T, N]   x @ W^T + b
-* norm_linear(x, residual | None, w, eps, lin) -> (linear(normed), new_residual)
-      add_rmsnorm (rmsnorm when residual is None: new_residual = x) followed by the GEMM;
-      TritonOps may run both as one launch at decode batch sizes (runner/triton_linear.py)
-* silu_mul_linear(gate_up [T, 2I], lin [N, I]) -> [T, N]   linear(silu_and_mul(gate_up))
+* mlp(x [T, H], gate_up [2I, H], down [H, I]) -> [T, H]
+      linear(silu_and_mul(linear(x, gate_up)), down); TritonOps may fold the SiLU*mul into
+      the gate_up GEMM (runner/triton_linear.py)
 
 None of them reads a tensor value on the host, so a decode step stays CUDA-graph capturable.
 """
@@ -96,16 +97,8 @@ class TorchOps:
     def linear(self, x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
         return F.linear(x, lin.weight, lin.bias)
 
-    def norm_linear(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, lin: torch.nn.Linear
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return self.linear(torch_rmsnorm(x, weight, eps), lin), x
-        normed, residual = self.add_rmsnorm(x, residual, weight, eps)
-        return self.linear(normed, lin), residual
-
-    def silu_mul_linear(self, gate_up: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
-        return self.linear(self.silu_and_mul(gate_up), lin)
+    def mlp(self, x: torch.Tensor, gate_up: torch.nn.Linear, down: torch.nn.Linear) -> torch.Tensor:
+        return self.linear(self.silu_and_mul(self.linear(x, gate_up)), down)
 
 
 def make_ops(device: torch.device | str, skinny_linear: bool = True, pdl: bool = True):

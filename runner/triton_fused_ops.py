@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from runner.triton_linear import ADD_RMSNORM, PLAIN, RMSNORM, SILU_MUL, skinny_linear, tile_for
+from runner.triton_linear import GATED, PLAIN, skinny_linear, tile_for
 from runner.triton_pdl import pdl_enter
 
 # SiLU*mul: columns per program. 1024 bf16 = 2 KiB per operand: at T=1 and I=8192 that still
@@ -309,8 +309,9 @@ class TritonOps:
 
     `pdl`: launch every kernel with programmatic dependent launch (runner/triton_pdl.py; only
     where `pdl_available`). `skinny_linear`: 16-bit GEMMs of M <= 64 rows (decode) run in
-    runner/triton_linear.py, with the norm or SiLU*mul fused in where its tile table says so;
-    otherwise F.linear (cuBLAS). Both fixed at construction.
+    runner/triton_linear.py where its tile table says so (gate_up with the SiLU*mul fused in);
+    otherwise F.linear (cuBLAS). Both fixed at construction; the tile (or none) per call from
+    the GEMM's shape and M.
     """
 
     def __init__(self, pdl: bool = False, skinny_linear: bool = True) -> None:
@@ -356,25 +357,12 @@ class TritonOps:
         tile = self._tile(PLAIN, x, lin)
         if tile is None:
             return F.linear(x, lin.weight, lin.bias)
-        return skinny_linear(x, lin.weight, lin.bias, tile, pdl=self.pdl)[0]
+        return skinny_linear(x, lin.weight, lin.bias, tile, pdl=self.pdl)
 
-    def norm_linear(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, lin: torch.nn.Linear
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        prologue = RMSNORM if residual is None else ADD_RMSNORM
-        tile = self._tile(prologue, x, lin)
+    def mlp(self, x: torch.Tensor, gate_up: torch.nn.Linear, down: torch.nn.Linear) -> torch.Tensor:
+        tile = self._tile(GATED, x, gate_up) if gate_up.bias is None else None
         if tile is None:
-            if residual is None:
-                normed, residual = self.rmsnorm(x, weight, eps), x
-            else:
-                normed, residual = self.add_rmsnorm(x, residual, weight, eps)
-            return self.linear(normed, lin), residual
-        out, new_res = skinny_linear(x, lin.weight, lin.bias, tile, prologue, residual=residual,
-                                     norm_weight=weight, eps=eps, pdl=self.pdl)
-        return out, (x if residual is None else new_res)
-
-    def silu_mul_linear(self, gate_up: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
-        tile = self._tile(SILU_MUL, gate_up, lin)
-        if tile is None:
-            return self.linear(self.silu_and_mul(gate_up), lin)
-        return skinny_linear(gate_up, lin.weight, lin.bias, tile, SILU_MUL, pdl=self.pdl)[0]
+            act = self.silu_and_mul(self.linear(x, gate_up))
+        else:  # gate_up with the SiLU*mul epilogue: [T, I] straight from the GEMM
+            act = skinny_linear(x, gate_up.weight, None, tile, gated=True, pdl=self.pdl)
+        return self.linear(act, down)

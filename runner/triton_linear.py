@@ -1,9 +1,11 @@
-"""Skinny GEMMs of the decode step in Triton: out = prologue(x) @ W^T (+ bias) for M <= 64 rows.
+"""Skinny GEMMs of the decode step in Triton: out = x @ W^T (+ bias) for M <= 64 rows.
 
-Why: a decode step streams every weight once, so its GEMMs should run at copy bandwidth. On the
-H200 cuBLAS's kernels for these shapes reach 1.8-3.9 TB/s of ~4.3 (batch 64: o_proj 2.2, the
-split-K down_proj 2.7 plus a reduce kernel; profiles in deploy/RESULTS.md), and a cuBLAS kernel
-cannot take part in the programmatic-dependent-launch chain (runner/triton_pdl.py).
+Why: a decode step streams every weight once, so its GEMMs should run at copy bandwidth, and
+its ~300 launches each cost a few microseconds. On the H200 cuBLAS reaches 1.9-3.9 TB/s of
+~4.2 on these shapes (batch 1: o_proj 1.9, down 2.7; sweep in deploy/RESULTS.md), and a cuBLAS
+kernel can neither take part in the programmatic-dependent-launch chain
+(runner/triton_pdl.py) nor absorb the SiLU*mul after gate_up. The tile table (`TUNED`) keeps
+cuBLAS wherever it measured faster.
 
 Two modes, picked by the tile:
 * GEMV (block_m == 1, only for M == 1): a program owns `block_n` weight rows and walks K in
@@ -16,16 +18,16 @@ Two modes, picked by the tile:
 No split-K: each output element is one program's dot product over K in a fixed order, so a
 row's result depends on neither M nor the other rows (graph padding cannot change it).
 
-Prologues form the activation tile on the fly, with the separate kernel's exact roundings
-(runner/triton_fused_ops.py), from what that kernel would have read:
-* PLAIN        x [M, K]
-* SILU_MUL     x = gate | up [M, 2K] -> silu(gate) * up
-* RMSNORM      x [M, K] -> rmsnorm(x) * w
-* ADD_RMSNORM  x, residual [M, K] -> rmsnorm(x + residual) * w, and x + residual is written
-               to `residual_out` (by the programs of the first column block)
-The norm needs each row's sum of squares first: every program reads its rows once more (from
-L2) before the main loop. The fused prologue is recomputed by all N / block_n programs, so it
-pays only at small M; the tile table says where (`tile_for`).
+Gated epilogue (the MLP's gate_up, `gated=True`): a program computes the same columns of the
+gate and the up half and writes silu(gate) * up [M, I], rounded where the separate GEMM and
+SiLU*mul kernel round (runner/triton_fused_ops.py), so the result is bit for bit that pair's;
+the SiLU*mul launch and the [M, 2I] round trip disappear.
+
+Tried on the H200 and dropped (deploy/RESULTS.md, s5): the RMSNorm as a prologue (every
+program recomputes the row statistics: slower than the norm kernel), SiLU*mul as down's prologue
+(the gated epilogue does it once per element), an add + RMSNorm epilogue run by the last
+program to finish (the gpu-scope ticket costs more than the norm's own launch), and L2
+prefetch of the weights before the PDL wait (slower at every size).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ import triton.language as tl
 
 from runner.triton_pdl import pdl_enter
 
-PLAIN, SILU_MUL, RMSNORM, ADD_RMSNORM = 0, 1, 2, 3
-PROLOGUE_NAMES = {PLAIN: "plain", SILU_MUL: "silu_mul", RMSNORM: "rmsnorm", ADD_RMSNORM: "add_rmsnorm"}
+PLAIN, GATED = 0, 1  # tile-table kinds: out = x @ W^T, or the gated gate_up (out [M, I])
+KIND_NAMES = {PLAIN: "plain", GATED: "gated"}
 
 # Largest M served here; above it cuBLAS's tensor-core GEMMs are the better choice.
 MAX_M = 64
@@ -48,75 +50,36 @@ MAX_M = 64
 @dataclass(frozen=True)
 class LinearTile:
     block_m: int  # 1: GEMV mode (M == 1); else 16/32/64, MMA mode
-    block_n: int
+    block_n: int  # output columns per program (gated: of each half)
     block_k: int  # must divide K
     num_warps: int = 4
     num_stages: int = 3  # MMA mode's pipeline depth (GEMV mode double-buffers by hand)
 
 
 @triton.jit
-def _act_tile(
-    x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, m_mask, cols, K, stride_xm, stride_rm, rinv,
-    WRITE_RES, PROLOGUE: tl.constexpr,
-):
-    """The [BM, BK] activation tile (model dtype) at columns `cols` of rows `rows`."""
-    xp = x_ptr + rows[:, None] * stride_xm + cols[None, :]
-    mask = m_mask[:, None]
-    if PROLOGUE == 1:  # SILU_MUL: x holds gate | up
-        g = tl.load(xp, mask=mask, other=0.0)
-        u = tl.load(xp + K, mask=mask, other=0.0)
-        gf = g.to(tl.float32)
-        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # F.silu rounds, then the product rounds
-        return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-    x = tl.load(xp, mask=mask, other=0.0)
-    if PROLOGUE == 0:
-        return x
-    if PROLOGUE == 3:  # the residual sum, rounded to the model dtype like torch's `x + residual`
-        r = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(res_out_ptr + rows[:, None] * K + cols[None, :], x, mask=mask & WRITE_RES)
-    normed = (x.to(tl.float32) * rinv[:, None]).to(x.dtype)
-    w = tl.load(nw_ptr + cols)
-    return (w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x.dtype)
+def _silu_mul(g, u, dtype):
+    """silu(g) * u from two fp32 accumulators, rounded where the separate ops round: the GEMM's
+    output (gate and up in the model dtype), F.silu's result, then the product."""
+    gf = g.to(dtype).to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(dtype)
+    return (act.to(tl.float32) * u.to(dtype).to(tl.float32)).to(dtype)
 
 
-@triton.jit
-def _row_rinv(x_ptr, res_ptr, rows, m_mask, offs_k, K, stride_xm, stride_rm, eps,
-              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr):
-    """[BM] 1 / rms of each row (of x + residual for ADD_RMSNORM); ones when no norm."""
-    if PROLOGUE >= 2:
-        ss = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + offs_k
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=m_mask[:, None], other=0.0)
-            if PROLOGUE == 3:
-                r = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=m_mask[:, None], other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
-        return tl.math.rsqrt(ss / K + eps)
-    return tl.full([BLOCK_M], 1.0, tl.float32)
-
-
-# M varies per eager step: not specialising on it (== 1, % 16) keeps one variant per tile.
-@triton.jit(do_not_specialize=["M"])
+# M varies per eager step: not specialising on it (== 1, % 16) keeps one variant per tile (N: so
+# that it is never a constexpr, whatever its value).
+@triton.jit(do_not_specialize=["M", "N"])
 def _skinny_linear_kernel(
-    x_ptr,  # [M, K] (SILU_MUL: [M, 2K]), last dim contiguous, row stride stride_xm
-    res_ptr,  # [M, K] residual (ADD_RMSNORM)
-    nw_ptr,  # [K] norm weight (RMSNORM, ADD_RMSNORM)
-    res_out_ptr,  # [M, K] contiguous, x + residual (ADD_RMSNORM)
-    w_ptr,  # [N, K] weight (nn.Linear layout), row stride stride_wn
+    x_ptr,  # [M, K], last dim contiguous, row stride stride_xm
+    w_ptr,  # [N, K] weight (nn.Linear layout), row stride stride_wn; GATED: [2N, K], gate | up
     b_ptr,  # [N] bias (HAS_BIAS)
     out_ptr,  # [M, N], row stride stride_om
     M,
-    N,
+    N,  # output columns (GATED: I, half the weight's rows)
     K,
     stride_xm,
-    stride_rm,
     stride_wn,
     stride_om,
-    eps,
-    PROLOGUE: tl.constexpr,
+    GATED: tl.constexpr,  # out = silu(x @ Wgate^T) * (x @ Wup^T)
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -131,83 +94,90 @@ def _skinny_linear_kernel(
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
-    write_res = pid_n == 0
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+    up_shift = N.to(tl.int64) * stride_wn  # GATED: the up rows of these columns
+    dt = out_ptr.dtype.element_ty
 
     if BLOCK_M == 1:
         # GEMV: the first weight slice is in flight before the wait (weights are never written).
         w_next = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        if GATED:
+            u_next = tl.load(w_ptrs + up_shift, mask=n_mask[:, None], other=0.0)
         pdl_enter(USE_GDC)
-        rinv = _row_rinv(x_ptr, res_ptr, rows, m_mask, offs_k, K, stride_xm, stride_rm, eps,
-                         BLOCK_M, BLOCK_K, PROLOGUE)
         acc = tl.zeros([BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
+            # the next slice (masked off past K) is issued before this one is reduced
+            nxt = n_mask[:, None] & (k0 + BLOCK_K < K)
             w = w_next
-            # next slice (masked off past K) before this one is reduced
-            w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=n_mask[:, None] & (k0 + BLOCK_K < K), other=0.0)
-            a = _act_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, m_mask, k0 + offs_k, K, stride_xm,
-                          stride_rm, rinv, write_res, PROLOGUE)  # [1, BK]
-            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)
+            w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=nxt, other=0.0)
+            a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0).to(tl.float32)  # [1, BK]
+            acc += tl.sum(w.to(tl.float32) * a, axis=1)
+            if GATED:
+                wu = u_next
+                u_next = tl.load(w_ptrs + up_shift + (k0 + BLOCK_K), mask=nxt, other=0.0)
+                acc_u += tl.sum(wu.to(tl.float32) * a, axis=1)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask & (M > 0))
+        if GATED:
+            y = _silu_mul(acc, acc_u, dt)
+        else:
+            y = acc.to(dt)
+        tl.store(out_ptr + offs_n, y, mask=n_mask)
     else:
         pdl_enter(USE_GDC)
-        rinv = _row_rinv(x_ptr, res_ptr, rows, m_mask, offs_k, K, stride_xm, stride_rm, eps,
-                         BLOCK_M, BLOCK_K, PROLOGUE)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            a = _act_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, m_mask, k0 + offs_k, K, stride_xm,
-                          stride_rm, rinv, write_res, PROLOGUE)  # [BM, BK]
+            a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)  # [BM, BK]
             w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)  # [BN, BK]
             acc = tl.dot(a, tl.trans(w), acc)
+            if GATED:
+                wu = tl.load(w_ptrs + up_shift + k0, mask=n_mask[:, None], other=0.0)
+                acc_u = tl.dot(a, tl.trans(wu), acc_u)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            y = _silu_mul(acc, acc_u, dt)
+        else:
+            y = acc.to(dt)
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        tl.store(out_ptrs, y, mask=m_mask[:, None] & n_mask[None, :])
 
 
 def skinny_linear(
-    x: torch.Tensor,  # [M, K]; SILU_MUL: [M, 2K] (gate | up)
-    weight: torch.Tensor,  # [N, K]
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]; gated: [2I, K] (gate | up)
     bias: torch.Tensor | None,
     tile: LinearTile,
-    prologue: int = PLAIN,
     *,
-    residual: torch.Tensor | None = None,  # [M, K], ADD_RMSNORM
-    norm_weight: torch.Tensor | None = None,  # [K], RMSNORM / ADD_RMSNORM
-    eps: float = 0.0,
+    gated: bool = False,  # out [M, I] = silu(x @ gate^T) * (x @ up^T), the MLP's activation
     pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One launch. Returns (out [M, N] in x's dtype, x + residual [M, K] for ADD_RMSNORM else None).
+) -> torch.Tensor:
+    """One launch: out [M, N] (gated: [M, I]) in x's dtype.
 
     Reads only shapes and strides on the host, so it can be captured in a CUDA graph (after one
     eager call per shape has compiled it)."""
     m = x.shape[0]
     n, k = weight.shape
     assert x.dim() == 2 and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, x.stride(), weight.stride())
-    assert x.shape[1] == (2 * k if prologue == SILU_MUL else k), (x.shape, weight.shape, prologue)
-    assert k % tile.block_k == 0, (k, tile)
+    assert x.shape[1] == k and k % tile.block_k == 0, (x.shape, weight.shape, tile)
     assert tile.block_m > 1 or m <= 1, (m, tile)
+    if gated:
+        assert n % 2 == 0 and bias is None, "gated: weight rows gate | up, no bias"
+        n //= 2
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    res_out = None
-    if prologue == ADD_RMSNORM:
-        assert residual is not None and residual.shape == x.shape and residual.stride(1) == 1
-        res_out = torch.empty(m, k, device=x.device, dtype=x.dtype)
-    if prologue in (RMSNORM, ADD_RMSNORM):
-        assert norm_weight is not None and norm_weight.shape == (k,) and norm_weight.is_contiguous()
     if m == 0:
-        return out, res_out
+        return out
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
     _skinny_linear_kernel[grid](
-        x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
-        res_out if res_out is not None else out, weight, bias if bias is not None else weight, out,
-        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
-        eps,
-        PROLOGUE=prologue, HAS_BIAS=bias is not None,
+        x, weight, bias if bias is not None else weight, out,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        GATED=gated, HAS_BIAS=bias is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_GDC=pdl,
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
-    return out, res_out
+    return out
 
 
 def _largest_block_k(k: int, cap: int) -> int | None:
@@ -219,27 +189,25 @@ def _largest_block_k(k: int, cap: int) -> int | None:
     return None
 
 
-# Measured on the H200 (`python3 deploy/bench_gpu.py --sections gemm`, results in
-# deploy/RESULTS.md): (prologue, N, K) -> ((max_m, tile), ...) in increasing max_m. An M above
-# the last max_m, or a prologue/shape/M with no entry where an entry for the shape exists,
-# is not served here (the caller runs the separate ops and cuBLAS). Shapes absent from the
-# table (other models) use `default_tile`.
+# Measured on the H200 (`python3 deploy/bench_gpu.py --sections gemm`, s5-run4 in
+# deploy/RESULTS.md): (kind, N, K) -> ((max_m, tile), ...) in increasing max_m. An M above
+# the last max_m, or a kind/shape/M with no entry where an entry for the shape exists, is not
+# served here (the caller uses cuBLAS). Shapes absent from the table
+# (other models) use `default_tile`. Orpheus-3B / Llama-3.2-3B shapes: qkv 5120 x 3072,
+# o 3072 x 3072, gate_up 16384 x 3072, down 3072 x 8192.
 TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
     (PLAIN, 5120, 3072): ((1, None), (16, None), (32, None), (64, None)),
-    (ADD_RMSNORM, 5120, 3072): ((1, None), (16, None)),
-    (PLAIN, 3072, 3072): ((1, LinearTile(1, 8, 1024, 4, 1)), (16, LinearTile(16, 32, 512, 4, 3)), (32, None), (64, None)),
+    (PLAIN, 3072, 3072): ((1, LinearTile(1, 8, 1024, 4, 1)), (16, LinearTile(16, 32, 128, 4, 5)), (32, None), (64, None)),
     (PLAIN, 16384, 3072): ((1, None), (16, None), (32, None), (64, None)),
-    (ADD_RMSNORM, 16384, 3072): ((1, None), (16, None)),
+    (GATED, 16384, 3072): ((1, LinearTile(16, 64, 128, 4, 5)), (16, LinearTile(16, 64, 128, 4, 5)),
+                           (32, LinearTile(32, 64, 128, 4, 5)), (64, LinearTile(64, 64, 64, 4, 5))),
     (PLAIN, 3072, 8192): ((1, LinearTile(1, 8, 1024, 4, 1)), (16, None), (32, None), (64, None)),
-    (SILU_MUL, 3072, 8192): ((1, LinearTile(1, 8, 1024, 4, 1)), (16, None)),
 }
 
 
-def default_tile(prologue: int, n: int, k: int, m: int) -> LinearTile | None:
-    """Shape-generic choice: GEMV at M == 1, MMA up to MAX_M; fused prologues only at M == 1."""
+def default_tile(kind: int, n: int, k: int, m: int) -> LinearTile | None:
+    """Shape-generic choice (either kind): GEMV at M == 1, MMA up to MAX_M."""
     if m < 1 or m > MAX_M:
-        return None
-    if prologue != PLAIN and m > 1:
         return None
     if m == 1:
         bk = _largest_block_k(k, 1024)
@@ -251,18 +219,18 @@ def default_tile(prologue: int, n: int, k: int, m: int) -> LinearTile | None:
     return LinearTile(bm, 32, bk, 4, 4)
 
 
-def tile_for(prologue: int, n: int, k: int, m: int) -> LinearTile | None:
-    """The tile for this call, or None: leave it to the separate ops + cuBLAS.
+def tile_for(kind: int, n: int, k: int, m: int) -> LinearTile | None:
+    """The tile for a call of `kind` (PLAIN or GATED) on a weight [n, k] with m rows, or None:
+    leave it to cuBLAS (and, for GATED, the separate SiLU*mul kernel).
 
     The choice depends on M only through thresholds that are graph bucket sizes (1, 16, 32,
     64; runner/cuda_graphs.py), so an eager step of M rows and a graph replay of M padded to
     its bucket take the same kernel."""
-    # layer 0's plain RMSNorm (no residual) costs what the add + RMSNorm costs: same entry
-    rows = TUNED.get((ADD_RMSNORM if prologue == RMSNORM else prologue, n, k))
+    rows = TUNED.get((kind, n, k))
     if rows is None:
-        if (PLAIN, n, k) in TUNED:  # tuned shape, this prologue measured not to pay
+        if (PLAIN, n, k) in TUNED:  # tuned shape, this kind measured not to pay
             return None
-        return default_tile(prologue, n, k, m)
+        return default_tile(kind, n, k, m)
     for max_m, tile in rows:
         if m <= max_m:
             return tile

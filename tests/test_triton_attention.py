@@ -13,7 +13,9 @@ import math
 import pytest
 import torch
 
-from tests.triton_interpreter import interpret_without_cuda, patch_interpreter
+import textwrap
+
+from tests.triton_interpreter import compile_offline, has_nvidia_backend, interpret_without_cuda, patch_interpreter
 
 _CUDA = interpret_without_cuda()  # before runner.triton_attention is imported
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
@@ -333,3 +335,38 @@ def test_cuda_graph_replay_follows_new_metadata(splits):
         for i, n in enumerate(lens):
             if n == 0:
                 assert torch.equal(out[i], torch.zeros_like(out[i]))
+
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from runner import triton_attention as m
+
+    target = GPUTarget("cuda", 90, 32)
+    sig = dict(q_ptr="*bf16", kv_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*bf16",
+               part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
+               scale_log2e="fp32", stride_qb="i32", stride_qh="i32", stride_qd="i32", stride_kv="i64",
+               stride_blk="i32", stride_tok="i32", stride_kvh="i32", stride_kvd="i32", stride_btb="i32",
+               stride_btc="i32", stride_ob="i32", stride_oh="i32", stride_od="i32", num_q_heads="i32",
+               max_blocks="i32")
+    for splits in (1, 32):
+        consts = dict(GROUP=3, GROUP_P=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=splits,
+                      DOT_PREC="tf32", LOOP_STAGES=3, USE_GDC=True)
+        s = dict(sig, **{k: "constexpr" for k in consts})
+        triton.compile(ASTSource(m._paged_decode_kernel, s, constexprs=consts), target=target,
+                       options={"num_warps": 4, "num_stages": 3, "launch_pdl": True})
+    merge_sig = dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", out_ptr="*bf16",
+                     stride_ob="i32", stride_oh="i32", stride_od="i32", num_q_heads="i32")
+    consts = dict(HEAD_DIM=128, NUM_SPLITS=32, SPLITS_P=32, USE_GDC=True)
+    triton.compile(ASTSource(m._merge_splits_kernel, dict(merge_sig, **{k: "constexpr" for k in consts}),
+                             constexprs=consts), target=target, options={"num_warps": 4, "launch_pdl": True})
+    print("compiled")
+    """
+)
+
+
+@pytest.mark.skipif(not has_nvidia_backend(), reason="triton's NVIDIA backend is not installed")
+def test_kernels_compile_for_sm90_with_pdl():
+    compile_offline(_COMPILE_SCRIPT, timeout=300)

@@ -1,16 +1,15 @@
 """Skinny decode GEMMs (runner/triton_linear.py) and their use through TritonOps.
 
 Compiled on CUDA; under Triton's interpreter on CPU; skipped without `triton` (CPU CI). An
-offline sm_90 compile (every prologue, both modes, with the PDL wait) catches lowering errors
-without a GPU.
+offline sm_90 compile (every variant, with the PDL wait) catches lowering errors without a GPU.
 
 What is checked:
-* every prologue against the torch composition (norm / SiLU*mul, then F.linear) to bf16
-  tolerance, and bit for bit against "the separate Triton op, then the same kernel with the
-  PLAIN prologue" (the fused prologue rebuilds the same activation tile, the same K order);
+* both modes, with and without bias, against F.linear in fp32 to bf16 tolerance;
+* the gated epilogue is bit for bit the plain GEMM followed by the SiLU*mul kernel;
 * a row's result does not depend on M or on the other rows (so graph padding cannot move it);
-* the new residual of ADD_RMSNORM is exactly x + residual;
-* the tile choice only changes at graph bucket sizes (eager M and its padded bucket agree).
+* the tile choice only changes at graph bucket sizes (eager M and its padded bucket agree);
+* TritonOps' linear / mlp equal TorchOps' for every route they take (fp32 and large M stay
+  with cuBLAS).
 """
 
 from __future__ import annotations
@@ -27,14 +26,12 @@ _CUDA = interpret_without_cuda()
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
 
 from runner.cuda_graphs import graph_buckets  # noqa: E402
-from runner.fused_ops import TorchOps, torch_rmsnorm  # noqa: E402
-from runner.triton_fused_ops import TritonOps, rmsnorm, silu_and_mul  # noqa: E402
+from runner.fused_ops import TorchOps  # noqa: E402
+from runner.triton_fused_ops import TritonOps, silu_and_mul  # noqa: E402
 from runner.triton_linear import (  # noqa: E402
-    ADD_RMSNORM,
+    GATED,
     MAX_M,
     PLAIN,
-    RMSNORM,
-    SILU_MUL,
     TUNED,
     LinearTile,
     _skinny_linear_kernel,
@@ -59,92 +56,56 @@ def _rand(*shape, seed, dtype=torch.bfloat16, scale=1.0):
     return (scale * torch.randn(*shape, generator=g)).to(DEVICE, dtype)
 
 
-def _inputs(m: int, prologue: int, seed: int = 0):
-    x = _rand(m, 2 * K if prologue == SILU_MUL else K, seed=seed)
-    w = _rand(N, K, seed=seed + 1, scale=0.05)
-    b = _rand(N, seed=seed + 2)
-    res = _rand(m, K, seed=seed + 3)
-    nw = _rand(K, seed=seed + 4, scale=0.5) + 1
-    return x, w, b, res, nw
+def _inputs(m: int, seed: int = 0):
+    return _rand(m, K, seed=seed), _rand(N, K, seed=seed + 1, scale=0.05), _rand(N, seed=seed + 2)
 
 
-def _fused(x, w, b, res, nw, prologue, tile):
-    return skinny_linear(x, w, b, tile, prologue, residual=res if prologue == ADD_RMSNORM else None,
-                         norm_weight=nw if prologue in (RMSNORM, ADD_RMSNORM) else None, eps=1e-5)
-
-
-def _activation_torch(x, res, nw, prologue):
-    if prologue == SILU_MUL:
-        return TorchOps().silu_and_mul(x)
-    if prologue == RMSNORM:
-        return torch_rmsnorm(x, nw, 1e-5)
-    if prologue == ADD_RMSNORM:
-        return torch_rmsnorm(x + res, nw, 1e-5)
-    return x
-
-
-def _activation_triton(x, res, nw, prologue):
-    if prologue == SILU_MUL:
-        return silu_and_mul(x)
-    if prologue == RMSNORM:
-        return rmsnorm(x, nw, 1e-5)
-    if prologue == ADD_RMSNORM:
-        return rmsnorm(x, nw, 1e-5, residual=res)[0]
-    return x
-
-
-PROLOGUES = [PLAIN, SILU_MUL, RMSNORM, ADD_RMSNORM]
 CASES = [(1, GEMV), (1, MMA), (5, MMA), (16, MMA), (21, LinearTile(32, 16, 128, 4, 3))]
 
 
-@pytest.mark.parametrize("prologue", PROLOGUES, ids=["plain", "silu", "norm", "addnorm"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("m,tile", CASES, ids=[f"m{m}-bm{t.block_m}" for m, t in CASES])
-def test_matches_torch_composition(prologue, m, tile):
-    x, w, b, res, nw = _inputs(m, prologue)
-    out, new_res = _fused(x, w, b, res, nw, prologue, tile)
-    ref = F.linear(_activation_torch(x, res, nw, prologue).float(), w.float(), b.float())
-    # fp32 accumulation in another order, one bf16 rounding of the result (and the norm's
-    # sum-of-squares order): within a few bf16 ulps of the fp32 reference
+def test_matches_torch(m, tile, bias):
+    x, w, b = _inputs(m)
+    b = b if bias else None
+    out = skinny_linear(x, w, b, tile)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    # fp32 accumulation in another order, one bf16 rounding: within a few bf16 ulps
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
-    if prologue == ADD_RMSNORM:
-        assert torch.equal(new_res, x + res)
-    else:
-        assert new_res is None
 
 
-@pytest.mark.parametrize("prologue", [SILU_MUL, RMSNORM, ADD_RMSNORM], ids=["silu", "norm", "addnorm"])
-@pytest.mark.parametrize("m,tile", CASES[:3], ids=[f"m{m}-bm{t.block_m}" for m, t in CASES[:3]])
-def test_fused_prologue_equals_separate_op_then_plain(prologue, m, tile):
-    """The fused tile is the separate kernel's output: same GEMM bits. (The norm's sum of squares
-    is reduced in another order than the rmsnorm kernel's; with these inputs no element lands on
-    a rounding boundary, which the sizes here make near certain but tolerate up to 1%.)"""
-    x, w, b, res, nw = _inputs(m, prologue, seed=3)
-    fused, _ = _fused(x, w, b, res, nw, prologue, tile)
-    separate, _ = skinny_linear(_activation_triton(x, res, nw, prologue), w, b, tile)
-    frac = (fused != separate).float().mean().item()
-    assert frac <= (0.01 if prologue != SILU_MUL else 0.0), frac
+@pytest.mark.parametrize("m,tile", [(1, GEMV), (1, MMA), (6, MMA), (21, LinearTile(32, 16, 128, 4, 3))],
+                         ids=["m1-gemv", "m1-mma", "m6-mma", "m21-bm32"])
+def test_gated_epilogue_equals_gemm_then_silu_mul(m, tile):
+    x = _rand(m, K, seed=11)
+    w = _rand(2 * N, K, seed=12, scale=0.05)  # gate | up, I = N
+    gated = skinny_linear(x, w, None, tile, gated=True)
+    assert gated.shape == (m, N)
+    assert torch.equal(gated, silu_and_mul(skinny_linear(x, w, None, tile)))
+    ref = TorchOps().silu_and_mul(F.linear(x.float(), w.float()).to(x.dtype))
+    torch.testing.assert_close(gated.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("tile", [GEMV, MMA], ids=["gemv", "mma"])
 def test_row_result_independent_of_batch(tile):
     m = 1 if tile.block_m == 1 else 13
-    x, w, b, *_ = _inputs(m, PLAIN, seed=5)
-    full, _ = skinny_linear(x, w, b, tile)
+    x, w, b = _inputs(m, seed=5)
+    full = skinny_linear(x, w, b, tile)
     if tile.block_m == 1:
-        other, _ = skinny_linear(x, w, b, MMA)  # same row in MMA mode: close, not necessarily equal
+        other = skinny_linear(x, w, b, MMA)  # same row in MMA mode: close, not necessarily equal
         torch.testing.assert_close(full.float(), other.float(), rtol=2e-2, atol=2e-2)
         return
     for r in (0, 6, 12):
-        alone, _ = skinny_linear(x[r : r + 1].contiguous(), w, b, tile)
+        alone = skinny_linear(x[r : r + 1].contiguous(), w, b, tile)
         assert torch.equal(alone[0], full[r])
     padded = torch.cat([x, _rand(3, K, seed=9)])  # extra rows (graph padding) change nothing
-    assert torch.equal(skinny_linear(padded, w, b, tile)[0][:m], full)
+    assert torch.equal(skinny_linear(padded, w, b, tile)[:m], full)
 
 
 def test_strided_rows_and_no_bias():
     x = _rand(4, 2 * K, seed=7)[:, :K]  # row stride 2K
     w = _rand(N, K, seed=8, scale=0.05)
-    out, _ = skinny_linear(x, w, None, MMA)
+    out = skinny_linear(x, w, None, MMA)
     torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
 
 
@@ -154,7 +115,7 @@ def test_tile_choice_changes_only_at_graph_buckets():
     def bucket(m):
         return next(s for s in buckets if s >= m)
 
-    shapes = {(p, n, k) for (p, n, k) in TUNED} | {(p, 5120, 3072) for p in PROLOGUES} | {(PLAIN, 96, 200)}
+    shapes = {(p, n, k) for (p, n, k) in TUNED} | {(p, 5120, 3072) for p in (PLAIN, GATED)} | {(PLAIN, 96, 200)}
     for p, n, k in shapes:
         for m in range(1, MAX_M + 40):
             assert tile_for(p, n, k, m) == tile_for(p, n, k, bucket(m)), (p, n, k, m)
@@ -162,26 +123,20 @@ def test_tile_choice_changes_only_at_graph_buckets():
 
 
 def test_triton_ops_route_by_dtype_and_size():
-    """TritonOps: 16-bit GEMMs of <= MAX_M rows run here; fp32 and big M stay with F.linear."""
+    """TritonOps: 16-bit GEMMs of <= MAX_M rows run here (gate_up gated); fp32 and big M stay with
+    F.linear; whichever route, the results are TorchOps' within the dtype's tolerance."""
     ops, ref = TritonOps(), TorchOps()
-    lin = torch.nn.Linear(K, N, bias=True).to(DEVICE)
     with torch.no_grad():
         for dtype, m in ((torch.float32, 3), (torch.bfloat16, 1), (torch.bfloat16, 7), (torch.bfloat16, MAX_M + 1)):
-            lin = lin.to(dtype)
-            x, res = _rand(m, K, seed=m, dtype=dtype), _rand(m, K, seed=m + 1, dtype=dtype)
-            nw = _rand(K, seed=m + 3, dtype=dtype, scale=0.5) + 1
-            got, got_res = ops.norm_linear(x, res, nw, 1e-5, lin)
-            want, want_res = ref.norm_linear(x, res, nw, 1e-5, lin)
-            assert torch.equal(got_res, want_res)
+            lin = torch.nn.Linear(K, N, bias=True).to(DEVICE, dtype)
+            gate_up = torch.nn.Linear(N, 2 * K, bias=False).to(DEVICE, dtype)
+            x, h = _rand(m, K, seed=m, dtype=dtype), _rand(m, N, seed=m + 2, dtype=dtype)
             tol = 1e-4 if dtype == torch.float32 else 3e-2
-            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-            gu = _rand(m, 2 * K, seed=m + 2, dtype=dtype)
-            torch.testing.assert_close(ops.silu_mul_linear(gu, lin).float(), ref.silu_mul_linear(gu, lin).float(),
+            torch.testing.assert_close(ops.linear(x, lin).float(), ref.linear(x, lin).float(), rtol=tol, atol=tol)
+            torch.testing.assert_close(ops.mlp(h, gate_up, lin).float(), ref.mlp(h, gate_up, lin).float(),
                                        rtol=tol, atol=tol)
-            got0, r0 = ops.norm_linear(x, None, nw, 1e-5, lin)
-            assert r0 is x
-            torch.testing.assert_close(got0.float(), ref.norm_linear(x, None, nw, 1e-5, lin)[0].float(),
-                                       rtol=tol, atol=tol)
+            if dtype == torch.float32 or m > MAX_M:  # cuBLAS: bit for bit TorchOps
+                assert torch.equal(ops.linear(x, lin), ref.linear(x, lin))
 
 
 _COMPILE_SCRIPT = textwrap.dedent(
@@ -193,12 +148,11 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
     target = GPUTarget("cuda", 90, 32)
     ptr = "*bf16"
-    sig = dict(x_ptr=ptr, res_ptr=ptr, nw_ptr=ptr, res_out_ptr=ptr, w_ptr=ptr, b_ptr=ptr, out_ptr=ptr,
-               M="i32", N="i32", K="i32", stride_xm="i32", stride_rm="i32", stride_wn="i32", stride_om="i32",
-               eps="fp32")
+    sig = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, out_ptr=ptr, M="i32", N="i32", K="i32", stride_xm="i32",
+               stride_wn="i32", stride_om="i32")
     for tile in (m.LinearTile(1, 16, 1024, 4, 1), m.LinearTile(16, 32, 256, 4, 4), m.LinearTile(64, 64, 128, 8, 4)):
-        for prologue in (m.PLAIN, m.SILU_MUL, m.RMSNORM, m.ADD_RMSNORM):
-            consts = dict(PROLOGUE=prologue, HAS_BIAS=False, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        for gated, bias in ((False, False), (False, True), (True, False)):
+            consts = dict(GATED=gated, HAS_BIAS=bias, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
                           BLOCK_K=tile.block_k, USE_GDC=True)
             s = dict(sig, **{k: "constexpr" for k in consts})
             triton.compile(ASTSource(m._skinny_linear_kernel, s, constexprs=consts), target=target,

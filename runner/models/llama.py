@@ -122,10 +122,10 @@ class Attention(nn.Module):
         self._rotary = (rotary,)
 
     def forward(
-        self, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """qkv [T, q_size + 2*kv_size] (the layer ran qkv_proj, fused with its norm) -> [T, H]."""
-        t = qkv.shape[0]
+        t = x.shape[0]
+        qkv = self.ops.linear(x, self.qkv_proj)  # [T, q_size + 2*kv_size]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         # Strided views into qkv (row stride q_size + 2*kv_size); the ops handle the strides.
         q = q.view(t, self.num_heads, self.head_dim)
@@ -151,13 +151,15 @@ def o_proj_has_bias(cfg: ModelConfig) -> bool:
 
 
 class MLP(nn.Module):
-    """Holds the weights; the layer applies them through its ops: gate_up fused with the norm
-    before it, down with the SiLU*mul (runner/fused_ops.py, norm_linear / silu_mul_linear)."""
-
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate | up
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # [T, H] -> [T, 2I] -> [T, I] -> [T, H]; the ops may fuse SiLU*mul into the gate_up GEMM
+        return self.ops.mlp(x, self.gate_up_proj, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -166,7 +168,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx, attn, rotary, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, ops)
         self.ops = ops
 
     def forward(
@@ -184,11 +186,14 @@ class DecoderLayer(nn.Module):
         """
         ops = self.ops
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        # residual None: layer 0 (fixed per layer, not data-dependent); h becomes the residual
-        qkv, residual = ops.norm_linear(h, residual, ln1.weight, ln1.eps, self.self_attn.qkv_proj)
-        h = self.self_attn(qkv, positions, kv_cache, meta)
-        gate_up, residual = ops.norm_linear(h, residual, ln2.weight, ln2.eps, self.mlp.gate_up_proj)
-        return ops.silu_mul_linear(gate_up, self.mlp.down_proj), residual  # [T, 2I] -> [T, H]
+        if residual is None:  # layer 0 (fixed per layer, not data-dependent)
+            residual = h
+            x = ops.rmsnorm(h, ln1.weight, ln1.eps)
+        else:
+            x, residual = ops.add_rmsnorm(h, residual, ln1.weight, ln1.eps)
+        h = self.self_attn(x, positions, kv_cache, meta)
+        x, residual = ops.add_rmsnorm(h, residual, ln2.weight, ln2.eps)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
