@@ -182,7 +182,7 @@ class RunnerConfig:
     max_graph_batch_size: int = 1024  # graph rows: up to min(this, max_num_seqs + 256 prefill token rows)
     sampler_backend: str = "auto"  # auto | torch | triton (OMNISTREAM_SAMPLER_BACKEND)
     # CUDA decode kernels (runner/triton_linear.py, runner/triton_pdl.py); off only for A/B runs
-    skinny_linear: bool = True  # 16-bit GEMMs of <= 64 rows in Triton, norm / SiLU fused in
+    skinny_linear: bool = True  # 16-bit GEMMs of <= 64 rows in Triton (tile table), SiLU*mul in gate_up
     pdl: bool = True  # programmatic dependent launch where the GPU has it (sm90+)
 
     @property

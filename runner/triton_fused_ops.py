@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from runner.triton_linear import GATED, PLAIN, skinny_linear, tile_for
+from runner.triton_linear import GATED, PLAIN, LinearTile, skinny_linear, tile_for
 from runner.triton_pdl import pdl_enter
 
 # SiLU*mul: columns per program. 1024 bf16 = 2 KiB per operand: at T=1 and I=8192 that still
@@ -318,11 +318,12 @@ class TritonOps:
         self.pdl = pdl
         self.skinny = skinny_linear
 
-    def _tile(self, prologue: int, x: torch.Tensor, lin: torch.nn.Linear):
+    def _tile(self, kind: int, x: torch.Tensor, lin: torch.nn.Linear) -> LinearTile | None:
+        """The skinny GEMM's tile for x @ lin, or None: cuBLAS (decided from shapes and dtypes)."""
         if not self.skinny or x.dtype not in _SKINNY_DTYPES or lin.weight.dtype != x.dtype:
             return None
         n, k = lin.weight.shape
-        return tile_for(prologue, n, k, x.shape[0])
+        return tile_for(kind, n, k, x.shape[0])
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rmsnorm(x, weight, eps, pdl=self.pdl)
