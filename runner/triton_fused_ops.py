@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from runner.triton_linear import GATED, PLAIN, LinearTile, skinny_linear, tile_for
+from runner.triton_linear import GATED, PLAIN, LinearTile, silu_mul, skinny_linear, tile_for
 from runner.triton_pdl import pdl_enter
 
 # SiLU*mul: columns per program. 1024 bf16 = 2 KiB per operand: at T=1 and I=8192 that still
@@ -200,11 +200,8 @@ def _silu_and_mul_kernel(
     row = x_ptr + t * stride_xt
     g = tl.load(row + cols, mask=mask, other=0.0)
     u = tl.load(row + inter + cols, mask=mask, other=0.0)
-    gf = g.to(tl.float32)
     # torch: F.silu rounds to the model dtype, then the product rounds again.
-    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    out = act.to(tl.float32) * u.to(tl.float32)
-    tl.store(out_ptr + t * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + t * inter + cols, silu_mul(g, u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows_layout(x: torch.Tensor) -> tuple[int, int, int, int]:

@@ -57,12 +57,14 @@ class LinearTile:
 
 
 @triton.jit
-def _silu_mul(g, u, dtype):
-    """silu(g) * u from two fp32 accumulators, rounded where the separate ops round: the GEMM's
-    output (gate and up in the model dtype), F.silu's result, then the product."""
-    gf = g.to(dtype).to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(dtype)
-    return (act.to(tl.float32) * u.to(dtype).to(tl.float32)).to(dtype)
+def silu_mul(g, u):
+    """silu(g) * u of gate and up in the model dtype, rounded where torch rounds: F.silu's
+    result, then the product. The one definition of the SiLU*mul roundings, shared by the
+    gated epilogue and runner/triton_fused_ops.py's SiLU*mul kernel (so the two agree bit for
+    bit)."""
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
 
 
 # M varies per eager step: not specialising on it (== 1, % 16) keeps one variant per tile (N: so
@@ -120,7 +122,7 @@ def _skinny_linear_kernel(
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if GATED:
-            y = _silu_mul(acc, acc_u, dt)
+            y = silu_mul(acc.to(dt), acc_u.to(dt))  # the GEMM's outputs rounded first
         else:
             y = acc.to(dt)
         tl.store(out_ptr + offs_n, y, mask=n_mask)
@@ -138,7 +140,7 @@ def _skinny_linear_kernel(
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
-            y = _silu_mul(acc, acc_u, dt)
+            y = silu_mul(acc.to(dt), acc_u.to(dt))  # the GEMM's outputs rounded first
         else:
             y = acc.to(dt)
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
