@@ -441,15 +441,11 @@ def test_decode_step_cuda_graph_replay_matches_eager():
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from runner import triton_fused_ops as m
+    from tests.triton_interpreter import compile_sm90
 
-    target = GPUTarget("cuda", 90, 32)
-
-    def build(fn, sig, consts, warps):
-        sig = dict(sig, **{k: "constexpr" for k in consts})
-        triton.compile(ASTSource(fn, sig, constexprs=consts), target=target, options={"num_warps": warps})
+    def build(fn, sig, consts, warps):  # each kernel as the decode path launches it: with PDL
+        compile_sm90(fn, sig, dict(consts, USE_GDC=True), num_warps=warps, launch_pdl=True)
 
     ptr = "*bf16"
     norm_sig = dict(x_ptr=ptr, res_ptr=ptr, w_ptr=ptr, out_ptr=ptr, res_out_ptr=ptr, rows_inner="i32",

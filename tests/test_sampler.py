@@ -981,17 +981,11 @@ def test_triton_seeded_rows_batch_independent():
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     import itertools
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from runner import sampling_kernels as m
-
-    target = GPUTarget("cuda", 90, 32)
+    from tests.triton_interpreter import compile_sm90
 
     def build(fn, sig, consts, warps, **opts):
-        sig = dict(sig, **{k: "constexpr" for k in consts})
-        src = ASTSource(fn, sig, constexprs=consts)
-        return triton.compile(src, target=target, options={"num_warps": warps, **opts})
+        return compile_sm90(fn, sig, consts, num_warps=warps, **opts)
 
     cfg = m._CONFIG
     sig = dict(y_ptr="*fp32", stride_y="i32", q_ptr="*fp32", stride_q="i32", ids_ptr="*i64", temp_ptr="*fp32",

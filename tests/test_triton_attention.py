@@ -339,12 +339,9 @@ def test_cuda_graph_replay_follows_new_metadata(splits):
 
 _COMPILE_SCRIPT = textwrap.dedent(
     """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from runner import triton_attention as m
+    from tests.triton_interpreter import compile_sm90
 
-    target = GPUTarget("cuda", 90, 32)
     sig = dict(q_ptr="*bf16", kv_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*bf16",
                part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
                scale_log2e="fp32", stride_qb="i32", stride_qh="i32", stride_qd="i32", stride_kv="i64",
@@ -354,14 +351,11 @@ _COMPILE_SCRIPT = textwrap.dedent(
     for splits in (1, 32):
         consts = dict(GROUP=3, GROUP_P=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=splits,
                       DOT_PREC="tf32", LOOP_STAGES=3, USE_GDC=True)
-        s = dict(sig, **{k: "constexpr" for k in consts})
-        triton.compile(ASTSource(m._paged_decode_kernel, s, constexprs=consts), target=target,
-                       options={"num_warps": 4, "num_stages": 3, "launch_pdl": True})
+        compile_sm90(m._paged_decode_kernel, sig, consts, num_warps=4, num_stages=3, launch_pdl=True)
     merge_sig = dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", out_ptr="*bf16",
                      stride_ob="i32", stride_oh="i32", stride_od="i32", num_q_heads="i32")
-    consts = dict(HEAD_DIM=128, NUM_SPLITS=32, SPLITS_P=32, USE_GDC=True)
-    triton.compile(ASTSource(m._merge_splits_kernel, dict(merge_sig, **{k: "constexpr" for k in consts}),
-                             constexprs=consts), target=target, options={"num_warps": 4, "launch_pdl": True})
+    compile_sm90(m._merge_splits_kernel, merge_sig, dict(HEAD_DIM=128, NUM_SPLITS=32, SPLITS_P=32, USE_GDC=True),
+                 num_warps=4, launch_pdl=True)
     print("compiled")
     """
 )

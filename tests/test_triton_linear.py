@@ -141,12 +141,9 @@ def test_triton_ops_route_by_dtype_and_size():
 
 _COMPILE_SCRIPT = textwrap.dedent(
     """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from runner import triton_linear as m
+    from tests.triton_interpreter import compile_sm90
 
-    target = GPUTarget("cuda", 90, 32)
     ptr = "*bf16"
     sig = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, out_ptr=ptr, M="i32", N="i32", K="i32", stride_xm="i32",
                stride_wn="i32", stride_om="i32")
@@ -154,9 +151,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
         for gated, bias in ((False, False), (False, True), (True, False)):
             consts = dict(GATED=gated, HAS_BIAS=bias, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
                           BLOCK_K=tile.block_k, USE_GDC=True)
-            s = dict(sig, **{k: "constexpr" for k in consts})
-            triton.compile(ASTSource(m._skinny_linear_kernel, s, constexprs=consts), target=target,
-                           options={"num_warps": tile.num_warps, "num_stages": tile.num_stages, "launch_pdl": True})
+            compile_sm90(m._skinny_linear_kernel, sig, consts, num_warps=tile.num_warps,
+                         num_stages=tile.num_stages, launch_pdl=True)
     print("compiled")
     """
 )

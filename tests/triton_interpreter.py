@@ -92,6 +92,19 @@ def has_nvidia_backend() -> bool:
     return True
 
 
+def compile_sm90(fn, sig: dict, consts: dict, **options):
+    """Compile one @triton.jit kernel for sm_90 without a GPU: `sig` types the runtime
+    arguments ("*bf16", "i32", ...), `consts` fixes the constexprs, `options` are the launch
+    options (num_warps, num_stages, launch_pdl, ...). Returns the compiled kernel (its .asm).
+    For the scripts compile_offline runs."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn, dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def compile_offline(script: str, timeout: float) -> None:
     """Run a script that compiles kernels for a GPU target, in a subprocess without
     TRITON_INTERPRET (this process may have set it, which turns @triton.jit kernels into
