@@ -42,6 +42,9 @@ class AttentionMetadata:
     # gather; its cost grows with q_len * context, hence the runner's length limit.
     token_seq_lens: torch.Tensor | None = None  # [T] int32, p_t + 1
     token_block_tables: torch.Tensor | None = None  # [T, max_blocks] int32, row t = its sequence's table
+    # Every row is the one new token of a distinct sequence (T == B, no token rows): a backend
+    # may then write each row's K/V inside the attention launch (no row reads another's slot).
+    pure_decode: bool = False
 
     def prefill_part(self) -> "AttentionMetadata":
         """Metadata of sequences [num_decodes, B) alone (query rows num_decodes..T-1)."""
@@ -92,12 +95,17 @@ class TorchPagedAttention:
     """Vectorised paged attention with SDPA: gather each sequence's KV into a padded batch.
 
     supports_token_rows = False: it ignores AttentionMetadata.token_* (no decode kernel here).
+    fuses_decode_rope = False: the model applies RoPE itself.
 
     Works on any device; cost is O(B * max_seq_len) gathered KV per layer, which is fine on CPU
     and for prefill, and is what the GPU decode kernel will replace.
     """
 
     supports_token_rows = False
+    fuses_decode_rope = False
+
+    def decode_rope_fused(self, batch: int, num_kv_heads: int, device: torch.device) -> bool:
+        return False
 
     def forward(
         self,
@@ -156,13 +164,14 @@ class TorchPagedAttention:
     __call__ = forward
 
 
-def make_attention_backend(device: torch.device | str, pdl: bool = True):
+def make_attention_backend(device: torch.device | str, pdl: bool = True, rope_in_attention: bool = True):
     """Pick the attention backend for a device once, at model construction: the Triton paged
     decode kernel on CUDA (prefill still goes through the torch path; `pdl`: launched with
-    programmatic dependent launch where the GPU has it), plain torch elsewhere."""
+    programmatic dependent launch where the GPU has it; `rope_in_attention`: pure-decode steps
+    do RoPE and the KV write inside the kernel), plain torch elsewhere."""
     if torch.device(device).type == "cuda":
         from runner.triton_attention import TritonPagedAttention  # needs triton, present with CUDA torch
         from runner.triton_pdl import pdl_available
 
-        return TritonPagedAttention(pdl=pdl and pdl_available(device))
+        return TritonPagedAttention(pdl=pdl and pdl_available(device), rope_in_attention=rope_in_attention)
     return TorchPagedAttention()

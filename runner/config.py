@@ -184,6 +184,7 @@ class RunnerConfig:
     # CUDA decode kernels (runner/triton_linear.py, runner/triton_pdl.py); off only for A/B runs
     skinny_linear: bool = True  # 16-bit GEMMs of <= 64 rows in Triton (tile table), SiLU*mul in gate_up
     pdl: bool = True  # programmatic dependent launch where the GPU has it (sm90+)
+    rope_in_attention: bool = True  # pure-decode RoPE + KV write inside the attention kernel
 
     @property
     def torch_device(self) -> torch.device:

@@ -8,6 +8,13 @@ write their K/V into a scratch block that the block manager never hands out, hav
 Captured: embedding -> layers -> final norm, i.e. the last hidden state of every row. The
 lm_head and sampling stay outside: which vocabulary columns a row needs (all of them, or a
 constraint's span) and which filters run are per-step choices made on the host.
+
+Two families where the attention backend fuses RoPE into pure-decode steps
+(`decode_rope_fused`: small batches): pure-decode graphs (each row a distinct sequence: RoPE
+and the KV write run inside the attention kernel) for those buckets, and token-row graphs
+(short prefill chunks, one row per token: rows read K/V that other rows of the same launch
+write, so the KV write stays a launch of its own) for every bucket; the latter also serve pure
+decode at the other buckets.
 """
 
 from __future__ import annotations
@@ -28,11 +35,20 @@ def graph_buckets(max_bs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_bs: int, max_blocks: int,
-                 scratch_block: int, block_size: int, device: torch.device):
+                 scratch_block: int, block_size: int, device: torch.device, max_decode_rows: int | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.max_bs = max_bs
         self.buckets = graph_buckets(max_bs)
+        # (pure_decode, buckets) per family; pure_decode False also serves decode steps when the
+        # backend does not tell the two apart
+        top = self.bucket_for(min(max_decode_rows or max_bs, max_bs))
+        self.families: dict[bool, list[int]] = {False: self.buckets}
+        hkv = model.cfg.num_kv_heads
+        pure = [s for s in self.buckets if s <= top and model.attn.decode_rope_fused(s, hkv, device)]
+        if pure:
+            self.families[True] = pure
+        self._pure_buckets = frozenset(self.families.get(True, ()))
         self.device = device
         self.scratch_slot = scratch_block * block_size
         self.scratch_block = scratch_block
@@ -45,11 +61,11 @@ class DecodeGraphs:
         self.block_tables = torch.full((max_bs, max_blocks), scratch_block, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.max_blocks = max_blocks
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.hidden: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, pure_decode)
+        self.hidden: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = None
 
-    def _meta(self, b: int) -> AttentionMetadata:
+    def _meta(self, b: int, pure: bool) -> AttentionMetadata:
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: b + 1],
             seq_lens=self.seq_lens[:b],
@@ -57,10 +73,11 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:b],
             max_query_len=1,
             max_seq_len=self.max_blocks * self.block_size,  # unused by the decode kernel
+            pure_decode=pure,
         )
 
-    def _forward(self, b: int) -> torch.Tensor:
-        hidden, _ = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
+    def _forward(self, b: int, pure: bool) -> torch.Tensor:
+        hidden, _ = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, pure))
         return hidden
 
     @torch.inference_mode()
@@ -71,19 +88,23 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             # every bucket once: Triton compiles a variant per split count (which depends on
             # the batch size) and compilation must not happen inside a capture
-            for b in self.buckets:
-                self._forward(b)
+            for pure, buckets in self.families.items():
+                for b in buckets:
+                    self._forward(b, pure)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        for b in reversed(self.buckets):
+        # largest first (the shared pool is sized by the first capture); only one graph replays
+        # at a time, so the families share it too
+        for b, pure in sorted(((b, p) for p, bs in self.families.items() for b in bs), reverse=True):
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                self.hidden[b] = self._forward(b)
+                self.hidden[b, pure] = self._forward(b, pure)
             if self.pool is None:
                 self.pool = g.pool()
-            self.graphs[b] = g
+            self.graphs[b, pure] = g
         torch.cuda.synchronize(self.device)
-        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        log.info("captured decode CUDA graphs for batch sizes %s%s", self.buckets,
+                 f" (pure-decode graphs up to {self.families[True][-1]})" if True in self.families else "")
 
     def bucket_for(self, b: int) -> int | None:
         if b > self.max_bs:
@@ -94,10 +115,12 @@ class DecodeGraphs:
         return None
 
     def run(self, bucket: int, b: int, ids: torch.Tensor, pos: torch.Tensor, slot_map: torch.Tensor,
-            seq_lens: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+            seq_lens: torch.Tensor, tables: torch.Tensor, pure_decode: bool) -> torch.Tensor:
         """Fill the persistent buffers (rows [0, b) real, [b, bucket) padding), replay, and
         return the final hidden states of the real rows ([b, H], a view of the graph's output,
-        valid until the next replay)."""
+        valid until the next replay). `pure_decode`: every row is a distinct sequence's one new
+        token (else: token rows)."""
+        key = (bucket, pure_decode and bucket in self._pure_buckets)
         self.input_ids[:b].copy_(ids, non_blocking=True)
         self.positions[:b].copy_(pos, non_blocking=True)
         self.slot_mapping[:b].copy_(slot_map, non_blocking=True)
@@ -107,5 +130,5 @@ class DecodeGraphs:
         if bucket > b:  # padding rows: scratch slot, empty sequence
             self.slot_mapping[b:bucket].fill_(self.scratch_slot)
             self.seq_lens[b:bucket].zero_()
-        self.graphs[bucket].replay()
-        return self.hidden[bucket][:b]
+        self.graphs[key].replay()
+        return self.hidden[key][:b]

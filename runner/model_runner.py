@@ -181,7 +181,8 @@ class ModelRunner:
             # H200 at 400 streams: steps admitting a few ~31-token prompts exceeded 512 rows
             rows = S + (GRAPH_TOKEN_ROW_HEADROOM if self.token_rows else 0)
             self.graphs = DecodeGraphs(model, self.kv_caches, min(cfg.runner.max_graph_batch_size, rows),
-                                       self.max_blocks_per_seq, num_blocks, self.block_size, self.device)
+                                       self.max_blocks_per_seq, num_blocks, self.block_size, self.device,
+                                       max_decode_rows=S)
             self.graphs.capture()
         # GPU timeline (bench): (start, end) CUDA events per step when enabled
         self.record_timeline = False
@@ -312,10 +313,10 @@ class ModelRunner:
                 bucket = self.graphs.bucket_for(T)
         if bucket is not None:
             if T == B:  # pure decode
-                final_h = self.graphs.run(bucket, B, input_ids, pos_d, slot_d, seq_d, self._to_dev(tables))
+                final_h = self.graphs.run(bucket, B, input_ids, pos_d, slot_d, seq_d, self._to_dev(tables), True)
             else:
                 tok_tables = self._to_dev(np.repeat(tables, q_lens, axis=0))
-                final_h = self.graphs.run(bucket, T, input_ids, pos_d, slot_d, pos_d + 1, tok_tables)
+                final_h = self.graphs.run(bucket, T, input_ids, pos_d, slot_d, pos_d + 1, tok_tables, False)
             captured = {}
         else:
             nd = sched.num_decodes if T > B else 0  # the scheduler puts one-token rows first
@@ -334,6 +335,7 @@ class ModelRunner:
                 prefill_max_seq_len=int(seq_lens[nd:].max()) if nd else 0,
                 token_seq_lens=tok_lens,
                 token_block_tables=tok_tables,
+                pure_decode=T == B,
             )
             cap = tuple(sorted(capture))
             final_h, captured = self.model(input_ids, pos_d, self.kv_caches, meta, cap)

@@ -19,6 +19,10 @@ the kernel is built around reading those bytes once and nothing else:
   takes a contiguous run of its tiles (the run length is derived in-kernel from seq_len), writes
   an unnormalised partial (acc, running max m, running sum l) to fp32 scratch, and a second
   kernel merges the splits. Both launches are fixed-shape, so the pair captures like one.
+  The split count and tile length depend on (B, Hkv, SM count) only, never on the table's
+  width, so an eager step and a graph replay of the same rows compute the same values.
+* Pure decode may also fuse RoPE and the KV write (`DecodeRope`, at the batch sizes where it
+  pays: `TritonPagedAttention.decode_rope_fused`).
 
 seq_len == 0 (padding rows of a graph batch) gives l == 0 and the kernels write zeros, never
 NaN: the running max starts at a finite sentinel (_NEG) rather than -inf so exp2(m_old - m_new)
@@ -32,12 +36,14 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from runner.attention import AttentionMetadata, TorchPagedAttention, write_kv
+from runner.triton_fused_ops import rope_rows
 from runner.triton_pdl import pdl_enter
 
 # Finite "minus infinity" for the running max; see the module docstring. (constexpr: jit
@@ -49,6 +55,10 @@ _LOG2E = 1.4426950408889634
 # bf16 = 16 KiB per K (or V) tile: large enough to keep many loads in flight, small enough for
 # several pipeline stages in shared memory.
 DEFAULT_BLOCK_N = 64
+# ... while the sequences are split (few programs): shorter tiles, more of them in flight. H200
+# sweep s6-run2, batch 1 at 135 / 350 / 600 tokens: 5.5 / 5.7 / 6.8 us per layer, against
+# 6.0 / 6.2 / 7.2 with 64-token tiles.
+SPLIT_BLOCK_N = 32
 # Split-K sizing: aim for about this many programs per SM, never more than MAX_SPLITS splits.
 _TARGET_PROGRAMS_PER_SM = 2
 MAX_SPLITS = 32
@@ -87,6 +97,21 @@ def _paged_decode_kernel(
     stride_od,
     num_q_heads,
     max_blocks,
+    # FUSED_ROPE only (pure decode): this step's unrotated k/v rows, the RoPE tables, positions
+    # and cache slots; q_ptr then points at the unrotated q
+    knew_ptr,  # [B, Hkv, D]
+    vnew_ptr,  # [B, Hkv, D]
+    cos_ptr,  # [P, D] fp32, cat(f, f) rows
+    sin_ptr,
+    pos_ptr,  # [B] int
+    slot_ptr,  # [B] int64 flat slots
+    stride_knb,
+    stride_knh,
+    stride_vnb,
+    stride_vnh,
+    stride_cos,
+    stride_sin,
+    max_pos,
     GROUP: tl.constexpr,  # Hq // Hkv
     GROUP_P: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot minimum)
     HEAD_DIM: tl.constexpr,
@@ -96,6 +121,8 @@ def _paged_decode_kernel(
     DOT_PREC: tl.constexpr,  # "ieee" for fp32 caches (tf32 would cost ~1e-3), else unused
     LOOP_STAGES: tl.constexpr,
     USE_GDC: tl.constexpr,  # launched with PDL (runner/triton_pdl.py)
+    FUSED_ROPE: tl.constexpr,  # rotate q and this token's k here and write k/v to the cache
+    ROUND: tl.constexpr,  # FUSED_ROPE: 16-bit model dtype (round where torch materialises)
 ):
     pdl_enter(USE_GDC)
     b = tl.program_id(0)
@@ -113,11 +140,30 @@ def _paged_decode_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g  # [GROUP_P] query heads of this KV head
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=g_mask[:, None],
-        other=0.0,
-    ).to(kv_ptr.dtype.element_ty)  # [GROUP_P, D], padded rows are zero (scores 0, never stored)
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh  # [GROUP_P, 1]
+    if FUSED_ROPE:
+        # The RoPE kernel's arithmetic (runner/triton_fused_ops.py), so q and k come out bit for
+        # bit as the unfused RoPE + KV write would leave them (the attention itself then differs
+        # from the unfused launch in fp32 summation order only).
+        pos = tl.minimum(tl.maximum(tl.load(pos_ptr + b).to(tl.int64), 0), max_pos - 1)
+        c = tl.load(cos_ptr + pos * stride_cos + offs_d)[None, :]  # [1, D]
+        s_ = tl.load(sin_ptr + pos * stride_sin + offs_d)[None, :]
+        if ROUND:  # torch casts the fp32 table rows to the model dtype before use
+            c = c.to(q_ptr.dtype.element_ty).to(tl.float32)
+            s_ = s_.to(q_ptr.dtype.element_ty).to(tl.float32)
+        q = rope_rows(q_rows, stride_qd, offs_d, g_mask[:, None], c, s_, HEAD_DIM, ROUND).to(kv_ptr.dtype.element_ty)
+        # This token's rotated k and v ([1, D]): the split that owns position seq_len - 1 adds
+        # them to its softmax after the loop (that slot is not read) and writes them to the
+        # cache. No other program of the launch reads the slot (pure decode: one row per
+        # sequence), so no barrier and no re-read is needed.
+        k_row = knew_ptr + b * stride_knb + kvh * stride_knh + tl.zeros([1, 1], tl.int32)
+        k_cur = rope_rows(k_row, 1, offs_d, offs_d[None, :] < HEAD_DIM, c, s_, HEAD_DIM, ROUND)
+        k_cur = k_cur.to(kv_ptr.dtype.element_ty)
+        v_cur = tl.load(vnew_ptr + b * stride_vnb + kvh * stride_vnh + offs_d)[None, :].to(kv_ptr.dtype.element_ty)
+    else:
+        q = tl.load(
+            q_rows + offs_d[None, :] * stride_qd, mask=g_mask[:, None], other=0.0
+        ).to(kv_ptr.dtype.element_ty)  # [GROUP_P, D], padded rows are zero (scores 0, never stored)
 
     m_i = tl.full([GROUP_P], _NEG, tl.float32)
     l_i = tl.zeros([GROUP_P], tl.float32)
@@ -125,12 +171,15 @@ def _paged_decode_kernel(
 
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     head_off = kvh * stride_kvh
+    # FUSED_ROPE: the loop reads the positions already in the cache, [0, seq_len - 1); the
+    # current token is folded in after it, from registers
+    cached = seq_len - 1 if FUSED_ROPE else seq_len
     # Explicit tl.range stages: without it Triton 3.6 does not software-pipeline this loop (the
     # K/V addresses depend on a block-table load). With it the block-table load runs a stage
     # ahead and K/V of tile t+1 are fetched with cp.async while tile t is computed.
     for t in tl.range(t_lo, t_hi, num_stages=LOOP_STAGES):
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
-        n_mask = offs_n < seq_len
+        n_mask = offs_n < cached
         # Positions >= seq_len are masked: no block-table or K/V load is issued for them, and
         # their scores are -inf, so dead slots (even NaN) never reach the result.
         blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btc, mask=n_mask, other=0)
@@ -148,6 +197,24 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
+
+    if FUSED_ROPE:
+        last = n_tiles - 1
+        if (n_tiles > 0) & (t_lo <= last) & (last < t_hi):  # this split owns position seq_len - 1
+            # one more online-softmax step, for the current token (the loop's roundings: p in
+            # the cache dtype before PV); then its k/v go to the cache for later steps
+            s_cur = tl.sum(q.to(tl.float32) * k_cur.to(tl.float32), 1) * scale_log2e  # [GROUP_P]
+            m_new = tl.maximum(m_i, s_cur)
+            alpha = tl.exp2(m_i - m_new)
+            p_cur = tl.exp2(s_cur - m_new)
+            l_i = l_i * alpha + p_cur
+            acc = acc * alpha[:, None] + p_cur.to(v_cur.dtype).to(tl.float32)[:, None] * v_cur.to(tl.float32)
+            m_i = m_new
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+            dst = (kv_ptr + (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_tok + kvh * stride_kvh
+                   + offs_d[None, :] * stride_kvd)  # [1, D]
+            tl.store(dst, k_cur)
+            tl.store(dst + stride_kv, v_cur)
 
     if NUM_SPLITS == 1:
         # l_i == 0 only when the row had no keys (seq_len 0): write zeros.
@@ -213,24 +280,40 @@ def _is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, block_n: int, num_sms: int) -> int:
-    """Split-K count from shapes only (constant across replays of one captured graph).
+def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
+    """Split-K count from the batch shape alone: the same for an eager step (whose block table
+    is as wide as its longest sequence) and for the graph replay of its bucket (full-width
+    tables), so both split every sequence into the same tile runs and compute the same values.
 
     No split once B * Hkv programs fill the SMs; otherwise enough splits for about
-    _TARGET_PROGRAMS_PER_SM programs per SM, bounded by the table's tile capacity (splits past a
-    short sequence's last tile just exit).
+    _TARGET_PROGRAMS_PER_SM programs per SM (splits past a short sequence's last tile just
+    exit), rounded down to a power of two: NUM_SPLITS is a compile-time constant, and each
+    value compiles when the decode graphs are captured (batch 1, 2, 4, 8, 16, >= 17 on 8 KV
+    heads), never mid-serving.
     """
     programs = batch * num_kv_heads
     if programs == 0 or programs >= num_sms:
         return 1
-    max_tiles = math.ceil(max_blocks * block_size / block_n)
-    want = math.ceil(_TARGET_PROGRAMS_PER_SM * num_sms / programs)
-    # Rounded down to a power of two: NUM_SPLITS is a compile-time constant, and eager steps
-    # (whose tables are as wide as their longest sequence) would otherwise meet new values
-    # mid-serving and stall ~1 s on each compile. The six values all compile when the decode
-    # graphs are captured (batch 1, 2, 4, 8, 16 and >= 17 at full table width).
-    n = max(1, min(want, max_tiles, MAX_SPLITS))
+    n = max(1, min(math.ceil(_TARGET_PROGRAMS_PER_SM * num_sms / programs), MAX_SPLITS))
     return 1 << (n.bit_length() - 1)
+
+
+def choose_block_n(batch: int, num_kv_heads: int, num_sms: int) -> int:
+    """Tile length from the batch shape alone (like the split count): SPLIT_BLOCK_N while the
+    sequences are split, DEFAULT_BLOCK_N once every (sequence, KV head) has its own program."""
+    return SPLIT_BLOCK_N if batch * num_kv_heads < num_sms else DEFAULT_BLOCK_N
+
+
+class DecodeRope(NamedTuple):
+    """Inputs of the RoPE + KV write fused into the decode kernel (pure decode only: one row per
+    sequence, so no row reads a slot another program of the launch writes)."""
+
+    k: torch.Tensor  # [B, Hkv, D] this step's k, not rotated (last dim contiguous)
+    v: torch.Tensor  # [B, Hkv, D]
+    cos: torch.Tensor  # [P, D] fp32, cat(f, f) rows
+    sin: torch.Tensor
+    positions: torch.Tensor  # [B], seq_lens - 1
+    slot_mapping: torch.Tensor  # [B] int64 flat cache slots
 
 
 def paged_decode_attention(
@@ -242,12 +325,18 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [B, Hq, D]
     *,
     num_splits: int | None = None,  # None: choose_num_splits
-    block_n: int | None = None,  # tile length in tokens; None: DEFAULT_BLOCK_N
+    block_n: int | None = None,  # tile length in tokens; None: choose_block_n
     pdl: bool = False,  # launch with programmatic dependent launch (runner/triton_pdl.py)
+    rope: DecodeRope | None = None,
+    num_warps: int | None = None,  # None: _NUM_WARPS (bench sweeps pass others)
+    num_stages: int | None = None,  # None: _NUM_STAGES
 ) -> torch.Tensor:  # [B, Hq, D], q's dtype unless `out` is given
     """Attention of one query token per sequence over positions [0, seq_lens[b]) of its paged KV.
 
-    The current token's K/V must already be in the cache. Reads only tensor shapes on the host
+    The current token's K/V must already be in the cache, unless `rope` is given: then q is not
+    yet rotated, and the kernel rotates q and rope.k and writes them (k rotated, v as is) to
+    rope.slot_mapping first, bit for bit what the RoPE + KV write kernel would have done. Only
+    for pure decode (each sequence once in the batch). Reads only tensor shapes on the host
     (never tensor values), so a launch can be captured in a CUDA graph; the Triton kernels must
     have been compiled (one eager call with the same shapes/dtypes) before capture.
     """
@@ -270,11 +359,11 @@ def paged_decode_attention(
 
     group = hq // hkv
     group_p = max(16, triton.next_power_of_2(group))
-    bn = block_n or DEFAULT_BLOCK_N
-    bn = max(bn, bs)
+    sms = _num_sms(q.device)
+    bn = max(block_n or choose_block_n(bsz, hkv, sms), bs)
     assert _is_pow2(bn), f"block_n {bn} must be a power of two"
     max_blocks = block_tables.shape[1]
-    splits = num_splits or choose_num_splits(bsz, hkv, max_blocks, bs, bn, _num_sms(q.device))
+    splits = num_splits or choose_num_splits(bsz, hkv, sms)
     dot_prec = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
 
     if splits > 1:
@@ -285,6 +374,18 @@ def paged_decode_attention(
     else:
         part_acc = part_m = part_l = out  # never touched (NUM_SPLITS == 1 branch)
 
+    if rope is not None:
+        assert rope.k.shape == (bsz, hkv, d) and rope.v.shape == (bsz, hkv, d), (rope.k.shape, rope.v.shape)
+        assert rope.k.stride(2) == 1 and rope.v.stride(2) == 1 and q.dtype == rope.k.dtype
+        assert rope.cos.dtype == rope.sin.dtype == torch.float32 and rope.cos.shape == rope.sin.shape
+        assert rope.cos.shape[1] == d and rope.cos.stride(1) == 1 and rope.sin.stride(1) == 1
+        assert rope.positions.shape == (bsz,) and rope.slot_mapping.shape == (bsz,)
+        r = rope
+        rope_args = (r.k, r.v, r.cos, r.sin, r.positions, r.slot_mapping, r.k.stride(0), r.k.stride(1),
+                     r.v.stride(0), r.v.stride(1), r.cos.stride(0), r.sin.stride(0), r.cos.shape[0])
+    else:
+        rope_args = (q, q, q, q, seq_lens, seq_lens, 0, 0, 0, 0, 0, 0, 1)  # never touched
+    stages = num_stages or _NUM_STAGES
     _paged_decode_kernel[(bsz, hkv, splits)](
         q, kv_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
         scale * _LOG2E,
@@ -292,10 +393,11 @@ def paged_decode_attention(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
         block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        hq, max_blocks,
+        hq, max_blocks, *rope_args,
         GROUP=group, GROUP_P=group_p, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=bn,
-        NUM_SPLITS=splits, DOT_PREC=dot_prec, LOOP_STAGES=_NUM_STAGES,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, USE_GDC=pdl, launch_pdl=pdl,
+        NUM_SPLITS=splits, DOT_PREC=dot_prec, LOOP_STAGES=stages,
+        num_warps=num_warps or _NUM_WARPS, num_stages=stages, USE_GDC=pdl, launch_pdl=pdl,
+        FUSED_ROPE=rope is not None, ROUND=q.dtype != torch.float32,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(bsz, hq)](
@@ -320,11 +422,15 @@ class TritonPagedAttention:
 
     accepts_prewritten_kv = True
     supports_token_rows = True  # AttentionMetadata.token_*: short prefills as decode rows
+    # `forward_decode_rope`: pure-decode steps rotate q/k and write the cache inside the kernel
+    # (one launch per layer fewer) where `decode_rope_fused` says so; off with
+    # RunnerConfig.rope_in_attention=False (A/B runs)
 
-    def __init__(self, num_splits: int | None = None, pdl: bool = False) -> None:
+    def __init__(self, num_splits: int | None = None, pdl: bool = False, rope_in_attention: bool = True) -> None:
         self._torch = TorchPagedAttention()
         self.num_splits = num_splits  # None: choose from shapes per call
         self.pdl = pdl  # fixed at construction (make_attention_backend)
+        self.fuses_decode_rope = rope_in_attention
 
     def forward(
         self,
@@ -378,5 +484,35 @@ class TritonPagedAttention:
         return paged_decode_attention(
             q, kv_cache, meta.block_tables, meta.seq_lens, scale, num_splits=self.num_splits, pdl=self.pdl
         )
+
+    def decode_rope_fused(self, batch: int, num_kv_heads: int, device: torch.device) -> bool:
+        """Whether a pure-decode step of `batch` rows runs RoPE + KV write inside the kernel (a
+        function of shapes only, so eager steps and graph replays agree). Only while the batch
+        is small enough to split the sequences (B * Hkv < SMs): there the extra work of the
+        programs that own the current position (load and rotate k, one more softmax step) costs
+        less than the RoPE launch it replaces (H200, 350 tokens, batch 1: 7.3 us fused against
+        6.0 + 2.5 us; engine step batch 1 / 8: 2.222 / 2.699 ms against 2.228 / 2.731). With one
+        program per (sequence, KV head) it lands on every program's critical path (batch 64:
+        30.5 us against 27.5 + 2.7, and the step is no faster), s6-run4 in deploy/RESULTS.md."""
+        return self.fuses_decode_rope and batch * num_kv_heads < _num_sms(device)
+
+    def forward_decode_rope(
+        self,
+        q: torch.Tensor,  # [B, Hq, D], not rotated
+        k: torch.Tensor,  # [B, Hkv, D], not rotated, not yet in the cache
+        v: torch.Tensor,  # [B, Hkv, D], not yet in the cache
+        cos: torch.Tensor,  # [P, D] fp32 RoPE tables
+        sin: torch.Tensor,
+        positions: torch.Tensor,  # [B]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,  # pure decode (meta.pure_decode)
+        scale: float,
+    ) -> torch.Tensor:  # [B, Hq, D]
+        """RoPE, KV write and attention of a pure-decode step in one launch (plus the split
+        merge): the same values as the RoPE + KV write kernel followed by `forward_prewritten_kv`."""
+        assert meta.pure_decode and q.shape[0] == meta.seq_lens.shape[0], (q.shape, meta.seq_lens.shape)
+        rope = DecodeRope(k, v, cos, sin, positions, meta.slot_mapping)
+        return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
+                                      num_splits=self.num_splits, pdl=self.pdl, rope=rope)
 
     __call__ = forward

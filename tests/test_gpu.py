@@ -107,6 +107,23 @@ def test_pdl_keeps_tokens(model_dir):
     assert run_staggered(with_pdl, prompts, GREEDY) == run_staggered(without, prompts, GREEDY)
 
 
+def test_rope_in_attention_keeps_tokens(model_dir):
+    """fp32, graphs + async: RoPE + KV write inside the decode kernel (pure-decode graphs and
+    eager decode steps) gives the same tokens as the separate RoPE + KV write launch (the two
+    write the same K/V and differ only in the fp32 order of the current token's softmax step;
+    fp32 so that this cannot flip a greedy choice). The staggered arrivals also replay the
+    token-row graphs, which keep the separate launch."""
+    from dataclasses import replace
+
+    prompts = prompts_of([5, 11, 20, 9, 1, 30], 512, seed=13)
+    fused = cuda_engine(model_dir, "float32")
+    assert fused.model.layers[0].self_attn.rope_in_attention
+    assert set(fused.runner.graphs.families) == {True, False}
+    plain = Engine(fused.cfg.with_(runner=replace(fused.cfg.runner, rope_in_attention=False)))
+    assert not plain.model.layers[0].self_attn.rope_in_attention
+    assert run_staggered(fused, prompts, GREEDY) == run_staggered(plain, prompts, GREEDY)
+
+
 def test_triton_decode_backend_matches_torch_backend(model_dir):
     """Same tokens whether decode attention runs in the Triton kernel or the torch gather path."""
     from runner.attention import TorchPagedAttention

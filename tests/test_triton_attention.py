@@ -25,6 +25,7 @@ from runner.triton_attention import (  # noqa: E402
     MAX_SPLITS,
     TritonPagedAttention,
     _paged_decode_kernel,
+    choose_block_n,
     choose_num_splits,
     paged_decode_attention,
 )
@@ -175,16 +176,26 @@ def test_strided_inputs():
     _check(out, _reference(q, kv, tables, seq_lens, 0.2), torch.float32)
 
 
-def test_choose_num_splits():
-    # Enough programs already: no split.
-    assert choose_num_splits(32, 8, 128, 16, 64, 132) == 1
-    # B=1, 8 KV heads: split up to the cap, but never past the table's tile capacity.
-    assert choose_num_splits(1, 8, 1024, 16, 64, 132) == MAX_SPLITS
-    assert choose_num_splits(1, 8, 8, 16, 64, 132) == 2
+def test_choose_num_splits_and_block_n():
+    # Enough programs already: no split, long tiles.
+    assert choose_num_splits(32, 8, 132) == 1 and choose_block_n(32, 8, 132) == 64
+    # B=1, 8 KV heads: ceil(264 / 8) = 33 splits wanted, capped at MAX_SPLITS.
+    assert choose_num_splits(1, 8, 132) == MAX_SPLITS and choose_block_n(1, 8, 132) == 32
     # rounded down to a power of two (a bounded set of compiled variants): ceil(264 / 32) = 9 -> 8
-    assert choose_num_splits(4, 8, 1024, 16, 64, 132) == 8
-    assert choose_num_splits(16, 8, 1024, 16, 64, 132) == 2
-    assert {choose_num_splits(b, 8, mb, 16, 64, 132) for b in range(1, 40) for mb in range(1, 200)} == {1, 2, 4, 8, 16, 32}
+    assert choose_num_splits(4, 8, 132) == 8
+    assert choose_num_splits(16, 8, 132) == 2
+    assert {choose_num_splits(b, 8, 132) for b in range(1, 40)} == {1, 2, 4, 8, 16, 32}
+
+
+def test_split_choice_ignores_table_width():
+    """An eager step's table is as wide as its longest sequence, a graph replay's is full width:
+    the same rows give the same values either way (same splits, same tiles)."""
+    q, kv, tables, seq_lens = _make_case(2, 4, 2, 32, [300, 9], torch.float32, poison=True)
+    wide = torch.zeros(2, tables.shape[1] + 20, dtype=torch.int32, device=DEVICE)
+    wide[:, : tables.shape[1]] = tables
+    a = paged_decode_attention(q, kv, tables, seq_lens, 0.2)
+    b = paged_decode_attention(q, kv, wide, seq_lens, 0.2)
+    assert torch.equal(a, b)
 
 
 def _decode_meta(seq_lens: torch.Tensor, tables: torch.Tensor) -> AttentionMetadata:
@@ -337,6 +348,79 @@ def test_cuda_graph_replay_follows_new_metadata(splits):
                 assert torch.equal(out[i], torch.zeros_like(out[i]))
 
 
+def _rope_tables(positions: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    f = torch.arange(positions).float()[:, None] * inv[None, :]
+    emb = torch.cat((f, f), dim=-1)
+    return emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    "dtype,splits,hq,hkv,d,lens",
+    [(torch.bfloat16, 1, 4, 2, 64, [7, 300, 17]), (torch.bfloat16, 3, 4, 2, 64, [16, 1, 300]),
+     (torch.float16, None, 6, 2, 32, [33, 5]), (torch.float32, 2, 4, 2, 32, [64, 9])]
+    + ([] if INTERPRET else [(torch.bfloat16, None, 24, 8, 128, [1, 100, 350, 1000]),
+                             (torch.bfloat16, 1, 24, 8, 128, [1, 100, 350, 1000])]),
+)
+def test_fused_rope_equals_rope_kernel_then_decode(dtype, splits, hq, hkv, d, lens):
+    """RoPE + KV write inside the decode kernel (pure decode) against the RoPE + KV write kernel
+    followed by the plain decode kernel: the same cache bit for bit (both round RoPE like torch,
+    without FMA contraction), the same output up to the fp32 summation order of the current
+    token's softmax step. q/k/v are strided column views of one fused qkv row, as in the model."""
+    from runner.triton_attention import DecodeRope
+    from runner.triton_fused_ops import rope_
+
+    b = len(lens)
+    _, kv, tables, seq_lens = _make_case(b, hq, hkv, d, lens, dtype, poison=True)
+    gen = torch.Generator().manual_seed(11)
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=gen).to(DEVICE, dtype)
+    q, k, v = (t.view(b, -1, d) for t in qkv.split((hq * d, hkv * d, hkv * d), dim=-1))
+    cos, sin = _rope_tables(2048, d)
+    meta = _decode_meta(seq_lens, tables)
+    pos = seq_lens.long() - 1
+
+    kv_ref, q_ref, k_ref = kv.clone(), q.clone(), k.clone()
+    rope_(q_ref, k_ref, cos, sin, pos, v=v, kv_cache=kv_ref, slot_mapping=meta.slot_mapping)
+    ref = paged_decode_attention(q_ref, kv_ref, tables, seq_lens, d**-0.5, num_splits=splits)
+
+    q_in = q.clone()
+    out = paged_decode_attention(q, kv, tables, seq_lens, d**-0.5, num_splits=splits,
+                                 rope=DecodeRope(k, v, cos, sin, pos, meta.slot_mapping))
+    assert torch.equal(q, q_in)  # the unrotated q is read, not rotated in place
+    assert torch.equal(kv.nan_to_num(7.0), kv_ref.nan_to_num(7.0))
+    ulp = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]  # ~ one output ulp
+    assert (out.float() - ref.float()).abs().max().item() <= ulp
+    _check(out, _reference(q_ref, kv_ref, tables, seq_lens, d**-0.5), dtype)
+
+
+def test_fused_rope_backend_path_and_empty_rows():
+    """TritonPagedAttention.forward_decode_rope: the pure-decode path; a seq_len 0 row (graph
+    padding) writes nothing and yields zeros."""
+    hq, hkv, d = 4, 2, 32
+    _, kv, tables, seq_lens = _make_case(3, hq, hkv, d, [9, 0, 40], torch.bfloat16, poison=False)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, h, d, generator=gen).to(DEVICE, torch.bfloat16) for h in (hq, hkv, hkv))
+    cos, sin = _rope_tables(64, d)
+    meta = _decode_meta(seq_lens, tables)
+    meta.slot_mapping[1] = 0  # the padding row's scratch slot (block 0)
+    meta.pure_decode = True
+    pos = (seq_lens.long() - 1).clamp(min=0)
+    kv_before = kv.clone()
+    out = TritonPagedAttention(num_splits=2).forward_decode_rope(q, k, v, cos, sin, pos, kv, meta, d**-0.5)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(kv[:, 0], kv_before[:, 0])  # nothing written for the empty row
+    kv_ref = kv_before.clone()
+    q_ref, k_ref = q.clone(), k.clone()
+    from runner.triton_fused_ops import rope_
+
+    rope_(q_ref, k_ref, cos, sin, pos, v=v, kv_cache=kv_ref, slot_mapping=meta.slot_mapping)
+    live = torch.tensor([0, 2], device=DEVICE)
+    ref = paged_decode_attention(q_ref[live], kv_ref, tables[live], seq_lens[live], d**-0.5, num_splits=2)
+    assert (out[live].float() - ref.float()).abs().max().item() <= 1.6e-2
+    kv_ref[:, 0] = kv_before[:, 0]
+    assert torch.equal(kv, kv_ref)
+
+
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     from runner import triton_attention as m
@@ -347,11 +431,14 @@ _COMPILE_SCRIPT = textwrap.dedent(
                scale_log2e="fp32", stride_qb="i32", stride_qh="i32", stride_qd="i32", stride_kv="i64",
                stride_blk="i32", stride_tok="i32", stride_kvh="i32", stride_kvd="i32", stride_btb="i32",
                stride_btc="i32", stride_ob="i32", stride_oh="i32", stride_od="i32", num_q_heads="i32",
-               max_blocks="i32")
+               max_blocks="i32", knew_ptr="*bf16", vnew_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32",
+               pos_ptr="*i64", slot_ptr="*i64", stride_knb="i32", stride_knh="i32", stride_vnb="i32",
+               stride_vnh="i32", stride_cos="i32", stride_sin="i32", max_pos="i32")
     for splits in (1, 32):
-        consts = dict(GROUP=3, GROUP_P=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=splits,
-                      DOT_PREC="tf32", LOOP_STAGES=3, USE_GDC=True)
-        compile_sm90(m._paged_decode_kernel, sig, consts, num_warps=4, num_stages=3, launch_pdl=True)
+        for fused in (False, True):
+            consts = dict(GROUP=3, GROUP_P=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=splits,
+                          DOT_PREC="tf32", LOOP_STAGES=3, USE_GDC=True, FUSED_ROPE=fused, ROUND=True)
+            compile_sm90(m._paged_decode_kernel, sig, consts, num_warps=4, num_stages=3, launch_pdl=True)
     merge_sig = dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", out_ptr="*bf16",
                      stride_ob="i32", stride_oh="i32", stride_od="i32", num_q_heads="i32")
     compile_sm90(m._merge_splits_kernel, merge_sig, dict(HEAD_DIM=128, NUM_SPLITS=32, SPLITS_P=32, USE_GDC=True),

@@ -118,6 +118,9 @@ class Attention(nn.Module):
         # A backend that declares `accepts_prewritten_kv` lets the RoPE launch also write this
         # step's K/V into the cache (one launch instead of three); fixed here, not per call.
         self.fuse_kv_write = bool(getattr(attn, "accepts_prewritten_kv", False))
+        # ... and one that `fuses_decode_rope` does RoPE + KV write + attention of a pure-decode
+        # step in a single launch (at the batch sizes where its `decode_rope_fused` says so).
+        self.rope_in_attention = self.fuse_kv_write and attn.fuses_decode_rope
         # Shared, not owned: a plain attribute keeps it out of this module's state_dict.
         self._rotary = (rotary,)
 
@@ -136,7 +139,9 @@ class Attention(nn.Module):
             k = self.ops.rmsnorm(k, self.k_norm.weight, self.k_norm.eps)
         rot = self._rotary[0]
         # rope may rotate q/k in place (TritonOps): the pre-RoPE q/k are not used again.
-        if self.fuse_kv_write:
+        if self.rope_in_attention and meta.pure_decode and self.attn.decode_rope_fused(t, self.num_kv_heads, x.device):
+            out = self.attn.forward_decode_rope(q, k, v, rot.cos, rot.sin, positions, kv_cache, meta, self.scale)
+        elif self.fuse_kv_write:
             q, k = self.ops.rope_write_kv(q, k, v, rot.cos, rot.sin, positions, kv_cache, meta.slot_mapping)
             out = self.attn.forward_prewritten_kv(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
         else:
