@@ -171,6 +171,65 @@ def run_gemm_sweep(workers: int = 14) -> dict:
     return out
 
 
+SPLITK_SHAPES = {"o": (3072, 3072), "down": (3072, 8192)}
+
+
+def splitk_candidates(m: int, k: int) -> list[tuple[LinearTile, int]]:
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    out = []
+    for split in (2, 4, 8):
+        for bn in (32, 64, 128):
+            for bk in (64, 128):
+                for st in (4, 6):
+                    t = LinearTile(bm, bn, bk, 4, st)
+                    if k % (split * bk) == 0 and st * (bm + bn) * bk * 2 <= SMEM_BUDGET:
+                        out.append((t, split))
+    return out
+
+
+def _compile_splitk(job) -> str | None:
+    n, k, m, tile, split = job
+    try:
+        ws, x = _inputs(n, k, m)
+        skinny_linear(x, ws[0], None, tile, split_k=split)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - a tile that does not fit is a result of the sweep
+        return f"{type(e).__name__}: {str(e)[:120]}"
+    return None
+
+
+def run_splitk_sweep(workers: int = 14, ms: tuple[int, ...] = (16, 32, 64)) -> dict:
+    """Split-K variants of o_proj and down (fp32 partials [S, M, N], summed by the consumer)
+    against cuBLAS at M = 16, 32, 64: the GEMM alone (the consumer's extra reads are not in it)."""
+    jobs = [(n, k, m, t, sp) for n, k in SPLITK_SHAPES.values() for m in ms for t, sp in splitk_candidates(m, k)]
+    t0 = time.perf_counter()
+    ctx = torch.multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        errors = dict(zip(jobs, pool.map(_compile_splitk, jobs)))
+    print(f"split-K sweep: compiled {len(jobs)} variants in {time.perf_counter() - t0:.0f} s "
+          f"({sum(e is not None for e in errors.values())} failed)", flush=True)
+    out: dict = {}
+    for name, (n, k) in SPLITK_SHAPES.items():
+        copies = max(2, math.ceil(256e6 / (n * k * 2)))
+        for m in ms:
+            ws, x = _inputs(n, k, m, copies)
+            cublas = _time_graph(lambda i: F.linear(x, ws[i]), copies)
+            res = {}
+            for t, sp in splitk_candidates(m, k):
+                if errors[(n, k, m, t, sp)] is None:
+                    res[f"{_tile_key(t)} s{sp}"] = _time_graph(
+                        lambda i, t=t, sp=sp: skinny_linear(x, ws[i], None, t, split_k=sp), copies)
+            best = min(res, key=res.get) if res else None
+            top = sorted(res.items(), key=lambda kv: kv[1])[:5]
+            out[f"{name}_M{m}"] = {"cublas_us": cublas, "best": best, "best_us": res.get(best), "top5": top,
+                                   "wbytes": n * k * 2}
+            print(f"  split-K {name} M={m}: cuBLAS {cublas:.1f} us; best {best} {res.get(best, float('nan')):.1f} us; "
+                  f"top {[(kk, round(v, 1)) for kk, v in top]}", flush=True)
+            del ws
+            torch.cuda.empty_cache()
+    return out
+
+
 def load_tuned(path: str | Path) -> dict:
     """gemm_tuned.json (the sweep's "tuned") -> runner.triton_linear.TUNED entries."""
     table = {}

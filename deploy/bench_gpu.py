@@ -18,6 +18,10 @@ Sections (all by default; pick with --sections):
              clients reading in real time: TTFA p50/p99, RTF, largest real-time N
   gemm       tile sweep of the skinny decode GEMMs against cuBLAS (deploy/bench_gemm.py);
              writes gemm_tuned.json, the table runner/triton_linear.py's TUNED holds
+  splitk     split-K variants of o_proj / down at M = 16..64 against cuBLAS (bench_gemm.py)
+  attn       the decode attention kernel alone: tile / split sweep at batch 1 and 64, context
+             135 / 350 / 600, and the fused-RoPE launch
+  variants   greedy decode per kernel variant (--variants), each on a fresh model, same run
 
 --skinny-linear 0 / --pdl 0 turn the decode kernels of runner/triton_linear.py and
 runner/triton_pdl.py off for an A/B run of the engine sections; --tuned FILE replaces the
@@ -61,7 +65,7 @@ ORPHEUS_3B = {
 }
 BATCHES = [1, 8, 32, 64, 128, 256]
 # RunnerConfig kernel options of every engine this run builds (--skinny-linear, --pdl)
-KERNELS = {"skinny_linear": True, "pdl": True}
+KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True}
 PROMPT, NEW = 100, 500
 
 
@@ -180,6 +184,125 @@ def profile_steps(eng, path: Path, steps: int = 8) -> None:
     path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
     while eng.has_unfinished:
         eng.step()
+
+
+def run_decode_variants(variants: str, batches) -> dict:
+    """Greedy decode step time per kernel variant, each on a freshly built model (one run, same
+    GPU state): `variants` = ';'-separated RunnerConfig kernel overrides, e.g.
+    "default;rope_in_attention=0;pdl=0"."""
+    from runner.loader import kernels_for
+    from runner.models.llama import build_random_model
+    from runner.sampling_params import SamplingParams
+
+    base = dict(KERNELS)
+    out = {}
+    for spec in variants.split(";"):
+        KERNELS.clear()
+        KERNELS.update(base)
+        for kv in filter(None, (x.strip() for x in spec.split(","))):
+            if kv != "default":
+                k, v = kv.split("=")
+                KERNELS[k] = bool(int(v))
+        m = ModelConfig.from_dict(ORPHEUS_3B, "orpheus-3b-random")
+        attn, ops = kernels_for(engine_config(1, True, True).runner)
+        model = build_random_model(m, "cuda", torch.bfloat16, attn=attn, ops=ops)
+        greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+        res = run_engine(model, batches, graphs=True, async_sched=True, sampling=greedy)
+        out[spec] = {B: r["step_ms"] for B, r in res.items()}
+        log(f"  variant {spec}: " + ", ".join(f"B={B} {v:.3f} ms" for B, v in out[spec].items()))
+        del model
+        torch.cuda.empty_cache()
+    KERNELS.clear()
+    KERNELS.update(base)
+    return out
+
+
+ATTN_TILES = [(64, 4, 3), (32, 4, 3), (32, 4, 4), (16, 4, 4), (64, 4, 2), (64, 8, 3), (128, 4, 2), (128, 8, 3)]
+
+
+def run_attn_sweep(batches=(1, 64), ctxs=(135, 350, 600), layers: int = 28, table_width: int = 128,
+                   tiles=ATTN_TILES, all_splits: bool = True) -> dict:
+    """Decode attention kernel alone (runner/triton_attention.py), Orpheus heads (24/8, D 128,
+    bf16, block 16), every sequence at `ctx` tokens with scrambled block tables, one cache per
+    layer (a graph of `layers` launches, so KV comes from HBM as in a step), block tables as wide
+    as the engine's graphs (max_model_len 2048 / block 16; the split count follows the width):
+    us per launch and TB/s of live KV bytes, per (block_n, warps, stages, splits) variant, each
+    also with the fused RoPE + KV write."""
+    from runner.triton_attention import DecodeRope, paged_decode_attention
+
+    hq, hkv, d, bs = 24, 8, 128, 16
+    out = {}
+    for B in batches:
+        for ctx in ctxs:
+            nblk = -(-ctx // bs)
+            g = torch.Generator().manual_seed(ctx)
+            caches, tables = [], []
+            for _ in range(layers):
+                caches.append(torch.randn(2, B * nblk + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16))
+                t = torch.zeros(B, max(nblk, table_width), dtype=torch.int32)  # graph tables are full width
+                t[:, :nblk] = (torch.randperm(B * nblk, generator=g) + 1).view(B, nblk)
+                tables.append(t.cuda())
+            seq_lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+            q = torch.randn(B, hq, d, device="cuda", dtype=torch.bfloat16)
+            kvbytes = B * ctx * hkv * d * 2 * 2
+            pos = seq_lens.long() - 1
+            slots = tables[0][:, -1].long() * bs + (ctx - 1) % bs
+            k = torch.randn(B, hkv, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            f = torch.arange(2048, device="cuda").float()[:, None] * (1e4 ** (-torch.arange(0, d, 2, device="cuda").float() / d))
+            cos, sin = torch.cat((f, f), -1).cos(), torch.cat((f, f), -1).sin()
+            splits_opts = [None] if not all_splits else [None, 1, 2, 4, 8, 16] if B * hkv < 132 else [None, 2]
+            res = {}
+            for bn, w, st in tiles:
+                for sp in splits_opts:
+                    for fused in (False, True):
+                        rope = DecodeRope(k, v, cos, sin, pos, slots) if fused else None
+
+                        def fn(i, bn=bn, w=w, st=st, sp=sp, rope=rope):
+                            paged_decode_attention(q, caches[i], tables[i], seq_lens, d**-0.5, block_n=bn or None,
+                                                   num_warps=w, num_stages=st, num_splits=sp, rope=rope)
+                        try:
+                            us = _time_launches(fn, layers)
+                        except Exception as e:  # noqa: BLE001 - a variant that does not fit is a result
+                            log(f"  attn B={B} ctx={ctx} {bn},{w},{st} s{sp}: {type(e).__name__}")
+                            continue
+                        key = f"bn{bn} w{w} st{st} s{sp or 'auto'}" + (" +rope" if fused else "")
+                        res[key] = {"us": us, "TBps": kvbytes / us / 1e6}
+            best = min((kk for kk in res if "rope" not in kk), key=lambda kk: res[kk]["us"])
+            best_r = min((kk for kk in res if "rope" in kk), key=lambda kk: res[kk]["us"])
+            out[f"B{B}_ctx{ctx}"] = {"kv_bytes": kvbytes, "best": best, "best_rope": best_r, "variants": res}
+            log(f"  attn B={B} ctx={ctx}: " + ", ".join(f"{kk} {vv['us']:.1f}" for kk, vv in res.items()
+                                                      if kk.split(" +")[0] in (best, f"bn{tiles[0][0]} w{tiles[0][1]} st{tiles[0][2]} sauto"))
+                + f"; best {best}, best with rope {best_r} {res[best_r]['us']:.1f} us")
+            del caches
+            torch.cuda.empty_cache()
+    return out
+
+
+def _time_launches(fn, n: int) -> float:
+    """us per launch: a CUDA graph of fn(0..n-1), median of 5 replays (compiled beforehand)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(2):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n):
+            fn(i)
+    g.replay()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / n)
+    del g
+    return statistics.median(times)
 
 
 def eng_sampling(n: int):
@@ -583,6 +706,10 @@ def main() -> int:
     ap.add_argument("--profile-serving-batch", type=int, default=400)
     ap.add_argument("--skinny-linear", type=int, default=1, help="0: decode GEMMs in cuBLAS (A/B)")
     ap.add_argument("--pdl", type=int, default=1, help="0: no programmatic dependent launch (A/B)")
+    ap.add_argument("--rope-in-attention", type=int, default=1, help="0: RoPE + KV write in their own launch (A/B)")
+    ap.add_argument("--attn-tiles", default="", help="attn section: 'bn,warps,stages;...' at the automatic split only")
+    ap.add_argument("--variants", default="default;rope_in_attention=0",
+                    help="section variants: ';'-separated kernel overrides, each timed on its own model")
     ap.add_argument("--tuned", default=None, help="gemm_tuned.json of a --sections gemm run: use its tile table")
     ap.add_argument("--profile-batches", default="", help="greedy graph-mode kernel profiles at these batch sizes")
     ap.add_argument("--codec-tiles", nargs="*", default=["64,128,32,4,3", "64,128,32,4,3,1", "128,128,32,8,3,1", "64,64,32,4,2,1",
@@ -591,7 +718,8 @@ def main() -> int:
     args = ap.parse_args()
     secs = set(args.sections.split(","))
     batches = [int(b) for b in args.batches.split(",")]
-    KERNELS.update(skinny_linear=bool(args.skinny_linear), pdl=bool(args.pdl))
+    KERNELS.update(skinny_linear=bool(args.skinny_linear), pdl=bool(args.pdl),
+                   rope_in_attention=bool(args.rope_in_attention))
     if args.tuned:
         from bench_gemm import load_tuned
 
@@ -615,6 +743,15 @@ def main() -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gemm_tuned.json").write_text(json.dumps(res["gemm"]["tuned"]))
         log(tuned_literal(res["gemm"]["tuned"]))
+    if "attn" in secs:
+        tiles = [tuple(int(x) for x in t.split(",")) for t in args.attn_tiles.split(";")] if args.attn_tiles else ATTN_TILES
+        res["attn"] = run_attn_sweep(tiles=tiles, all_splits=not args.attn_tiles)
+    if "splitk" in secs:
+        from bench_gemm import run_splitk_sweep
+
+        res["splitk"] = run_splitk_sweep()
+    if "variants" in secs:
+        res["variants"] = run_decode_variants(args.variants, batches)
     if secs & {"engine", "eager", "decode"}:
         from runner.loader import kernels_for
 

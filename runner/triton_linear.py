@@ -81,12 +81,14 @@ def _skinny_linear_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    k_split,  # SPLIT_K: K range of one split (a multiple of BLOCK_K)
     GATED: tl.constexpr,  # out = silu(x @ Wgate^T) * (x @ Wup^T)
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # > 1 (MMA mode, plain, no bias): out is fp32 partials [SPLIT_K, M, N]
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -126,6 +128,19 @@ def _skinny_linear_kernel(
         else:
             y = acc.to(dt)
         tl.store(out_ptr + offs_n, y, mask=n_mask)
+    elif SPLIT_K > 1:
+        # split s sums K range [s * k_split, (s + 1) * k_split) into its own fp32 partial; the
+        # consumer adds the partials in split order (deterministic, no atomics)
+        pdl_enter(USE_GDC)
+        k_lo = tl.program_id(2) * k_split
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
+            a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)  # [BM, BK]
+            w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)  # [BN, BK]
+            acc = tl.dot(a, tl.trans(w), acc)
+        part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
+        out_ptrs = part + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(out_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
     else:
         pdl_enter(USE_GDC)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -155,6 +170,7 @@ def skinny_linear(
     *,
     gated: bool = False,  # out [M, I] = silu(x @ gate^T) * (x @ up^T), the MLP's activation
     pdl: bool = False,
+    split_k: int = 1,  # > 1: fp32 partials [split_k, M, N] instead of out (plain, no bias, MMA)
 ) -> torch.Tensor:
     """One launch: out [M, N] (gated: [M, I]) in x's dtype.
 
@@ -168,15 +184,20 @@ def skinny_linear(
     if gated:
         assert n % 2 == 0 and bias is None, "gated: weight rows gate | up, no bias"
         n //= 2
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if split_k > 1:
+        assert not gated and bias is None and tile.block_m > 1, "split-K: plain GEMM, no bias, MMA tile"
+        assert k % (split_k * tile.block_k) == 0, (k, split_k, tile)
+        out = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32)
+    else:
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
-    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split_k)
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        m, n, k, x.stride(0), weight.stride(0), out.stride(-2), k // split_k,
         GATED=gated, HAS_BIAS=bias is not None,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_GDC=pdl,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_GDC=pdl, SPLIT_K=split_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out

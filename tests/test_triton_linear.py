@@ -139,6 +139,29 @@ def test_triton_ops_route_by_dtype_and_size():
                 assert torch.equal(ops.linear(x, lin), ref.linear(x, lin))
 
 
+@pytest.mark.parametrize("m", [1, 5, 16, 33])
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_partials_sum_to_the_gemm(m, split):
+    """split_k: fp32 partials [S, M, N] over consecutive K ranges; their sum is x @ W^T (fp32
+    tolerance), each partial is exactly the GEMM over its K range, and a row's partials do not
+    depend on the other rows."""
+    x, w, _ = _inputs(m, seed=21)
+    tile = LinearTile(16, 32, 32, 4, 2)  # K = 128: four 32-wide slices
+    parts = skinny_linear(x, w, None, tile, split_k=split)
+    assert parts.shape == (split, m, N) and parts.dtype == torch.float32
+    ref = x.float() @ w.float().T
+    torch.testing.assert_close(parts.sum(0), ref, atol=1e-3, rtol=1e-3)
+    ks = K // split
+    for s_ in range(split):
+        torch.testing.assert_close(parts[s_], x[:, s_ * ks:(s_ + 1) * ks].float() @ w[:, s_ * ks:(s_ + 1) * ks].float().T,
+                                   atol=1e-3, rtol=1e-3)
+    one = skinny_linear(x[-1:].contiguous(), w, None, tile, split_k=split)
+    if _CUDA:  # tensor-core rows are independent; the interpreter's numpy matmul may block by M
+        assert torch.equal(one[:, 0], parts[:, -1])
+    else:
+        torch.testing.assert_close(one[:, 0], parts[:, -1], atol=1e-6, rtol=1e-6)
+
+
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     from runner import triton_linear as m
@@ -146,12 +169,15 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
     ptr = "*bf16"
     sig = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, out_ptr=ptr, M="i32", N="i32", K="i32", stride_xm="i32",
-               stride_wn="i32", stride_om="i32")
+               stride_wn="i32", stride_om="i32", k_split="i32")
     for tile in (m.LinearTile(1, 16, 1024, 4, 1), m.LinearTile(16, 32, 256, 4, 4), m.LinearTile(64, 64, 128, 8, 4)):
-        for gated, bias in ((False, False), (False, True), (True, False)):
+        for gated, bias, split in ((False, False, 1), (False, True, 1), (True, False, 1), (False, False, 4)):
+            if split > 1 and tile.block_m == 1:
+                continue
             consts = dict(GATED=gated, HAS_BIAS=bias, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                          BLOCK_K=tile.block_k, USE_GDC=True)
-            compile_sm90(m._skinny_linear_kernel, sig, consts, num_warps=tile.num_warps,
+                          BLOCK_K=tile.block_k, USE_GDC=True, SPLIT_K=split)
+            sig_ = dict(sig, out_ptr="*fp32") if split > 1 else sig
+            compile_sm90(m._skinny_linear_kernel, sig_, consts, num_warps=tile.num_warps,
                          num_stages=tile.num_stages, launch_pdl=True)
     print("compiled")
     """
