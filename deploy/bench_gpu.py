@@ -65,7 +65,7 @@ ORPHEUS_3B = {
 }
 BATCHES = [1, 8, 32, 64, 128, 256]
 # RunnerConfig kernel options of every engine this run builds (--skinny-linear, --pdl)
-KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True}
+KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "split_k": True}
 PROMPT, NEW = 100, 500
 
 
@@ -708,6 +708,7 @@ def main() -> int:
     ap.add_argument("--pdl", type=int, default=1, help="0: no programmatic dependent launch (A/B)")
     ap.add_argument("--rope-in-attention", type=int, default=1, help="0: RoPE + KV write in their own launch (A/B)")
     ap.add_argument("--attn-tiles", default="", help="attn section: 'bn,warps,stages;...' at the automatic split only")
+    ap.add_argument("--split-k", type=int, default=1, help="0: o_proj / down never as split-K partials (A/B)")
     ap.add_argument("--variants", default="default;rope_in_attention=0",
                     help="section variants: ';'-separated kernel overrides, each timed on its own model")
     ap.add_argument("--tuned", default=None, help="gemm_tuned.json of a --sections gemm run: use its tile table")
@@ -719,7 +720,7 @@ def main() -> int:
     secs = set(args.sections.split(","))
     batches = [int(b) for b in args.batches.split(",")]
     KERNELS.update(skinny_linear=bool(args.skinny_linear), pdl=bool(args.pdl),
-                   rope_in_attention=bool(args.rope_in_attention))
+                   rope_in_attention=bool(args.rope_in_attention), split_k=bool(args.split_k))
     if args.tuned:
         from bench_gemm import load_tuned
 

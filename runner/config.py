@@ -185,6 +185,7 @@ class RunnerConfig:
     skinny_linear: bool = True  # 16-bit GEMMs of <= 64 rows in Triton (tile table), SiLU*mul in gate_up
     pdl: bool = True  # programmatic dependent launch where the GPU has it (sm90+)
     rope_in_attention: bool = True  # pure-decode RoPE + KV write inside the attention kernel
+    split_k: bool = True  # o_proj / down of 2..64 rows as split-K partials summed by the add + RMSNorm
 
     @property
     def torch_device(self) -> torch.device:

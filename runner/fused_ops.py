@@ -23,10 +23,13 @@ Contract shared by both (shapes: T tokens, hidden H, heads Hq/Hkv, head_dim D, i
       rope, then the rotated k and v written to their flat slots of kv_cache
       [2, NB, BS, Hkv, D] (same contract as runner.attention.write_kv).
 * silu_and_mul(gate_up [T, 2I]) -> [T, I]            silu(gate) * up, gate = first half
-* linear(x [T, K], lin: nn.Linear [N, K]) -> [T, N]   x @ W^T + b
-* mlp(x [T, H], gate_up [2I, H], down [H, I]) -> [T, H]
-      linear(silu_and_mul(linear(x, gate_up)), down); TritonOps may fold the SiLU*mul into
-      the gate_up GEMM (runner/triton_linear.py)
+* linear(x [T, K], lin: nn.Linear [N, K], into_norm=False) -> [T, N]   x @ W^T + b
+      into_norm=True: the result only feeds add_rmsnorm (as its x) or materialize, and
+      TritonOps may return it as split-K `Partials` (runner/triton_linear.py) that those two sum
+* mlp(x [T, H], gate_up [2I, H], down [H, I], into_norm=False) -> [T, H]
+      linear(silu_and_mul(linear(x, gate_up)), down, into_norm); TritonOps may fold the
+      SiLU*mul into the gate_up GEMM (runner/triton_linear.py)
+* materialize(h) -> h as a tensor (identity unless h is Partials)
 
 None of them reads a tensor value on the host, so a decode step stays CUDA-graph capturable.
 """
@@ -94,21 +97,26 @@ class TorchOps:
         gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
         return F.silu(gate) * up
 
-    def linear(self, x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, lin: torch.nn.Linear, into_norm: bool = False) -> torch.Tensor:
         return F.linear(x, lin.weight, lin.bias)
 
-    def mlp(self, x: torch.Tensor, gate_up: torch.nn.Linear, down: torch.nn.Linear) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, gate_up: torch.nn.Linear, down: torch.nn.Linear,
+            into_norm: bool = False) -> torch.Tensor:
         return self.linear(self.silu_and_mul(self.linear(x, gate_up)), down)
 
+    def materialize(self, h: torch.Tensor) -> torch.Tensor:
+        return h
 
-def make_ops(device: torch.device | str, skinny_linear: bool = True, pdl: bool = True):
+
+def make_ops(device: torch.device | str, skinny_linear: bool = True, pdl: bool = True, split_k: bool = True):
     """Fused Triton kernels on CUDA, plain torch elsewhere (chosen once, at construction).
 
     On CUDA: `skinny_linear` runs decode-sized 16-bit GEMMs in Triton (runner/triton_linear.py),
-    `pdl` launches the kernels with programmatic dependent launch where the GPU has it."""
+    `split_k` lets o_proj / down hand split-K partials to the add + RMSNorm, `pdl` launches the
+    kernels with programmatic dependent launch where the GPU has it."""
     if torch.device(device).type == "cuda":
         from runner.triton_fused_ops import TritonOps  # needs triton, present with CUDA torch
         from runner.triton_pdl import pdl_available
 
-        return TritonOps(pdl=pdl and pdl_available(device), skinny_linear=skinny_linear)
+        return TritonOps(pdl=pdl and pdl_available(device), skinny_linear=skinny_linear, split_k=split_k)
     return TorchOps()

@@ -162,7 +162,7 @@ def kernels_for(runner: RunnerConfig) -> tuple[object, object]:
     chosen once per model (runner/attention.py, runner/fused_ops.py)."""
     dev = runner.torch_device
     attn = make_attention_backend(dev, pdl=runner.pdl, rope_in_attention=runner.rope_in_attention)
-    return attn, make_ops(dev, skinny_linear=runner.skinny_linear, pdl=runner.pdl)
+    return attn, make_ops(dev, skinny_linear=runner.skinny_linear, pdl=runner.pdl, split_k=runner.split_k)
 
 
 @torch.no_grad()

@@ -29,7 +29,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from runner.triton_linear import GATED, PLAIN, LinearTile, silu_mul, skinny_linear, tile_for
+from runner.triton_linear import (
+    GATED,
+    PLAIN,
+    LinearTile,
+    Partials,
+    materialize,
+    silu_mul,
+    skinny_linear,
+    split_tile_for,
+    tile_for,
+)
 from runner.triton_pdl import pdl_enter
 
 # SiLU*mul: columns per program. 1024 bf16 = 2 KiB per operand: at T=1 and I=8192 that still
@@ -56,9 +66,11 @@ def _rmsnorm_kernel(
     stride_ri,
     n_cols,
     eps,
+    stride_part,  # NUM_PARTS: distance between the fp32 partials of x
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,  # next power of two >= n_cols: one row lives in registers
     USE_GDC: tl.constexpr,  # launched with PDL (runner/triton_pdl.py)
+    NUM_PARTS: tl.constexpr = 0,  # > 0: x is a split-K GEMM's fp32 partials (runner/triton_linear.Partials)
 ):
     pdl_enter(USE_GDC)
     r = tl.program_id(0).to(tl.int64)  # int64: prefill offsets can pass 2^31 on big batches
@@ -66,16 +78,27 @@ def _rmsnorm_kernel(
     ri = r % rows_inner
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
-    x = tl.load(x_ptr + ro * stride_xo + ri * stride_xi + cols, mask=mask, other=0.0)
+    if NUM_PARTS > 0:
+        # the GEMM's output: its partials summed in split order in fp32, rounded once to the
+        # model dtype (triton_linear.materialize computes the same)
+        dt = res_ptr.dtype.element_ty
+        row = x_ptr + ro * stride_xo + ri * stride_xi + cols
+        xs = tl.load(row, mask=mask, other=0.0)
+        for p in tl.static_range(1, NUM_PARTS):
+            xs += tl.load(row + p * stride_part, mask=mask, other=0.0)
+        x = xs.to(dt)
+    else:
+        dt = x_ptr.dtype.element_ty
+        x = tl.load(x_ptr + ro * stride_xo + ri * stride_xi + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + ro * stride_ro + ri * stride_ri + cols, mask=mask, other=0.0)
         # Sum in fp32, rounded to the model dtype: exactly torch's `x + residual`, and the value
         # that is normalised below.
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(dt)
         tl.store(res_out_ptr + r * n_cols + cols, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / n_cols  # masked columns are 0
-    normed = (xf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)  # torch: .to(dtype)
+    normed = (xf * tl.math.rsqrt(var + eps)).to(dt)  # torch: .to(dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     out = w.to(tl.float32) * normed.to(tl.float32)  # exact for 16-bit inputs, rounded once below
     tl.store(out_ptr + r * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -258,30 +281,38 @@ def _rows_layout(x: torch.Tensor) -> tuple[int, int, int, int]:
     return x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+def rmsnorm(x: torch.Tensor | Partials, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
             pdl: bool = False):
     """RMSNorm over the last dim of x [T, N] or [T, H, N] (strided rows allowed), one launch.
 
     With `residual` (same shape as x), returns (normed, x + residual) with the sum in x.dtype;
-    otherwise just normed. Outputs are fresh contiguous tensors.
+    otherwise just normed. Outputs are fresh contiguous tensors. x may be a split-K GEMM's
+    `Partials` (with a residual): summed here, like `materialize` would.
     """
+    parts = None
+    if isinstance(x, Partials):
+        assert residual is not None and x.parts.is_contiguous() and x.parts.dtype == torch.float32
+        parts, x = x, x.parts[0]  # rows of partial 0; the others at + p * stride_part
+        dtype = parts.dtype
+    else:
+        dtype = x.dtype
     n = x.shape[-1]
     assert weight.shape == (n,) and weight.is_contiguous(), (weight.shape, n)
     rows, inner, sxo, sxi = _rows_layout(x)
-    out = torch.empty(x.shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+    out = torch.empty(x.shape, device=x.device, dtype=torch.promote_types(dtype, weight.dtype))
     if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
+        assert residual.shape == x.shape and residual.dtype == dtype, (residual.shape, residual.dtype)
         _, _, sro, sri = _rows_layout(residual)
-        res_out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+        res_out = torch.empty(x.shape, device=x.device, dtype=dtype)
     else:
         res_out, sro, sri = out, 0, 0  # never touched (HAS_RESIDUAL False)
     if rows:
         block = triton.next_power_of_2(n)
         _rmsnorm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, out, res_out,
-            inner, sxo, sxi, sro, sri, n, eps,
+            inner, sxo, sxi, sro, sri, n, eps, parts.parts.stride(0) if parts else 0,
             HAS_RESIDUAL=residual is not None, BLOCK_N=block, num_warps=_norm_warps(block),
-            USE_GDC=pdl, launch_pdl=pdl,
+            USE_GDC=pdl, NUM_PARTS=parts.parts.shape[0] if parts else 0, launch_pdl=pdl,
         )  # fmt: skip
     return out if residual is None else (out, res_out)
 
@@ -352,13 +383,15 @@ class TritonOps:
     `pdl`: launch every kernel with programmatic dependent launch (runner/triton_pdl.py; only
     where `pdl_available`). `skinny_linear`: 16-bit GEMMs of M <= 64 rows (decode) run in
     runner/triton_linear.py where its tile table says so (gate_up with the SiLU*mul fused in);
-    otherwise F.linear (cuBLAS). Both fixed at construction; the tile (or none) per call from
-    the GEMM's shape and M.
+    otherwise F.linear (cuBLAS). `split_k`: a `linear(..., into_norm=True)` (o_proj, down) may
+    return split-K `Partials` where SPLIT_TUNED says so; `add_rmsnorm` sums them. All fixed at
+    construction; the tile (or none) per call from the GEMM's shape and M.
     """
 
-    def __init__(self, pdl: bool = False, skinny_linear: bool = True) -> None:
+    def __init__(self, pdl: bool = False, skinny_linear: bool = True, split_k: bool = True) -> None:
         self.pdl = pdl
         self.skinny = skinny_linear
+        self.split_k = skinny_linear and split_k
 
     def _tile(self, kind: int, x: torch.Tensor, lin: torch.nn.Linear) -> LinearTile | None:
         """The skinny GEMM's tile for x @ lin, or None: cuBLAS (decided from shapes and dtypes)."""
@@ -396,16 +429,25 @@ class TritonOps:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(gate_up, pdl=self.pdl)
 
-    def linear(self, x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, lin: torch.nn.Linear, into_norm: bool = False) -> torch.Tensor | Partials:
+        if into_norm and self.split_k and lin.bias is None and x.dtype in _SKINNY_DTYPES and lin.weight.dtype == x.dtype:
+            split = split_tile_for(*lin.weight.shape, x.shape[0])
+            if split is not None:
+                parts = skinny_linear(x, lin.weight, None, split[0], split_k=split[1], pdl=self.pdl)
+                return Partials(parts, x.dtype)
         tile = self._tile(PLAIN, x, lin)
         if tile is None:
             return F.linear(x, lin.weight, lin.bias)
         return skinny_linear(x, lin.weight, lin.bias, tile, pdl=self.pdl)
 
-    def mlp(self, x: torch.Tensor, gate_up: torch.nn.Linear, down: torch.nn.Linear) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, gate_up: torch.nn.Linear, down: torch.nn.Linear,
+            into_norm: bool = False) -> torch.Tensor | Partials:
         tile = self._tile(GATED, x, gate_up) if gate_up.bias is None else None
         if tile is None:
             act = self.silu_and_mul(self.linear(x, gate_up))
         else:  # gate_up with the SiLU*mul epilogue: [T, I] straight from the GEMM
             act = skinny_linear(x, gate_up.weight, None, tile, gated=True, pdl=self.pdl)
-        return self.linear(act, down)
+        return self.linear(act, down, into_norm)
+
+    def materialize(self, h: torch.Tensor | Partials) -> torch.Tensor:
+        return materialize(h)

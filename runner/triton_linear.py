@@ -33,6 +33,7 @@ prefetch of the weights before the PDL wait (slower at every size).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -203,6 +204,31 @@ def skinny_linear(
     return out
 
 
+class Partials(NamedTuple):
+    """A GEMM's output left as fp32 split-K partials, for a consumer that sums them itself in
+    split order and rounds once to `dtype` (the fused add + RMSNorm: runner/triton_fused_ops.py;
+    anything else calls `materialize`). Saves the separate reduce (cuBLAS's splitKreduce) and
+    lets o_proj / down use split-K at all (N = 3072 is too few output tiles to keep HBM busy)."""
+
+    parts: torch.Tensor  # [S, M, N] fp32, split s = the K range [s K/S, (s+1) K/S)
+    dtype: torch.dtype  # the GEMM's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.parts.shape[1:]
+
+
+def materialize(h: torch.Tensor | Partials) -> torch.Tensor:
+    """The GEMM output [M, N] in its dtype: partials summed in split order in fp32, rounded
+    once; bit for bit what the fused add + RMSNorm uses as its input."""
+    if not isinstance(h, Partials):
+        return h
+    acc = h.parts[0].clone()
+    for p in h.parts[1:]:
+        acc += p
+    return acc.to(h.dtype)
+
+
 def _largest_block_k(k: int, cap: int) -> int | None:
     bk = cap
     while bk >= 64:
@@ -226,6 +252,31 @@ TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
                            (32, LinearTile(32, 64, 128, 4, 5)), (64, LinearTile(64, 64, 64, 4, 5))),
     (PLAIN, 3072, 8192): ((1, LinearTile(1, 8, 1024, 4, 1)), (16, None), (32, None), (64, None)),
 }
+
+
+# Split-K GEMMs whose output goes straight into the add + RMSNorm (o_proj, down): (N, K) ->
+# ((max_m, tile or None, splits), ...) in increasing max_m, only for 1 < M (M = 1 keeps the
+# GEMV, or cuBLAS); None, or an M past the last row: not split. In the GEMM sweep
+# (`bench_gpu.py --sections splitk`, s6-run1) split-K beat cuBLAS / the unsplit tile at every
+# M from 16 to 64 (o_proj M = 16: 7.2 vs 9.4 us; down M = 16 / 32 / 64: 15.1 / 16.1 / 16.9 vs
+# 18.7 / 18.9 / 18.7), but the engine step (s6-run5/6, the same run twice, ms with and without)
+# only gains at batch 8 (2.646 vs 2.706) and 64 (3.180 vs 3.206, down only), and loses at 16
+# (2.756 vs 2.650) and 32 (2.970 vs 2.920); so only those buckets split.
+SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...]] = {
+    (3072, 3072): ((8, LinearTile(16, 64, 64, 4, 4), 8),),
+    (3072, 8192): ((8, LinearTile(16, 32, 128, 4, 4), 4), (32, None, 1), (64, LinearTile(64, 128, 128, 4, 4), 4)),
+}
+
+
+def split_tile_for(n: int, k: int, m: int) -> tuple[LinearTile, int] | None:
+    """(tile, splits) for a plain GEMM [n, k] of m rows whose consumer sums partials, or None.
+    Thresholds at graph bucket sizes, like tile_for."""
+    if m <= 1:
+        return None
+    for max_m, tile, splits in SPLIT_TUNED.get((n, k), ()):
+        if m <= max_m:
+            return None if tile is None else (tile, splits)
+    return None
 
 
 def default_tile(kind: int, n: int, k: int, m: int) -> LinearTile | None:

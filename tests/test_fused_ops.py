@@ -368,6 +368,73 @@ def test_model_bf16_triton_ops_close_to_torch_ops():
         torch.testing.assert_close(a, b, rtol=0, atol=3e-2)
 
 
+@pytest.mark.parametrize("parts,t,n", [(2, 3, 64), (4, 1, 3072), (3, 5, 100)])
+def test_add_rmsnorm_of_split_k_partials(parts, t, n):
+    """x given as split-K partials: summed in split order in fp32 and rounded once, bit for bit
+    what materialize() returns and what add_rmsnorm of that tensor gives."""
+    from runner.triton_linear import Partials, materialize
+
+    g = torch.Generator().manual_seed(parts * 100 + n)
+    p = torch.randn(parts, t, n, generator=g).to(DEVICE)
+    res = torch.randn(t, n, generator=g).to(DEVICE, torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(DEVICE, torch.bfloat16)
+    h = Partials(p, torch.bfloat16)
+    dense = materialize(h)
+    seq = p[0].clone()
+    for q in p[1:]:
+        seq = seq + q
+    assert dense.dtype == torch.bfloat16 and torch.equal(dense, seq.to(torch.bfloat16))
+    normed, new_res = TRITON_OPS.add_rmsnorm(h, res, w, 1e-6)
+    ref_normed, ref_res = TRITON_OPS.add_rmsnorm(dense, res, w, 1e-6)
+    assert torch.equal(new_res, ref_res) and torch.equal(normed, ref_normed)
+    assert TRITON_OPS.materialize(h).data_ptr() != p.data_ptr() and TORCH_OPS.materialize(dense) is dense
+
+
+@torch.no_grad()
+def test_model_with_split_k_into_norm(monkeypatch):
+    """o_proj and down as split-K partials summed by the add + RMSNorm (tile table pointed at
+    this model's shapes): logits and captured hidden states (materialize) stay within bf16
+    tolerance of TorchOps, and the split path is really taken."""
+    from runner import triton_linear
+    from runner.models.llama import build_random_model
+    from runner.triton_linear import LinearTile
+
+    cfg = ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 128,
+            "hidden_size": 256,
+            "intermediate_size": 384,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 256,
+        }
+    )
+    tile = LinearTile(16, 32, 64, 4, 2)
+    monkeypatch.setattr(triton_linear, "SPLIT_TUNED", {(256, 256): ((64, tile, 2),), (256, 384): ((64, tile, 3),)})
+    calls = []
+    real = triton_linear.skinny_linear
+
+    def spy(*a, **k):
+        calls.append(k.get("split_k", 1))
+        return real(*a, **k)
+
+    import runner.triton_fused_ops as tfo
+
+    monkeypatch.setattr(tfo, "skinny_linear", spy)
+    dtype = torch.bfloat16
+    ref = build_random_model(cfg, DEVICE, dtype, seed=3, attn=TorchPagedAttention(), ops=TORCH_OPS)
+    model = _with_ops(ref, cfg, TRITON_OPS, TorchPagedAttention(), dtype)
+    got, got_cap, _ = _run(model, cfg, dtype)
+    want, want_cap, _ = _run(ref, cfg, dtype)
+    assert 2 in calls and 3 in calls
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=3e-2)
+    for layer in want_cap:
+        torch.testing.assert_close(got_cap[layer].float(), want_cap[layer].float(), rtol=0, atol=3e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA, reason="CUDA graphs need a CUDA device")
 @torch.no_grad()
@@ -450,10 +517,11 @@ _COMPILE_SCRIPT = textwrap.dedent(
     ptr = "*bf16"
     norm_sig = dict(x_ptr=ptr, res_ptr=ptr, w_ptr=ptr, out_ptr=ptr, res_out_ptr=ptr, rows_inner="i32",
                     stride_xo="i32", stride_xi="i32", stride_ro="i32", stride_ri="i32", n_cols="i32",
-                    eps="fp32")
-    for has_res, n in ((True, 3072), (False, 3072), (False, 128)):
+                    eps="fp32", stride_part="i32")
+    for has_res, n, parts in ((True, 3072, 0), (False, 3072, 0), (False, 128, 0), (True, 3072, 8)):
         block = triton.next_power_of_2(n)
-        build(m._rmsnorm_kernel, norm_sig, dict(HAS_RESIDUAL=has_res, BLOCK_N=block), m._norm_warps(block))
+        sig = dict(norm_sig, x_ptr="*fp32") if parts else norm_sig
+        build(m._rmsnorm_kernel, sig, dict(HAS_RESIDUAL=has_res, BLOCK_N=block, NUM_PARTS=parts), m._norm_warps(block))
     rope_sig = dict(q_ptr=ptr, k_ptr=ptr, v_ptr=ptr, cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64",
                     kv_ptr=ptr, slot_ptr="*i64", stride_qt="i32", stride_qh="i32", stride_kt="i32",
                     stride_kh="i32", stride_vt="i32", stride_vh="i32", stride_cos="i32", stride_sin="i32",

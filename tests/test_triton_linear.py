@@ -32,10 +32,12 @@ from runner.triton_linear import (  # noqa: E402
     GATED,
     MAX_M,
     PLAIN,
+    SPLIT_TUNED,
     TUNED,
     LinearTile,
     _skinny_linear_kernel,
     skinny_linear,
+    split_tile_for,
     tile_for,
 )
 
@@ -120,6 +122,10 @@ def test_tile_choice_changes_only_at_graph_buckets():
         for m in range(1, MAX_M + 40):
             assert tile_for(p, n, k, m) == tile_for(p, n, k, bucket(m)), (p, n, k, m)
         assert tile_for(p, n, k, MAX_M + 1) is None
+    for n, k in list(SPLIT_TUNED) + [(96, 200)]:
+        for m in range(1, MAX_M + 40):
+            assert split_tile_for(n, k, m) == split_tile_for(n, k, bucket(m)), (n, k, m)
+        assert split_tile_for(n, k, 1) is None and split_tile_for(n, k, MAX_M + 1) is None
 
 
 def test_triton_ops_route_by_dtype_and_size():

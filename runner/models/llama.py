@@ -147,7 +147,8 @@ class Attention(nn.Module):
         else:
             q, k = self.ops.rope(q, k, rot.cos, rot.sin, positions)
             out = self.attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
-        return self.ops.linear(out.reshape(t, self.q_size), self.o_proj)
+        # into_norm: the only consumer is the add + RMSNorm (may come back as split-K partials)
+        return self.ops.linear(out.reshape(t, self.q_size), self.o_proj, into_norm=True)
 
 
 def o_proj_has_bias(cfg: ModelConfig) -> bool:
@@ -164,7 +165,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [T, H] -> [T, 2I] -> [T, I] -> [T, H]; the ops may fuse SiLU*mul into the gate_up GEMM
-        return self.ops.mlp(x, self.gate_up_proj, self.down_proj)
+        # into_norm: consumed by the next add + RMSNorm (may come back as split-K partials)
+        return self.ops.mlp(x, self.gate_up_proj, self.down_proj, into_norm=True)
 
 
 class DecoderLayer(nn.Module):
@@ -184,7 +186,9 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's MLP output, residual); their sum is the layer's output.
+        """Returns (this layer's MLP output, residual); their sum is the layer's output. The MLP
+        output may be split-K partials (ops.linear's into_norm): ops.add_rmsnorm and
+        ops.materialize take it.
 
         Same values as transformers' `h = h + attn(norm(h)); h = h + mlp(norm(h))`: each add is
         done (in the model dtype) by the add_rmsnorm that consumes it.
@@ -274,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
             if i + 1 < n and (i + 1) in capture_layers:
                 # The layer's output is only formed inside the next add_rmsnorm; materialise it
                 # (one extra add, only when asked; bit-identical to the fused sum).
-                captured[i + 1] = h + residual
+                captured[i + 1] = self.ops.materialize(h) + residual
         h, _ = self.ops.add_rmsnorm(h, residual, self.norm.weight, self.norm.eps)
         if n in capture_layers:
             captured[n] = h
