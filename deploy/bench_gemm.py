@@ -80,8 +80,8 @@ def _compile_one(job) -> str | None:
     return None
 
 
-def _time_graph(fn, copies: int) -> float:
-    """µs per launch: a graph of LAUNCHES calls fn(i % copies), median of 5 replays."""
+def _time_graph(fn, copies: int, launches: int = LAUNCHES) -> float:
+    """µs per launch: a graph of `launches` calls fn(i % copies), median of 5 replays."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -91,7 +91,7 @@ def _time_graph(fn, copies: int) -> float:
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for i in range(LAUNCHES):
+        for i in range(launches):
             fn(i % copies)
     for _ in range(2):
         g.replay()
@@ -102,7 +102,7 @@ def _time_graph(fn, copies: int) -> float:
         g.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / LAUNCHES)
+        times.append(a.elapsed_time(b) * 1e3 / launches)
     del g
     return statistics.median(times)
 
@@ -118,17 +118,24 @@ def _best(results: dict) -> tuple[str | None, float, LinearTile | None]:
     return key, results[key][0], results[key][1]
 
 
+def _compile_all(label: str, compile_one, jobs: list, workers: int) -> dict:
+    """Compile every job in worker processes (each fills Triton's on-disk cache): job -> error."""
+    t0 = time.perf_counter()
+    ctx = torch.multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        errors = dict(zip(jobs, pool.map(compile_one, jobs)))
+    print(f"{label}: compiled {len(jobs)} variants in {time.perf_counter() - t0:.0f} s "
+          f"({sum(e is not None for e in errors.values())} failed)", flush=True)
+    return errors
+
+
 def run_gemm_sweep(workers: int = 14) -> dict:
     from runner.triton_fused_ops import silu_and_mul
 
     jobs = [(n, k, m, kind, t) for n, k, gated in SHAPES.values() for m in MS
             for kind in ((PLAIN, GATED) if gated else (PLAIN,)) for t in candidates(m, k)]
     t0 = time.perf_counter()
-    ctx = torch.multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        errors = dict(zip(jobs, pool.map(_compile_one, jobs)))
-    print(f"gemm sweep: compiled {len(jobs)} variants in {time.perf_counter() - t0:.0f} s "
-          f"({sum(e is not None for e in errors.values())} failed)", flush=True)
+    errors = _compile_all("gemm sweep", _compile_one, jobs, workers)
 
     def sweep(n, k, m, kind, x, ws, copies):
         res = {}
@@ -202,12 +209,7 @@ def run_splitk_sweep(workers: int = 14, ms: tuple[int, ...] = (16, 32, 64)) -> d
     """Split-K variants of o_proj and down (fp32 partials [S, M, N], summed by the consumer)
     against cuBLAS at M = 16, 32, 64: the GEMM alone (the consumer's extra reads are not in it)."""
     jobs = [(n, k, m, t, sp) for n, k in SPLITK_SHAPES.values() for m in ms for t, sp in splitk_candidates(m, k)]
-    t0 = time.perf_counter()
-    ctx = torch.multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        errors = dict(zip(jobs, pool.map(_compile_splitk, jobs)))
-    print(f"split-K sweep: compiled {len(jobs)} variants in {time.perf_counter() - t0:.0f} s "
-          f"({sum(e is not None for e in errors.values())} failed)", flush=True)
+    errors = _compile_all("split-K sweep", _compile_splitk, jobs, workers)
     out: dict = {}
     for name, (n, k) in SPLITK_SHAPES.items():
         copies = max(2, math.ceil(256e6 / (n * k * 2)))

@@ -228,6 +228,8 @@ def run_attn_sweep(batches=(1, 64), ctxs=(135, 350, 600), layers: int = 28, tabl
     as the engine's graphs (max_model_len 2048 / block 16; the split count follows the width):
     us per launch and TB/s of live KV bytes, per (block_n, warps, stages, splits) variant, each
     also with the fused RoPE + KV write."""
+    from bench_gemm import _time_graph
+
     from runner.triton_attention import DecodeRope, paged_decode_attention
 
     hq, hkv, d, bs = 24, 8, 128, 16
@@ -262,7 +264,7 @@ def run_attn_sweep(batches=(1, 64), ctxs=(135, 350, 600), layers: int = 28, tabl
                             paged_decode_attention(q, caches[i], tables[i], seq_lens, d**-0.5, block_n=bn or None,
                                                    num_warps=w, num_stages=st, num_splits=sp, rope=rope)
                         try:
-                            us = _time_launches(fn, layers)
+                            us = _time_graph(fn, layers, launches=layers)
                         except Exception as e:  # noqa: BLE001 - a variant that does not fit is a result
                             log(f"  attn B={B} ctx={ctx} {bn},{w},{st} s{sp}: {type(e).__name__}")
                             continue
@@ -277,32 +279,6 @@ def run_attn_sweep(batches=(1, 64), ctxs=(135, 350, 600), layers: int = 28, tabl
             del caches
             torch.cuda.empty_cache()
     return out
-
-
-def _time_launches(fn, n: int) -> float:
-    """us per launch: a CUDA graph of fn(0..n-1), median of 5 replays (compiled beforehand)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(2):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n):
-            fn(i)
-    g.replay()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / n)
-    del g
-    return statistics.median(times)
 
 
 def eng_sampling(n: int):

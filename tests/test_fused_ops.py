@@ -342,23 +342,25 @@ def test_model_with_triton_ops_matches_torch_ops(tiny, fused_kv):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+# Llama-shaped, GQA 4/2 heads, D 64: the bf16 model tests
+_BF16_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128,
+    "hidden_size": 256,
+    "intermediate_size": 384,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+
+
 @torch.no_grad()
 def test_model_bf16_triton_ops_close_to_torch_ops():
     """bf16 end to end (Llama-shaped, GQA 4/2 heads, D 64): logits agree to bf16 tolerance."""
     from runner.models.llama import build_random_model
 
-    cfg = ModelConfig.from_dict(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": 128,
-            "hidden_size": 256,
-            "intermediate_size": 384,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 256,
-        }
-    )
+    cfg = ModelConfig.from_dict(_BF16_LLAMA)
     dtype = torch.bfloat16
     ref = build_random_model(cfg, DEVICE, dtype, seed=2, attn=TorchPagedAttention(), ops=TORCH_OPS)
     model = _with_ops(ref, cfg, TRITON_OPS, TorchPagedAttention(), dtype)
@@ -399,18 +401,7 @@ def test_model_with_split_k_into_norm(monkeypatch):
     from runner.models.llama import build_random_model
     from runner.triton_linear import LinearTile
 
-    cfg = ModelConfig.from_dict(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": 128,
-            "hidden_size": 256,
-            "intermediate_size": 384,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 256,
-        }
-    )
+    cfg = ModelConfig.from_dict(_BF16_LLAMA)
     tile = LinearTile(16, 32, 64, 4, 2)
     monkeypatch.setattr(triton_linear, "SPLIT_TUNED", {(256, 256): ((64, tile, 2),), (256, 384): ((64, tile, 3),)})
     calls = []
