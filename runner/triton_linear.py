@@ -15,8 +15,12 @@ Two modes, picked by the tile:
 * MMA (block_m >= 16): `tl.dot` on [block_m, block_k] x [block_k, block_n] tiles, Triton's
   software pipeline (`num_stages`) streaming W through shared memory.
 
-No split-K: each output element is one program's dot product over K in a fixed order, so a
-row's result depends on neither M nor the other rows (graph padding cannot change it).
+Each output element is one program's dot product over K in a fixed order, so a row's result
+depends on neither M nor the other rows (graph padding cannot change it). The one exception to
+"one program per output" is opt-in: `split_k=S` (o_proj / down between 2 and 64 rows, table
+`SPLIT_TUNED`) writes S fp32 partials over consecutive K ranges, each again a fixed-order dot
+product independent of the other rows, and leaves the sum (in split order, no atomics) to the
+add + RMSNorm that consumes them (`Partials`, `materialize`).
 
 Gated epilogue (the MLP's gate_up, `gated=True`): a program computes the same columns of the
 gate and the up half and writes silu(gate) * up [M, I], rounded where the separate GEMM and
@@ -212,10 +216,6 @@ class Partials(NamedTuple):
 
     parts: torch.Tensor  # [S, M, N] fp32, split s = the K range [s K/S, (s+1) K/S)
     dtype: torch.dtype  # the GEMM's output dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.parts.shape[1:]
 
 
 def materialize(h: torch.Tensor | Partials) -> torch.Tensor:
