@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runner.codec import write_random_snac  # noqa: E402
-from runner.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig  # noqa: E402
+from runner.config import CacheConfig, EngineConfig, ModelConfig, RopeConfig, RunnerConfig, SchedulerConfig  # noqa: E402
 
 ORPHEUS_3B = {
     "architectures": ["LlamaForCausalLM"],
@@ -230,6 +230,7 @@ def run_attn_sweep(batches=(1, 64), ctxs=(135, 350, 600), layers: int = 28, tabl
     also with the fused RoPE + KV write."""
     from bench_gemm import _time_graph
 
+    from runner.models.llama import RotaryEmbedding
     from runner.triton_attention import DecodeRope, paged_decode_attention
 
     hq, hkv, d, bs = 24, 8, 128, 16
@@ -251,8 +252,8 @@ def run_attn_sweep(batches=(1, 64), ctxs=(135, 350, 600), layers: int = 28, tabl
             slots = tables[0][:, -1].long() * bs + (ctx - 1) % bs
             k = torch.randn(B, hkv, d, device="cuda", dtype=torch.bfloat16)
             v = torch.randn_like(k)
-            f = torch.arange(2048, device="cuda").float()[:, None] * (1e4 ** (-torch.arange(0, d, 2, device="cuda").float() / d))
-            cos, sin = torch.cat((f, f), -1).cos(), torch.cat((f, f), -1).sin()
+            rot = RotaryEmbedding(d, 2048, RopeConfig(theta=ORPHEUS_3B["rope_theta"]))
+            cos, sin = rot.cos.cuda(), rot.sin.cuda()
             splits_opts = [None] if not all_splits else [None, 1, 2, 4, 8, 16] if B * hkv < 132 else [None, 2]
             res = {}
             for bn, w, st in tiles:

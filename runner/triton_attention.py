@@ -334,9 +334,11 @@ def paged_decode_attention(
     """Attention of one query token per sequence over positions [0, seq_lens[b]) of its paged KV.
 
     The current token's K/V must already be in the cache, unless `rope` is given: then q is not
-    yet rotated, and the kernel rotates q and rope.k and writes them (k rotated, v as is) to
-    rope.slot_mapping first, bit for bit what the RoPE + KV write kernel would have done. Only
-    for pure decode (each sequence once in the batch). Reads only tensor shapes on the host
+    yet rotated; the kernel rotates q and rope.k, attends to the current token from registers
+    and writes its K/V (k rotated, v as is) to rope.slot_mapping, bit for bit what the RoPE + KV
+    write kernel writes; the output differs from that kernel followed by this one only in the
+    fp32 order of the current token's softmax step. Only for pure decode (each sequence once in
+    the batch). Reads only tensor shapes on the host
     (never tensor values), so a launch can be captured in a CUDA graph; the Triton kernels must
     have been compiled (one eager call with the same shapes/dtypes) before capture.
     """
@@ -509,7 +511,8 @@ class TritonPagedAttention:
         scale: float,
     ) -> torch.Tensor:  # [B, Hq, D]
         """RoPE, KV write and attention of a pure-decode step in one launch (plus the split
-        merge): the same values as the RoPE + KV write kernel followed by `forward_prewritten_kv`."""
+        merge): the K/V the RoPE + KV write kernel would write, and its `forward_prewritten_kv`
+        output up to the fp32 order of the current token's softmax step."""
         assert meta.pure_decode and q.shape[0] == meta.seq_lens.shape[0], (q.shape, meta.seq_lens.shape)
         rope = DecodeRope(k, v, cos, sin, positions, meta.slot_mapping)
         return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,

@@ -393,9 +393,14 @@ class TritonOps:
         self.skinny = skinny_linear
         self.split_k = skinny_linear and split_k
 
+    @staticmethod
+    def _skinny_dtypes(x: torch.Tensor, lin: torch.nn.Linear) -> bool:
+        """x @ lin may run in runner/triton_linear.py at all (16-bit, same dtype on both sides)."""
+        return x.dtype in _SKINNY_DTYPES and lin.weight.dtype == x.dtype
+
     def _tile(self, kind: int, x: torch.Tensor, lin: torch.nn.Linear) -> LinearTile | None:
         """The skinny GEMM's tile for x @ lin, or None: cuBLAS (decided from shapes and dtypes)."""
-        if not self.skinny or x.dtype not in _SKINNY_DTYPES or lin.weight.dtype != x.dtype:
+        if not self.skinny or not self._skinny_dtypes(x, lin):
             return None
         n, k = lin.weight.shape
         return tile_for(kind, n, k, x.shape[0])
@@ -430,7 +435,7 @@ class TritonOps:
         return silu_and_mul(gate_up, pdl=self.pdl)
 
     def linear(self, x: torch.Tensor, lin: torch.nn.Linear, into_norm: bool = False) -> torch.Tensor | Partials:
-        if into_norm and self.split_k and lin.bias is None and x.dtype in _SKINNY_DTYPES and lin.weight.dtype == x.dtype:
+        if into_norm and self.split_k and lin.bias is None and self._skinny_dtypes(x, lin):
             split = split_tile_for(*lin.weight.shape, x.shape[0])
             if split is not None:
                 parts = skinny_linear(x, lin.weight, None, split[0], split_k=split[1], pdl=self.pdl)

@@ -349,10 +349,12 @@ def test_cuda_graph_replay_follows_new_metadata(splits):
 
 
 def _rope_tables(positions: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
-    f = torch.arange(positions).float()[:, None] * inv[None, :]
-    emb = torch.cat((f, f), dim=-1)
-    return emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+    """The model's RoPE tables ([P, D] fp32, cat(f, f) rows), built by the model's own class."""
+    from runner.config import RopeConfig
+    from runner.models.llama import RotaryEmbedding
+
+    rot = RotaryEmbedding(d, positions, RopeConfig())
+    return rot.cos.to(DEVICE), rot.sin.to(DEVICE)
 
 
 @pytest.mark.parametrize(
