@@ -10,11 +10,11 @@ lm_head and sampling stay outside: which vocabulary columns a row needs (all of 
 constraint's span) and which filters run are per-step choices made on the host.
 
 Two families where the attention backend fuses RoPE into pure-decode steps
-(`decode_rope_fused`: small batches): pure-decode graphs (each row a distinct sequence: RoPE
-and the KV write run inside the attention kernel) for those buckets, and token-row graphs
-(short prefill chunks, one row per token: rows read K/V that other rows of the same launch
-write, so the KV write stays a launch of its own) for every bucket; the latter also serve pure
-decode at the other buckets.
+(`decode_rope_fused`): pure-decode graphs (each row a distinct sequence: RoPE and the KV write
+run inside the attention kernel) for the buckets up to the most sequences a step can decode, and
+token-row graphs (short prefill chunks, one row per token: rows read K/V that other rows of the
+same launch write, so the KV write stays a launch of its own) for every bucket; the latter also
+serve pure decode at the other buckets.
 """
 
 from __future__ import annotations

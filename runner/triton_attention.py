@@ -21,8 +21,8 @@ the kernel is built around reading those bytes once and nothing else:
   kernel merges the splits. Both launches are fixed-shape, so the pair captures like one.
   The split count and tile length depend on (B, Hkv, SM count) only, never on the table's
   width, so an eager step and a graph replay of the same rows compute the same values.
-* Pure decode may also fuse RoPE and the KV write (`DecodeRope`, at the batch sizes where it
-  pays: `TritonPagedAttention.decode_rope_fused`).
+* Pure decode may also fuse RoPE and the KV write (`DecodeRope`,
+  `TritonPagedAttention.decode_rope_fused`).
 
 seq_len == 0 (padding rows of a graph batch) gives l == 0 and the kernels write zeros, never
 NaN: the running max starts at a finite sentinel (_NEG) rather than -inf so exp2(m_old - m_new)
@@ -67,6 +67,8 @@ MAX_SPLITS = 32
 _DEFAULT_NUM_SMS = 132
 _NUM_WARPS = 4
 _NUM_STAGES = 3
+# Fused RoPE only while B * Hkv programs fit in about one wave (TritonPagedAttention.decode_rope_fused)
+_FUSED_ROPE_PROGRAMS_PER_SM = 4
 
 
 # max_blocks and the table's row stride change with every eager step's longest sequence: not
@@ -123,6 +125,7 @@ def _paged_decode_kernel(
     USE_GDC: tl.constexpr,  # launched with PDL (runner/triton_pdl.py)
     FUSED_ROPE: tl.constexpr,  # rotate q and this token's k here and write k/v to the cache
     ROUND: tl.constexpr,  # FUSED_ROPE: 16-bit model dtype (round where torch materialises)
+    FOLD_CURRENT: tl.constexpr,  # FUSED_ROPE and split: the current token joins after the loop
 ):
     pdl_enter(USE_GDC)
     b = tl.program_id(0)
@@ -152,14 +155,26 @@ def _paged_decode_kernel(
             c = c.to(q_ptr.dtype.element_ty).to(tl.float32)
             s_ = s_.to(q_ptr.dtype.element_ty).to(tl.float32)
         q = rope_rows(q_rows, stride_qd, offs_d, g_mask[:, None], c, s_, HEAD_DIM, ROUND).to(kv_ptr.dtype.element_ty)
-        # This token's rotated k and v ([1, D]): the split that owns position seq_len - 1 adds
-        # them to its softmax after the loop (that slot is not read) and writes them to the
-        # cache. No other program of the launch reads the slot (pure decode: one row per
-        # sequence), so no barrier and no re-read is needed.
+        # This token's rotated k and v ([1, D]). No other program of the launch reads their slot
+        # (pure decode: one row per sequence). Split (FOLD_CURRENT): the split that owns position
+        # seq_len - 1 adds them to its softmax after the loop (that slot is not read) and writes
+        # them to the cache. Not split: every program owns its position, so it writes them
+        # first and the loop reads them back like any cached position, after a CTA barrier (its
+        # own stores are then visible to all its threads): the unfused kernel's arithmetic
+        # exactly, and at one program per (sequence, KV head) cheaper than the fold, which sits
+        # on every program's critical path (H200 batch 64, 350 tokens: +1.8 against +3.0 us).
         k_row = knew_ptr + b * stride_knb + kvh * stride_knh + tl.zeros([1, 1], tl.int32)
         k_cur = rope_rows(k_row, 1, offs_d, offs_d[None, :] < HEAD_DIM, c, s_, HEAD_DIM, ROUND)
         k_cur = k_cur.to(kv_ptr.dtype.element_ty)
         v_cur = tl.load(vnew_ptr + b * stride_vnb + kvh * stride_vnh + offs_d)[None, :].to(kv_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        dst = (kv_ptr + (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_tok + kvh * stride_kvh
+               + offs_d[None, :] * stride_kvd)  # [1, D]
+        if not FOLD_CURRENT:
+            if seq_len > 0:
+                tl.store(dst, k_cur)
+                tl.store(dst + stride_kv, v_cur)
+            tl.debug_barrier()
     else:
         q = tl.load(
             q_rows + offs_d[None, :] * stride_qd, mask=g_mask[:, None], other=0.0
@@ -171,9 +186,9 @@ def _paged_decode_kernel(
 
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     head_off = kvh * stride_kvh
-    # FUSED_ROPE: the loop reads the positions already in the cache, [0, seq_len - 1); the
+    # FOLD_CURRENT: the loop reads the positions already in the cache, [0, seq_len - 1); the
     # current token is folded in after it, from registers
-    cached = seq_len - 1 if FUSED_ROPE else seq_len
+    cached = seq_len - 1 if FOLD_CURRENT else seq_len
     # Explicit tl.range stages: without it Triton 3.6 does not software-pipeline this loop (the
     # K/V addresses depend on a block-table load). With it the block-table load runs a stage
     # ahead and K/V of tile t+1 are fetched with cp.async while tile t is computed.
@@ -198,7 +213,7 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
-    if FUSED_ROPE:
+    if FOLD_CURRENT:
         last = n_tiles - 1
         if (n_tiles > 0) & (t_lo <= last) & (last < t_hi):  # this split owns position seq_len - 1
             # one more online-softmax step, for the current token (the loop's roundings: p in
@@ -210,9 +225,6 @@ def _paged_decode_kernel(
             l_i = l_i * alpha + p_cur
             acc = acc * alpha[:, None] + p_cur.to(v_cur.dtype).to(tl.float32)[:, None] * v_cur.to(tl.float32)
             m_i = m_new
-            slot = tl.load(slot_ptr + b).to(tl.int64)
-            dst = (kv_ptr + (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_tok + kvh * stride_kvh
-                   + offs_d[None, :] * stride_kvd)  # [1, D]
             tl.store(dst, k_cur)
             tl.store(dst + stride_kv, v_cur)
 
@@ -334,13 +346,14 @@ def paged_decode_attention(
     """Attention of one query token per sequence over positions [0, seq_lens[b]) of its paged KV.
 
     The current token's K/V must already be in the cache, unless `rope` is given: then q is not
-    yet rotated; the kernel rotates q and rope.k, attends to the current token from registers
-    and writes its K/V (k rotated, v as is) to rope.slot_mapping, bit for bit what the RoPE + KV
-    write kernel writes; the output differs from that kernel followed by this one only in the
-    fp32 order of the current token's softmax step. Only for pure decode (each sequence once in
-    the batch). Reads only tensor shapes on the host
-    (never tensor values), so a launch can be captured in a CUDA graph; the Triton kernels must
-    have been compiled (one eager call with the same shapes/dtypes) before capture.
+    yet rotated; the kernel rotates q and rope.k and writes the K/V (k rotated, v as is) to
+    rope.slot_mapping, bit for bit what the RoPE + KV write kernel writes. Not split, it writes
+    them first and reads them back: the output is that kernel's followed by this one's, bit for
+    bit. Split, the owning split attends to the current token from registers after its loop:
+    the output then differs in the fp32 order of that one softmax step. Only for pure decode
+    (each sequence once in the batch). Reads only tensor shapes on the host (never tensor
+    values), so a launch can be captured in a CUDA graph; the Triton kernels must have been
+    compiled (one eager call with the same shapes/dtypes) before capture.
     """
     assert q.dim() == 3 and kv_cache.dim() == 5 and kv_cache.shape[0] == 2, (q.shape, kv_cache.shape)
     bsz, hq, d = q.shape
@@ -399,7 +412,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_P=group_p, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=bn,
         NUM_SPLITS=splits, DOT_PREC=dot_prec, LOOP_STAGES=stages,
         num_warps=num_warps or _NUM_WARPS, num_stages=stages, USE_GDC=pdl, launch_pdl=pdl,
-        FUSED_ROPE=rope is not None, ROUND=q.dtype != torch.float32,
+        FUSED_ROPE=rope is not None, ROUND=q.dtype != torch.float32, FOLD_CURRENT=rope is not None and splits > 1,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(bsz, hq)](
@@ -489,14 +502,16 @@ class TritonPagedAttention:
 
     def decode_rope_fused(self, batch: int, num_kv_heads: int, device: torch.device) -> bool:
         """Whether a pure-decode step of `batch` rows runs RoPE + KV write inside the kernel (a
-        function of shapes only, so eager steps and graph replays agree). Only while the batch
-        is small enough to split the sequences (B * Hkv < SMs): there the extra work of the
-        programs that own the current position (load and rotate k, one more softmax step) costs
-        less than the RoPE launch it replaces (H200, 350 tokens, batch 1: 7.3 us fused against
-        6.0 + 2.5 us; engine step batch 1 / 8: 2.222 / 2.699 ms against 2.228 / 2.731). With one
-        program per (sequence, KV head) it lands on every program's critical path (batch 64:
-        30.5 us against 27.5 + 2.7, and the step is no faster), s6-run4 in deploy/RESULTS.md."""
-        return self.fuses_decode_rope and batch * num_kv_heads < _num_sms(device)
+        function of shapes only, so eager steps and graph replays agree): while the programs fit
+        in about one wave (B * Hkv <= _FUSED_ROPE_PROGRAMS_PER_SM * SMs; batch <= 64 on 8 KV
+        heads here), in the kernel's two forms (FOLD_CURRENT while split, write-first above).
+
+        H200, 350 tokens: split, batch 1, 7.3 us fused against 6.0 + 2.5 us for attention + RoPE
+        launch, engine step batch 1 / 8 2.222 / 2.699 ms against 2.228 / 2.731 (s6-run4); write-
+        first, engine step batch 64 3.129 / 3.138 ms against 3.144 / 3.152 (s7-run3, twice).
+        Over several waves every program's extra work (loading q twice to rotate it, k, the
+        store and barrier) adds up: batch 256 6.505 / 6.513 ms against 6.261 / 6.283."""
+        return self.fuses_decode_rope and batch * num_kv_heads <= _FUSED_ROPE_PROGRAMS_PER_SM * _num_sms(device)
 
     def forward_decode_rope(
         self,

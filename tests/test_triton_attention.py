@@ -25,6 +25,7 @@ from runner.triton_attention import (  # noqa: E402
     MAX_SPLITS,
     TritonPagedAttention,
     _paged_decode_kernel,
+    _num_sms,
     choose_block_n,
     choose_num_splits,
     paged_decode_attention,
@@ -185,6 +186,16 @@ def test_choose_num_splits_and_block_n():
     assert choose_num_splits(4, 8, 132) == 8
     assert choose_num_splits(16, 8, 132) == 2
     assert {choose_num_splits(b, 8, 132) for b in range(1, 40)} == {1, 2, 4, 8, 16, 32}
+
+
+def test_fused_rope_batch_sizes():
+    """RoPE fused into pure-decode steps while B * Hkv programs fit in about one wave (graph
+    buckets 1..64 on 8 KV heads and an H200's 132 SMs, the CPU default); never when off."""
+    dev = torch.device(DEVICE)
+    attn = TritonPagedAttention()
+    sms = _num_sms(dev)
+    assert [b for b in range(1, 1025) if attn.decode_rope_fused(b, 8, dev)] == list(range(1, 4 * sms // 8 + 1))
+    assert not TritonPagedAttention(rope_in_attention=False).decode_rope_fused(1, 8, dev)
 
 
 def test_split_choice_ignores_table_width():
@@ -367,8 +378,9 @@ def _rope_tables(positions: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_fused_rope_equals_rope_kernel_then_decode(dtype, splits, hq, hkv, d, lens):
     """RoPE + KV write inside the decode kernel (pure decode) against the RoPE + KV write kernel
     followed by the plain decode kernel: the same cache bit for bit (both round RoPE like torch,
-    without FMA contraction), the same output up to the fp32 summation order of the current
-    token's softmax step. q/k/v are strided column views of one fused qkv row, as in the model."""
+    without FMA contraction); the same output bit for bit when not split (write first, read
+    back), else up to the fp32 summation order of the current token's softmax step. q/k/v are
+    strided column views of one fused qkv row, as in the model."""
     from runner.triton_attention import DecodeRope
     from runner.triton_fused_ops import rope_
 
@@ -392,12 +404,15 @@ def test_fused_rope_equals_rope_kernel_then_decode(dtype, splits, hq, hkv, d, le
     assert torch.equal(kv.nan_to_num(7.0), kv_ref.nan_to_num(7.0))
     ulp = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]  # ~ one output ulp
     assert (out.float() - ref.float()).abs().max().item() <= ulp
+    if (splits or choose_num_splits(b, hkv, _num_sms(kv.device))) == 1:
+        assert torch.equal(out, ref)
     _check(out, _reference(q_ref, kv_ref, tables, seq_lens, d**-0.5), dtype)
 
 
-def test_fused_rope_backend_path_and_empty_rows():
+@pytest.mark.parametrize("splits", [1, 2])
+def test_fused_rope_backend_path_and_empty_rows(splits):
     """TritonPagedAttention.forward_decode_rope: the pure-decode path; a seq_len 0 row (graph
-    padding) writes nothing and yields zeros."""
+    padding) writes nothing and yields zeros, whether the kernel writes first or folds."""
     hq, hkv, d = 4, 2, 32
     _, kv, tables, seq_lens = _make_case(3, hq, hkv, d, [9, 0, 40], torch.bfloat16, poison=False)
     gen = torch.Generator().manual_seed(3)
@@ -408,7 +423,7 @@ def test_fused_rope_backend_path_and_empty_rows():
     meta.pure_decode = True
     pos = (seq_lens.long() - 1).clamp(min=0)
     kv_before = kv.clone()
-    out = TritonPagedAttention(num_splits=2).forward_decode_rope(q, k, v, cos, sin, pos, kv, meta, d**-0.5)
+    out = TritonPagedAttention(num_splits=splits).forward_decode_rope(q, k, v, cos, sin, pos, kv, meta, d**-0.5)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert torch.equal(kv[:, 0], kv_before[:, 0])  # nothing written for the empty row
     kv_ref = kv_before.clone()
@@ -417,7 +432,7 @@ def test_fused_rope_backend_path_and_empty_rows():
 
     rope_(q_ref, k_ref, cos, sin, pos, v=v, kv_cache=kv_ref, slot_mapping=meta.slot_mapping)
     live = torch.tensor([0, 2], device=DEVICE)
-    ref = paged_decode_attention(q_ref[live], kv_ref, tables[live], seq_lens[live], d**-0.5, num_splits=2)
+    ref = paged_decode_attention(q_ref[live], kv_ref, tables[live], seq_lens[live], d**-0.5, num_splits=splits)
     assert (out[live].float() - ref.float()).abs().max().item() <= 1.6e-2
     kv_ref[:, 0] = kv_before[:, 0]
     assert torch.equal(kv, kv_ref)
@@ -439,7 +454,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
     for splits in (1, 32):
         for fused in (False, True):
             consts = dict(GROUP=3, GROUP_P=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=splits,
-                          DOT_PREC="tf32", LOOP_STAGES=3, USE_GDC=True, FUSED_ROPE=fused, ROUND=True)
+                          DOT_PREC="tf32", LOOP_STAGES=3, USE_GDC=True, FUSED_ROPE=fused, ROUND=True,
+                          FOLD_CURRENT=fused and splits > 1)
             compile_sm90(m._paged_decode_kernel, sig, consts, num_warps=4, num_stages=3, launch_pdl=True)
     merge_sig = dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", out_ptr="*bf16",
                      stride_ob="i32", stride_oh="i32", stride_od="i32", num_q_heads="i32")
