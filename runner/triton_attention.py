@@ -510,7 +510,11 @@ class TritonPagedAttention:
         launch, engine step batch 1 / 8 2.222 / 2.699 ms against 2.228 / 2.731 (s6-run4); write-
         first, engine step batch 64 3.129 / 3.138 ms against 3.144 / 3.152 (s7-run3, twice).
         Over several waves every program's extra work (loading q twice to rotate it, k, the
-        store and barrier) adds up: batch 256 6.505 / 6.513 ms against 6.261 / 6.283."""
+        store and barrier) adds up: batch 256 6.505 / 6.513 ms against 6.261 / 6.283.
+
+        The limit need not sit at a graph bucket (eager batch 65 fuses, its bucket 80 does not):
+        it always lies where the sequences are not split, and there the fused kernel computes
+        the unfused pair's values bit for bit."""
         return self.fuses_decode_rope and batch * num_kv_heads <= _FUSED_ROPE_PROGRAMS_PER_SM * _num_sms(device)
 
     def forward_decode_rope(
