@@ -504,6 +504,12 @@ def run_profile_serving(n: int, out_dir: Path, steps: int = 10) -> dict:
     from runner.engine_proc import freeze_startup_heap
     from runner.sampling_params import SamplingParams
 
+    # The same per-request Python on every machine (deploy/bench_host.py, no GPU): the serving
+    # edge moves with the host's speed (deploy/RESULTS.md, s7), so each run records it.
+    import bench_host
+
+    probe = bench_host.measure(400, 200)
+    log(f"  host probe (bench_host.py, 400 rows, ms): {probe}")
     eng = in_process_engine(max(n, 8))
     eng.warm_up()  # as the engine process does before it serves: no compiles in the timed burst
     freeze_startup_heap()
@@ -568,7 +574,7 @@ def run_profile_serving(n: int, out_dir: Path, steps: int = 10) -> dict:
     st.sort_stats("cumulative").print_stats(45)
     (out_dir / f"host_profile_serving_B{n}.txt").write_text(buf.getvalue())
     res = {"batch": n, "prefill_s": t_prefill, "step_ms": wall_ms, "gpu_ms_per_step": gpu_ms, "host_ms_per_step": phases,
-           "host_ms_by_call": calls_ms,
+           "host_ms_by_call": calls_ms, "host_probe_400_ms": probe,
            "running": len(eng.scheduler.running), "burst_ttfa": ttfa, "burst_timeline": timeline}
     log(f"  serving engine B={n}: {wall_ms:.2f} ms/step (GPU kernels {gpu_ms:.2f} ms), host {phases}")
     while eng.has_unfinished:
@@ -816,7 +822,8 @@ def render(res: dict) -> str:
                       f"(GPU kernels {p['gpu_ms_per_step']:.2f} ms), host ms/step "
                       + ", ".join(f"{k} {v:.2f}" for k, v in p["host_ms_per_step"].items())
                       + f"; burst of {p['batch']} requests: engine-side time to first audio {p['burst_ttfa']} "
-                      f"(kernel profile: profile_serving_B{p['batch']}.txt)"]
+                      f"(kernel profile: profile_serving_B{p['batch']}.txt); host probe (deploy/bench_host.py, "
+                      "400 rows, ms): " + ", ".join(f"{k} {v:.2f}" for k, v in p["host_probe_400_ms"].items())]
     if "ttfa" in res:
         t = res["ttfa"]
         lines += ["", f"engine-only time to first audio (one stream, in-process): p50 {t['p50_ms']:.1f} ms over "
