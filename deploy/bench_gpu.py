@@ -64,7 +64,7 @@ ORPHEUS_3B = {
     "eos_token_id": 128258,
 }
 BATCHES = [1, 8, 32, 64, 128, 256]
-# RunnerConfig kernel options of every engine this run builds (--skinny-linear, --pdl)
+# RunnerConfig kernel options of every engine this run builds (--skinny-linear, --pdl, ...)
 KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "split_k": True}
 PROMPT, NEW = 100, 500
 
@@ -103,6 +103,16 @@ def engine_config(max_seqs: int, graphs: bool, async_sched: bool) -> EngineConfi
         runner=RunnerConfig(device="cuda", dtype="bfloat16", cuda_graphs=graphs, max_graph_batch_size=max_seqs,
                             **KERNELS),
     )
+
+
+def build_orpheus_model():
+    """The random Orpheus-3B-shaped model (bf16) with the current KERNELS options."""
+    from runner.loader import kernels_for
+    from runner.models.llama import build_random_model
+
+    cfg = engine_config(1, True, True)
+    attn, ops = kernels_for(cfg.runner)
+    return build_random_model(cfg.model, "cuda", torch.bfloat16, attn=attn, ops=ops)
 
 
 def weight_bytes(model) -> int:
@@ -190,8 +200,6 @@ def run_decode_variants(variants: str, batches) -> dict:
     """Greedy decode step time per kernel variant, each on a freshly built model (one run, same
     GPU state): `variants` = ';'-separated RunnerConfig kernel overrides, e.g.
     "default;rope_in_attention=0;pdl=0"."""
-    from runner.loader import kernels_for
-    from runner.models.llama import build_random_model
     from runner.sampling_params import SamplingParams
 
     base = dict(KERNELS)
@@ -203,9 +211,7 @@ def run_decode_variants(variants: str, batches) -> dict:
             if kv != "default":
                 k, v = kv.split("=")
                 KERNELS[k] = bool(int(v))
-        m = ModelConfig.from_dict(ORPHEUS_3B, "orpheus-3b-random")
-        attn, ops = kernels_for(engine_config(1, True, True).runner)
-        model = build_random_model(m, "cuda", torch.bfloat16, attn=attn, ops=ops)
+        model = build_orpheus_model()
         greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
         res = run_engine(model, batches, graphs=True, async_sched=True, sampling=greedy)
         out[spec] = {B: r["step_ms"] for B, r in res.items()}
@@ -714,7 +720,6 @@ def main() -> int:
     res: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "command": " ".join(sys.argv), "kernels": dict(KERNELS, tuned=args.tuned)}
     t0 = time.perf_counter()
-    from runner.models.llama import build_random_model
     from runner.sampling_params import SamplingParams
 
     if "bandwidth" in secs:
@@ -737,11 +742,7 @@ def main() -> int:
     if "variants" in secs:
         res["variants"] = run_decode_variants(args.variants, batches)
     if secs & {"engine", "eager", "decode"}:
-        from runner.loader import kernels_for
-
-        m = ModelConfig.from_dict(ORPHEUS_3B, "orpheus-3b-random")
-        attn, ops = kernels_for(engine_config(1, True, True).runner)
-        model = build_random_model(m, "cuda", torch.bfloat16, attn=attn, ops=ops)
+        model = build_orpheus_model()
         res["weight_bytes"] = weight_bytes(model)
         greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
         if secs & {"engine", "decode"}:
