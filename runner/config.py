@@ -179,7 +179,9 @@ class RunnerConfig:
     device: str = "cpu"
     dtype: str = "auto"
     cuda_graphs: bool = True  # only meaningful on CUDA
-    max_graph_batch_size: int = 1024  # graph rows: up to min(this, max_num_seqs + 256 prefill token rows)
+    # graph rows: min(this, max(max_num_seqs, max_num_batched_tokens)) where short prefill chunks
+    # run as token rows (every such step replays a graph), else min(this, max_num_seqs)
+    max_graph_batch_size: int = 2048
     sampler_backend: str = "auto"  # auto | torch | triton (OMNISTREAM_SAMPLER_BACKEND)
     # CUDA decode kernels (runner/triton_linear.py, runner/triton_pdl.py); off only for A/B runs
     skinny_linear: bool = True  # 16-bit GEMMs of <= 64 rows in Triton (tile table), SiLU*mul in gate_up

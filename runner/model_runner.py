@@ -34,9 +34,6 @@ from runner.scheduler import ScheduledRequest, SchedulerOutput
 # traffic grows with q_len * context; TTS prompts (~30-60 tokens) and prefix-cache tails sit
 # far below, long prompts take the padded torch path.
 MAX_TOKEN_ROW_QUERY = 128
-# Decode graphs have rows for this many prefill tokens beyond max_num_seqs, so steps that admit
-# a few short prompts next to a full decode batch replay a graph too.
-GRAPH_TOKEN_ROW_HEADROOM = 256
 
 
 class LogitsConstraint(Protocol):
@@ -177,9 +174,11 @@ class ModelRunner:
         self.token_rows = bool(getattr(getattr(model, "attn", None), "supports_token_rows", False))
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and cfg.runner.cuda_graphs:
-            # rows: a full decode batch plus the short prompts admitted with it (token rows);
-            # H200 at 400 streams: steps admitting a few ~31-token prompts exceeded 512 rows
-            rows = S + (GRAPH_TOKEN_ROW_HEADROOM if self.token_rows else 0)
+            # rows: with token rows, every step whose chunks are short enough (up to the token
+            # budget: a burst of arrivals fills it with prompts). An eager step costs the host
+            # ~40 ms at that size (H200, 400 streams arriving together: 52 ms steps for ~20 ms
+            # of GPU work), a replay ~1 ms. Without token rows, a full decode batch.
+            rows = max(S, cfg.scheduler.max_num_batched_tokens) if self.token_rows else S
             self.graphs = DecodeGraphs(model, self.kv_caches, min(cfg.runner.max_graph_batch_size, rows),
                                        self.max_blocks_per_seq, num_blocks, self.block_size, self.device,
                                        max_decode_rows=S)

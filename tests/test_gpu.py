@@ -93,6 +93,39 @@ def test_cuda_graphs_and_async_give_same_tokens_as_eager(model_dir, dtype):
     assert graphs.blocks.num_free_blocks == graphs.num_blocks
 
 
+def test_prefill_burst_replays_a_token_row_graph(model_dir):
+    """A burst of short prompts that fills a 1536-token step (more rows than the decode batch
+    plus any fixed headroom) replays a token-row graph of a bucket above 1024 rows, and the
+    tokens equal the eager, synchronous engine's (bf16, greedy and seeded sampling)."""
+    from dataclasses import replace
+
+    prompts = prompts_of([32 + i % 13 for i in range(40)], 512, seed=21)  # 1,518 tokens at once
+    sps = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) if i % 2 else
+           SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True) for i in range(40)]
+    cfg = EngineConfig.build(model_dir, device="cuda", dtype="bfloat16", max_model_len=256, max_num_batched_tokens=1536,
+                             max_num_seqs=48, block_size=16, num_blocks=1024, async_scheduling=True, cuda_graphs=True)
+
+    def burst(eng: Engine) -> list[list[int]]:
+        for i, (p, sp) in enumerate(zip(prompts, sps)):
+            eng.add_request(f"r{i}", p, sp)
+        outs = {f"r{i}": [] for i in range(len(prompts))}
+        while eng.has_unfinished:
+            for o in eng.step():
+                outs[o.request_id].extend(o.new_token_ids)
+        return [outs[f"r{i}"] for i in range(len(prompts))]
+
+    graphed = Engine(cfg)
+    assert graphed.runner.graphs.max_bs == 1536
+    buckets = []
+    run = graphed.runner.graphs.run
+    graphed.runner.graphs.run = lambda bucket, *a, **k: buckets.append(bucket) or run(bucket, *a, **k)
+    got = burst(graphed)
+    assert buckets[0] == 1536 > 1024  # the burst's first step: every prompt as token rows
+    eager = Engine(cfg.with_(runner=replace(cfg.runner, cuda_graphs=False),
+                             scheduler=replace(cfg.scheduler, async_scheduling=False)))
+    assert got == burst(eager)
+
+
 def test_pdl_keeps_tokens(model_dir):
     """bf16, graphs + async: programmatic dependent launch changes only when kernels start, not
     what they compute, so the tokens are identical with and without it. (The skinny Triton
