@@ -289,10 +289,15 @@ class Engine:
         """Run one audio request through every path a first real request takes (eager prefill,
         graphed decode, the sampler's window variant, the codec's windows of every chunk
         size), so Triton compiles now and not in the first client's time to first audio (the
-        H200 log showed ~2.7 s there). Counters are reset afterwards; the prefix cache keeps
-        the prompt's blocks, which is harmless."""
-        if self.codec is None:
-            return
+        H200 log showed ~2.7 s there); then, on CUDA, the lm_head at every row count and the
+        sampler at its largest (ModelRunner.warm_sampling). Counters are reset afterwards; the
+        prefix cache keeps the prompt's blocks, which is harmless."""
+        if self.codec is not None:
+            self._warm_up_audio()
+        if self.device.type == "cuda":
+            self.runner.warm_sampling()
+
+    def _warm_up_audio(self) -> None:
         sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=7 * 26, seed=0)
         vocab = self.cfg.model.vocab_size
         self.add_request("__warmup__", [i % vocab for i in range(1, 33)], sp, audio=True)

@@ -372,6 +372,35 @@ class ModelRunner:
         return self.sampler(self.model.compute_logits(final_h), batch, self.slots)
 
     @torch.inference_mode()
+    def warm_sampling(self) -> None:
+        """Start-up: the lm_head at every row count a step can sample (1..max_num_seqs, over the
+        constraint's span and the full vocabulary), then the sampler once at max_num_seqs
+        padding rows (the scratch slot; every filter on, penalties if their buffers exist).
+
+        Why: the first lm_head GEMM at a row count never seen before blocks the host until the
+        device is idle. On the H200 a burst of 400 arrivals spent ~19 ms of host time per prefill
+        step in compute_logits (rows 193 and 379), so the next step could not be prepared while
+        the forward ran; with this pass it stayed under 0.5 ms. The sampler pass alone (caching-allocator
+        blocks for the largest step) did not remove it, so the cost is per GEMM shape: most
+        likely cuBLAS loading the kernel it picks for that shape, as torch runs CUDA with lazy
+        module loading (deploy/RESULTS.md, s8)."""
+        S = self.cfg.scheduler.max_num_seqs
+        h = torch.zeros(S, self.cfg.model.hidden_size, device=self.device, dtype=self.dtype)
+        spans = [None] + ([self.constraint.vocab_span] if self.constraint is not None else [])
+        for m in range(1, S + 1):
+            for span in spans:
+                self.model.compute_logits(h[:m], span)
+        floats = np.tile(np.array([0.7, 0.9, 0.05, 1.1 if self.slots.penalties_allocated else 1.0, 0.0, 0.0],
+                                  dtype=np.float32), (S, 1))
+        ints = np.zeros(S, dtype=np.int64)
+        batch = SamplingBatch.from_host(floats, ints + 40, ints - 1, ints, ints, [], self.device)
+        self._sample_free(h, batch)
+        if self.constraint is not None:
+            self._sample_constrained(h, batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
     def sample_tokens(self) -> AsyncOutput:
         """Phase 2: lm_head (over the columns each row can sample) and sampling; the sampled
         ids are copied to the host asynchronously."""

@@ -360,3 +360,12 @@ def test_warm_up_runs_an_audio_request_and_leaves_the_engine_clean(audio_engine)
     assert st.num_requests_total == 0 and st.step_count == 0 and st.num_generated_tokens_total == 0
     assert audio_engine.blocks.num_free_blocks == free  # cached prefix blocks are free (reusable)
     assert len(audio_engine.codec) == 0
+
+
+def test_warm_sampling_changes_no_result(audio_engine):
+    """The start-up pass that runs the lm_head and the sampler at max_num_seqs padding rows
+    (constrained and free) leaves every slot's state alone: the seeded speech after it is the
+    same as before it."""
+    before, _, _ = _run_audio(audio_engine, False)
+    audio_engine.runner.warm_sampling()
+    assert _run_audio(audio_engine, False)[0] == before
