@@ -378,12 +378,12 @@ class ModelRunner:
         padding rows (the scratch slot; every filter on, penalties if their buffers exist).
 
         Why: the first lm_head GEMM at a row count never seen before blocks the host until the
-        device is idle. On the H200 a burst of 400 arrivals spent ~19 ms of host time per prefill
-        step in compute_logits (rows 193 and 379), so the next step could not be prepared while
-        the forward ran; with this pass it stayed under 0.5 ms. The sampler pass alone (caching-allocator
-        blocks for the largest step) did not remove it, so the cost is per GEMM shape: most
-        likely cuBLAS loading the kernel it picks for that shape, as torch runs CUDA with lazy
-        module loading (deploy/RESULTS.md, s8)."""
+        device is idle. On the H200 a burst of 400 arrivals spent ~19 ms of host time per
+        prefill step in compute_logits (rows 193 and 379), so the next step could not be
+        prepared while the forward ran; with this pass it stayed under 0.5 ms. The sampler pass
+        alone (caching-allocator blocks for the largest step) did not remove it, so the cost is
+        per GEMM shape: most likely cuBLAS loading the kernel it picks for that shape, as torch
+        runs CUDA with lazy module loading (deploy/RESULTS.md, s8)."""
         S = self.cfg.scheduler.max_num_seqs
         h = torch.zeros(S, self.cfg.model.hidden_size, device=self.device, dtype=self.dtype)
         spans = [None] + ([self.constraint.vocab_span] if self.constraint is not None else [])
