@@ -317,14 +317,29 @@ class Tiles:
     num_warps: int = 8
     num_stages: int = 3
     fast_sin: bool = False
+    # (DecoderBlock index, tiles) for the blocks whose layers (transposed conv, NoiseBlock,
+    # ResidualUnits) take other tiles: their channel counts (512 ... 64) and row counts (8x ...
+    # 512x the latent rate) differ by 8x. The latent layers and the final conv keep these.
+    per_block: tuple[tuple[int, "Tiles"], ...] = ()
+
+    def for_block(self, i: int) -> "Tiles":
+        return next((t for j, t in self.per_block if j == i), self)
 
     @classmethod
     def parse(cls, spec: str) -> "Tiles":
-        """'bm,bn,bk,warps,stages[,fast_sin 0/1]' (bench and tuning command lines)."""
-        v = [int(x) for x in spec.split(",")]
+        """'bm,bn,bk,warps,stages[,fast_sin 0/1]', optionally followed by per-block tiles
+        '+bI:bm,bn,...' (bench and tuning command lines)."""
+        base, *blocks = spec.split("+")
+        v = [int(x) for x in base.split(",")]
         if len(v) not in (5, 6):
-            raise ValueError(f"tiles {spec!r}: expected bm,bn,bk,warps,stages[,fast_sin]")
-        return cls(*v[:5], fast_sin=bool(v[5]) if len(v) == 6 else False)
+            raise ValueError(f"tiles {spec!r}: expected bm,bn,bk,warps,stages[,fast_sin][+bI:...]")
+        per_block = []
+        for b in blocks:
+            idx, _, t = b.partition(":")
+            if not idx.startswith("b") or not idx[1:].isdigit():
+                raise ValueError(f"tiles {spec!r}: per-block part {b!r} is not 'bI:bm,bn,bk,warps,stages[,fast_sin]'")
+            per_block.append((int(idx[1:]), cls.parse(t)))
+        return cls(*v[:5], fast_sin=bool(v[5]) if len(v) == 6 else False, per_block=tuple(per_block))
 
 
 # Default on CUDA. The larger Tiles() (128x128, 3 stages) needed 242-274 KiB of shared memory
@@ -339,6 +354,8 @@ CUDA_TILES = Tiles(bm=64, bn=64, bk=32, num_warps=4, num_stages=2)
 # any without, `--sections codec_tiles`, s4-run1): libdevice's sinf, twice per element in the
 # Snake prologues and epilogues, was the decoder's bottleneck, not the matmuls. bf16 only: the
 # fp32 path keeps its ~1 LSB agreement with the torch path.
+# Per-block tiles (`Tiles.per_block`) did not beat these either: 15 other shapes for one block
+# at a time all took 29.9-35.8 ms at 256 x 12 frames against 29.8 (s8-run3, deploy/RESULTS.md).
 CUDA_TILES_BF16 = Tiles(bm=64, bn=128, bk=32, num_warps=4, num_stages=3, fast_sin=True)
 # Fallback if CUDA_TILES do not fit a GPU: 2 * (64 + 64) * 32 * 4 B = 32 KiB of pipeline buffers.
 SAFE_TILES = Tiles(bm=64, bn=64, bk=32, num_warps=4, num_stages=2)
@@ -584,7 +601,7 @@ class FusedSnacDecoder:
         if tiles is None and self.device.type == "cuda":
             tiles = CUDA_TILES_BF16 if self.dtype == torch.bfloat16 else CUDA_TILES
         self.tiles = tiles or INTERPRETER_TILES
-        if self.tiles.fast_sin and self.device.type != "cuda":
+        if any(t.fast_sin for t in (self.tiles, *(t for _, t in self.tiles.per_block))) and self.device.type != "cuda":
             raise ValueError("Tiles.fast_sin is inline PTX: CUDA only")
 
         with torch.no_grad():
@@ -676,6 +693,7 @@ class FusedSnacDecoder:
         rows_gemm(z, self.lat_pw_t, T, tiles, prec, dw=self.lat_dw, bias=self.lat_pw_b, u_out=(u, *first.snake_in.args()))
 
         for i, blk in enumerate(self.blocks):
+            tiles = self.tiles.for_block(i)
             unit0 = blk.units[0]
             c = blk.b.shape[0]
             y_u = None
@@ -705,7 +723,7 @@ class FusedSnacDecoder:
                     res=x, x_out=None if last else x, u_out=(u_next, *nxt.args()),
                 )  # fmt: skip
                 u = u_next
-        return final_conv_tanh(u, self.final_w, self.final_b, T, min(tiles.bm, 4096))
+        return final_conv_tanh(u, self.final_w, self.final_b, T, min(self.tiles.bm, 4096))
 
 
 # ---------------------------------------------------------------- GPU benchmark (for tuning)

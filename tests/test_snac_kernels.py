@@ -212,6 +212,25 @@ def test_precision_choice(tiny):
         sk.FusedSnacDecoder(tiny.model, tiny._block_rates, salts, ORPHEUS_LEVELS, "fp16")
 
 
+def test_per_block_tiles(tiny):
+    """Tiles.per_block gives a DecoderBlock other tiles (parsed from the bench's '+bI:' form);
+    the decode stays the torch path's within the fp32 tolerance, and other blocks keep theirs."""
+    t = sk.Tiles.parse("32,16,16,4,1+b1:64,32,32,4,1+b3:16,16,16,4,1")
+    assert t.for_block(1) == sk.Tiles(64, 32, 32, 4, 1) and t.for_block(3) == sk.Tiles(16, 16, 16, 4, 1)
+    assert t.for_block(0) is t and t.for_block(2) is t
+    with pytest.raises(ValueError, match="per-block"):
+        sk.Tiles.parse("32,16,16,4,1+x1:64,32,32,4,1")
+    salts = [noise_salts(i) for i in range(4)]
+    dec = sk.FusedSnacDecoder(tiny.model, tiny._block_rates, salts, ORPHEUS_LEVELS, "tf32x3", TILES if _CUDA else t)
+    if _CUDA:
+        dec.tiles = sk.Tiles(**{**TILES.__dict__, "per_block": ((1, sk.Tiles(64, 32, 32, 4, 2)),)})
+    codes, starts, seeds = _case(2, 2, 64)
+    got = dec.decode(codes, starts, seeds)
+    want = tiny.decode_torch(codes, starts, seeds)
+    _close(got, want, 1e-5)
+    assert _lsb(got, want) <= 1
+
+
 def test_warm_up_falls_back_to_safe_tiles(tiny, monkeypatch):
     """Construction on CUDA compiles by decoding one frame; tiles that fail there are replaced
     by SAFE_TILES, and if nothing runs "auto" keeps the torch path."""
