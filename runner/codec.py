@@ -739,8 +739,12 @@ class CodecStage:
         touched = self._collect(pieces, wait or not self.asynchronous)
 
         for key, parts in pieces.items():
-            parts.sort(key=lambda t: t[0])  # chunk order; groups were decoded in any order
-            results[key] = StageResult(np.concatenate([p for _, p in parts]), done=False)
+            if len(parts) == 1:  # the common case: a copy (the PCM must not pin its launch's block)
+                pcm = parts[0][1].copy()
+            else:
+                parts.sort(key=lambda t: t[0])  # chunk order; groups were decoded in any order
+                pcm = np.concatenate([p for _, p in parts])
+            results[key] = StageResult(pcm, done=False)
         for key in dirty | touched:  # only these can have become done or failed
             req = self._reqs.get(key)
             if req is None:
