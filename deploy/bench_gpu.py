@@ -34,6 +34,7 @@ Run on the lent H200 (see deploy/RESULTS.md for the exact command).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -196,19 +197,37 @@ def profile_steps(eng, path: Path, steps: int = 8) -> None:
         eng.step()
 
 
+def parse_tile_override(item: str) -> tuple[tuple[int, int, int], int, "LinearTile | None"]:
+    """'tile:KIND:N:K:MAX_M=bm/bn/bk/warps/stages' (or '=none': cuBLAS) -> the TUNED key, the
+    row's max_m and its tile; KIND is plain or gated."""
+    from runner.triton_linear import GATED, PLAIN, LinearTile
+
+    lhs, rhs = item.removeprefix("tile:").split("=")
+    kind, n, k, max_m = lhs.split(":")
+    tile = None if rhs == "none" else LinearTile(*map(int, rhs.split("/")))
+    return ({"plain": PLAIN, "gated": GATED}[kind], int(n), int(k)), int(max_m), tile
+
+
 def run_decode_variants(variants: str, batches) -> dict:
     """Greedy decode step time per kernel variant, each on a freshly built model (one run, same
-    GPU state): `variants` = ';'-separated RunnerConfig kernel overrides, e.g.
-    "default;rope_in_attention=0;pdl=0"."""
+    GPU state): `variants` = ';'-separated variants, each ','-separated RunnerConfig kernel
+    overrides and tile-table rows, e.g. "default;rope_in_attention=0;tile:plain:3072:3072:1=1/8/1024/4/1"."""
+    from runner import triton_linear
     from runner.sampling_params import SamplingParams
 
     base = dict(KERNELS)
+    base_tuned = dict(triton_linear.TUNED)
     out = {}
     for spec in variants.split(";"):
         KERNELS.clear()
         KERNELS.update(base)
+        triton_linear.TUNED.clear()
+        triton_linear.TUNED.update(base_tuned)
         for kv in filter(None, (x.strip() for x in spec.split(","))):
-            if kv != "default":
+            if kv.startswith("tile:"):
+                key, max_m, tile = parse_tile_override(kv)
+                triton_linear.TUNED[key] = tuple((mm, tile if mm == max_m else t) for mm, t in triton_linear.TUNED[key])
+            elif kv != "default":
                 k, v = kv.split("=")
                 KERNELS[k] = bool(int(v))
         model = build_orpheus_model()
@@ -220,6 +239,8 @@ def run_decode_variants(variants: str, batches) -> dict:
         torch.cuda.empty_cache()
     KERNELS.clear()
     KERNELS.update(base)
+    triton_linear.TUNED.clear()
+    triton_linear.TUNED.update(base_tuned)
     return out
 
 
@@ -526,18 +547,23 @@ def run_profile_serving(n: int, out_dir: Path, steps: int = 10) -> dict:
     # the burst's timeline: every step's wall time and composition until all have audio
     first: dict[str, float] = {}
     timeline = []
-    while len(first) < n and eng.has_unfinished:
-        ph0 = list(eng.phase_s)
-        ts = time.perf_counter()
-        outs = eng.step()
-        now = time.perf_counter()
-        sc = eng.last_scheduled
-        timeline.append({"ms": round((now - ts) * 1e3, 2), "seqs": len(sc.scheduled), "tokens": sc.num_batched_tokens,
-                         "audio_outs": sum(o.audio is not None for o in outs), "codec_inflight": eng.codec.num_inflight,
-                         "phase_ms": {k: round(1e3 * (v - v0), 2) for k, v, v0 in zip(eng.PHASES, eng.phase_s, ph0)}})
-        for o in outs:
-            if o.audio is not None:
-                first.setdefault(o.request_id, now - t0)
+    # which calls the burst's slow steps spend their host time in (s8: this found compute_logits
+    # blocked ~19 ms per prefill step, see ModelRunner.warm_sampling)
+    with timed_calls(eng) as acc:
+        while len(first) < n and eng.has_unfinished:
+            ph0, c0 = list(eng.phase_s), dict(acc)
+            ts = time.perf_counter()
+            outs = eng.step()
+            now = time.perf_counter()
+            sc = eng.last_scheduled
+            calls = {k: round(1e3 * (v - c0[k]), 2) for k, v in acc.items() if v - c0[k] > 5e-4}
+            timeline.append({"ms": round((now - ts) * 1e3, 2), "seqs": len(sc.scheduled), "tokens": sc.num_batched_tokens,
+                             "audio_outs": sum(o.audio is not None for o in outs), "codec_inflight": eng.codec.num_inflight,
+                             "phase_ms": {k: round(1e3 * (v - v0), 2) for k, v, v0 in zip(eng.PHASES, eng.phase_s, ph0)},
+                             "calls_ms": calls})
+            for o in outs:
+                if o.audio is not None:
+                    first.setdefault(o.request_id, now - t0)
     t_prefill = max(first.values()) if first else float("nan")
     fa = sorted(first.values())
     ttfa = {"p50_ms": 1e3 * fa[len(fa) // 2], "p99_ms": 1e3 * fa[min(len(fa) - 1, int(0.99 * len(fa)))]} if fa else {}
@@ -590,9 +616,10 @@ def run_profile_serving(n: int, out_dir: Path, steps: int = 10) -> dict:
     return res
 
 
-def host_ms_by_call(eng, steps: int) -> dict[str, float]:
-    """Host ms per step spent in each of the step's main calls (nested: sample_tokens includes
-    the sampler's calls), timed by wrapping them for `steps` steps, then unwrapped."""
+@contextlib.contextmanager
+def timed_calls(eng):
+    """Wrap the step's main calls (nested: sample_tokens includes the sampler's calls) while
+    the block runs; yields {call: host seconds summed}, then unwraps them."""
     import runner.model_runner as mr
 
     r = eng.runner
@@ -622,15 +649,21 @@ def host_ms_by_call(eng, steps: int) -> dict[str, float]:
 
         setattr(obj, attr, wrapped)
     try:
-        for _ in range(steps):
-            eng.step()
-        torch.cuda.synchronize()
+        yield acc
     finally:
         for obj, attr, old in reversed(saved):
             if old is None:
                 delattr(obj, attr)
             else:
                 setattr(obj, attr, old)
+
+
+def host_ms_by_call(eng, steps: int) -> dict[str, float]:
+    """Host ms per step spent in each of the step's main calls over `steps` steps."""
+    with timed_calls(eng) as acc:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
     return {k: round(v * 1e3 / steps, 3) for k, v in acc.items()}
 
 
