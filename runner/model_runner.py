@@ -27,6 +27,7 @@ from runner.cuda_graphs import DecodeGraphs
 from runner.host_staging import staging_for
 from runner.request import Request
 from runner.sampler import Sampler, SamplingBatch, SamplingTable, SlotState
+from runner.sampling_params import SamplingParams
 from runner.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -390,10 +391,9 @@ class ModelRunner:
         for m in range(1, S + 1):
             for span in spans:
                 self.model.compute_logits(h[:m], span)
-        floats = np.tile(np.array([0.7, 0.9, 0.05, 1.1 if self.slots.penalties_allocated else 1.0, 0.0, 0.0],
-                                  dtype=np.float32), (S, 1))
-        ints = np.zeros(S, dtype=np.int64)
-        batch = SamplingBatch.from_host(floats, ints + 40, ints - 1, ints, ints, [], self.device)
+        sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05,
+                            repetition_penalty=1.1 if self.slots.penalties_allocated else 1.0)
+        batch = SamplingBatch.build([sp] * S, [-1] * S, [0] * S, [0] * S, [], self.device)  # slot -1: scratch row
         self._sample_free(h, batch)
         if self.constraint is not None:
             self._sample_constrained(h, batch)

@@ -693,18 +693,18 @@ class FusedSnacDecoder:
         rows_gemm(z, self.lat_pw_t, T, tiles, prec, dw=self.lat_dw, bias=self.lat_pw_b, u_out=(u, *first.snake_in.args()))
 
         for i, blk in enumerate(self.blocks):
-            tiles = self.tiles.for_block(i)
+            bt = tiles.for_block(i)  # this block's layers' tiles
             unit0 = blk.units[0]
             c = blk.b.shape[0]
             y_u = None
             if blk.noise_t is None:  # no NoiseBlock: the transposed conv writes Snake(y) for unit 0
                 y_u = (torch.empty(B * T * blk.stride, c, device=self.device, dtype=self.dtype), *unit0.snake1.args())
-            y = conv_transpose(u, blk.w2, blk.b, T, blk.stride, blk.pad, tiles, prec, u_out=y_u)
+            y = conv_transpose(u, blk.w2, blk.b, T, blk.stride, blk.pad, bt, prec, u_out=y_u)
             T *= blk.stride
             if blk.noise_t is not None:
                 x, u = torch.empty_like(y), torch.empty_like(y)
                 noise = (seeds, window_start, blk.salts, blk.rate)
-                rows_gemm(y, blk.noise_t, T, tiles, prec, res=y, noise=noise, x_out=x,
+                rows_gemm(y, blk.noise_t, T, bt, prec, res=y, noise=noise, x_out=x,
                           u_out=(u, *unit0.snake1.args()))  # fmt: skip
             else:
                 x, u = y, y_u[0]
@@ -718,12 +718,12 @@ class FusedSnacDecoder:
                 u_next = torch.empty_like(u)
                 last = k + 1 == len(blk.units)  # x is not needed after the last unit: only u
                 rows_gemm(
-                    u, unit.pw_t, T, tiles, prec,
+                    u, unit.pw_t, T, bt, prec,
                     dw=(unit.dw_w, unit.dw_b, unit.dilation), snake_a=unit.snake2.args(), bias=unit.pw_b,
                     res=x, x_out=None if last else x, u_out=(u_next, *nxt.args()),
                 )  # fmt: skip
                 u = u_next
-        return final_conv_tanh(u, self.final_w, self.final_b, T, min(self.tiles.bm, 4096))
+        return final_conv_tanh(u, self.final_w, self.final_b, T, min(tiles.bm, 4096))
 
 
 # ---------------------------------------------------------------- GPU benchmark (for tuning)
