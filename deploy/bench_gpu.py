@@ -217,30 +217,33 @@ def run_decode_variants(variants: str, batches) -> dict:
 
     base = dict(KERNELS)
     base_tuned = dict(triton_linear.TUNED)
-    out = {}
-    for spec in variants.split(";"):
+
+    def reset() -> None:  # every variant starts from the run's options, and the run ends there
         KERNELS.clear()
         KERNELS.update(base)
         triton_linear.TUNED.clear()
         triton_linear.TUNED.update(base_tuned)
-        for kv in filter(None, (x.strip() for x in spec.split(","))):
-            if kv.startswith("tile:"):
-                key, max_m, tile = parse_tile_override(kv)
-                triton_linear.TUNED[key] = tuple((mm, tile if mm == max_m else t) for mm, t in triton_linear.TUNED[key])
-            elif kv != "default":
-                k, v = kv.split("=")
-                KERNELS[k] = bool(int(v))
-        model = build_orpheus_model()
-        greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-        res = run_engine(model, batches, graphs=True, async_sched=True, sampling=greedy)
-        out[spec] = {B: r["step_ms"] for B, r in res.items()}
-        log(f"  variant {spec}: " + ", ".join(f"B={B} {v:.3f} ms" for B, v in out[spec].items()))
-        del model
-        torch.cuda.empty_cache()
-    KERNELS.clear()
-    KERNELS.update(base)
-    triton_linear.TUNED.clear()
-    triton_linear.TUNED.update(base_tuned)
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    out = {}
+    try:
+        for spec in variants.split(";"):
+            reset()
+            for kv in filter(None, (x.strip() for x in spec.split(","))):
+                if kv.startswith("tile:"):
+                    key, max_m, tile = parse_tile_override(kv)
+                    triton_linear.TUNED[key] = tuple((mm, tile if mm == max_m else t) for mm, t in triton_linear.TUNED[key])
+                elif kv != "default":
+                    k, v = kv.split("=")
+                    KERNELS[k] = bool(int(v))
+            model = build_orpheus_model()
+            res = run_engine(model, batches, graphs=True, async_sched=True, sampling=greedy)
+            out[spec] = {B: r["step_ms"] for B, r in res.items()}
+            log(f"  variant {spec}: " + ", ".join(f"B={B} {v:.3f} ms" for B, v in out[spec].items()))
+            del model
+            torch.cuda.empty_cache()
+    finally:
+        reset()
     return out
 
 
@@ -261,6 +264,8 @@ def run_attn_sweep(batches=(1, 64), ctxs=(135, 350, 600), layers: int = 28, tabl
     from runner.triton_attention import DecodeRope, paged_decode_attention
 
     hq, hkv, d, bs = 24, 8, 128, 16
+    rot = RotaryEmbedding(d, 2048, RopeConfig(theta=ORPHEUS_3B["rope_theta"]))
+    cos, sin = rot.cos.cuda(), rot.sin.cuda()
     out = {}
     for B in batches:
         for ctx in ctxs:
@@ -279,8 +284,6 @@ def run_attn_sweep(batches=(1, 64), ctxs=(135, 350, 600), layers: int = 28, tabl
             slots = tables[0][:, -1].long() * bs + (ctx - 1) % bs
             k = torch.randn(B, hkv, d, device="cuda", dtype=torch.bfloat16)
             v = torch.randn_like(k)
-            rot = RotaryEmbedding(d, 2048, RopeConfig(theta=ORPHEUS_3B["rope_theta"]))
-            cos, sin = rot.cos.cuda(), rot.sin.cuda()
             splits_opts = [None] if not all_splits else [None, 1, 2, 4, 8, 16] if B * hkv < 132 else [None, 2]
             res = {}
             for bn, w, st in tiles:
