@@ -133,38 +133,36 @@ def _skinny_linear_kernel(
         else:
             y = acc.to(dt)
         tl.store(out_ptr + offs_n, y, mask=n_mask)
-    elif SPLIT_K > 1:
-        # split s sums K range [s * k_split, (s + 1) * k_split) into its own fp32 partial; the
-        # consumer adds the partials in split order (deterministic, no atomics)
+    else:
+        # MMA. Split s (SPLIT_K > 1) sums the K range [s * k_split, (s + 1) * k_split) into its
+        # own fp32 partial, which the consumer adds in split order (deterministic, no atomics);
+        # unsplit, k_split == K. One K loop for both, so both round the same way.
         pdl_enter(USE_GDC)
         k_lo = tl.program_id(2) * k_split
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
-            a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)  # [BM, BK]
-            w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)  # [BN, BK]
-            acc = tl.dot(a, tl.trans(w), acc)
-        part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
-        out_ptrs = part + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(out_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
-    else:
-        pdl_enter(USE_GDC)
+        x_ptrs += k_lo
+        w_ptrs += k_lo
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, k_split, BLOCK_K):
             a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)  # [BM, BK]
             w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)  # [BN, BK]
             acc = tl.dot(a, tl.trans(w), acc)
             if GATED:
                 wu = tl.load(w_ptrs + up_shift + k0, mask=n_mask[:, None], other=0.0)
                 acc_u = tl.dot(a, tl.trans(wu), acc_u)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            y = silu_mul(acc.to(dt), acc_u.to(dt))  # the GEMM's outputs rounded first
+        if SPLIT_K > 1:
+            part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
+            out_ptrs = part + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
+            tl.store(out_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
         else:
-            y = acc.to(dt)
-        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, y, mask=m_mask[:, None] & n_mask[None, :])
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                y = silu_mul(acc.to(dt), acc_u.to(dt))  # the GEMM's outputs rounded first
+            else:
+                y = acc.to(dt)
+            out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+            tl.store(out_ptrs, y, mask=m_mask[:, None] & n_mask[None, :])
 
 
 def skinny_linear(
