@@ -232,18 +232,23 @@ def run_splitk_sweep(workers: int = 14, ms: tuple[int, ...] = (16, 32, 64)) -> d
     return out
 
 
+def load_tuned_rows(tuned: list) -> dict:
+    """The sweep's "tuned" rows -> runner.triton_linear.TUNED entries."""
+    table = {}
+    for kind, n, k, rows in tuned:
+        table[(kind, n, k)] = tuple((m, None if t is None else LinearTile(*t)) for m, t in rows)
+    return table
+
+
 def load_tuned(path: str | Path) -> dict:
     """gemm_tuned.json (the sweep's "tuned") -> runner.triton_linear.TUNED entries."""
-    table = {}
-    for prologue, n, k, rows in json.loads(Path(path).read_text()):
-        table[(prologue, n, k)] = tuple((m, None if t is None else LinearTile(*t)) for m, t in rows)
-    return table
+    return load_tuned_rows(json.loads(Path(path).read_text()))
 
 
 def tuned_literal(tuned: list) -> str:
     lines = ["TUNED = {"]
     for prologue, n, k, rows in tuned:
-        cells = ", ".join(f"({m}, {'None' if t is None else 'LinearTile(' + ', '.join(map(str, t)) + ')'})" for m, t in rows)
+        cells = ", ".join(f"({m}, {'None' if t is None else repr(LinearTile(*t))})" for m, t in rows)
         lines.append(f"    ({KIND_NAMES[prologue].upper()}, {n}, {k}): ({cells},),")
     return "\n".join(lines + ["}"])
 

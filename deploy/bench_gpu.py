@@ -208,35 +208,88 @@ def parse_tile_override(item: str) -> tuple[tuple[int, int, int], int, "LinearTi
     return ({"plain": PLAIN, "gated": GATED}[kind], int(n), int(k)), int(max_m), tile
 
 
-def run_decode_variants(variants: str, batches) -> dict:
+SKIPPABLE = ("norm", "attn", "qkv", "o", "gate_up", "down")
+
+
+def skip_op(model, name: str) -> None:
+    """Timing-only: make one per-layer op of `model` launch nothing (a same-shaped empty tensor
+    instead of its result), so that step time minus this variant's step time is what that op
+    costs on the step's critical path, PDL overlap included. Tokens become meaningless; shapes,
+    the graphs and every other kernel stay as they are. `name` is one of SKIPPABLE."""
+    ops, attn, cfg = model.ops, model.attn, model.cfg
+    shapes = {"qkv": (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, "o": cfg.hidden_size, "down": cfg.hidden_size}
+    ins = {"qkv": cfg.hidden_size, "o": cfg.num_heads * cfg.head_dim, "down": cfg.intermediate_size}
+    if name == "norm":
+        def add_rmsnorm(x, residual, weight, eps):
+            return residual, residual
+        ops.add_rmsnorm = add_rmsnorm
+    elif name == "attn":
+        def no_attention(q, *a, **k):
+            return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        attn.forward_decode_rope = attn.forward_prewritten_kv = no_attention
+    elif name in ("qkv", "o", "down"):
+        linear = ops.linear
+
+        def skipped_linear(x, lin, into_norm=False, _n=shapes[name], _k=ins[name]):
+            if tuple(lin.weight.shape) == (_n, _k):
+                return torch.empty(x.shape[0], _n, dtype=x.dtype, device=x.device)
+            return linear(x, lin, into_norm)
+        ops.linear = skipped_linear
+    elif name == "gate_up":
+        def mlp(x, gate_up, down, into_norm=False):
+            act = torch.empty(x.shape[0], cfg.intermediate_size, dtype=x.dtype, device=x.device)
+            return ops.linear(act, down, into_norm)
+        ops.mlp = mlp
+    else:
+        raise ValueError(f"skip={name}: one of {SKIPPABLE}")
+
+
+def run_decode_variants(variants: str, batches, swept: list | None = None) -> dict:
     """Greedy decode step time per kernel variant, each on a freshly built model (one run, same
     GPU state): `variants` = ';'-separated variants, each ','-separated RunnerConfig kernel
-    overrides and tile-table rows, e.g. "default;rope_in_attention=0;tile:plain:3072:3072:1=1/8/1024/4/1"."""
+    overrides and tile-table rows, e.g. "default;rope_in_attention=0;tile:plain:3072:3072:1=1/8/1024/4/1";
+    `swept` takes TUNED from this run's gemm sweep (`swept`, its "tuned" rows); `skip=OP`
+    times the step without one per-layer op (skip_op: its critical-path cost)."""
+    from bench_gemm import load_tuned_rows
+
     from runner import triton_linear
     from runner.sampling_params import SamplingParams
 
     base = dict(KERNELS)
     base_tuned = dict(triton_linear.TUNED)
+    base_split = dict(triton_linear.SPLIT_TUNED)
 
     def reset() -> None:  # every variant starts from the run's options, and the run ends there
         KERNELS.clear()
         KERNELS.update(base)
         triton_linear.TUNED.clear()
         triton_linear.TUNED.update(base_tuned)
+        triton_linear.SPLIT_TUNED.clear()
+        triton_linear.SPLIT_TUNED.update(base_split)
 
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     out = {}
     try:
         for spec in variants.split(";"):
             reset()
+            skips = []
             for kv in filter(None, (x.strip() for x in spec.split(","))):
                 if kv.startswith("tile:"):
                     key, max_m, tile = parse_tile_override(kv)
                     triton_linear.TUNED[key] = tuple((mm, tile if mm == max_m else t) for mm, t in triton_linear.TUNED[key])
+                elif kv == "swept":
+                    if swept is None:
+                        raise ValueError("variant 'swept' needs the gemm section in the same run")
+                    triton_linear.TUNED.clear()
+                    triton_linear.TUNED.update(load_tuned_rows(swept))
+                elif kv.startswith("skip="):
+                    skips.append(kv.removeprefix("skip="))
                 elif kv != "default":
                     k, v = kv.split("=")
                     KERNELS[k] = bool(int(v))
             model = build_orpheus_model()
+            for name in skips:
+                skip_op(model, name)
             res = run_engine(model, batches, graphs=True, async_sched=True, sampling=greedy)
             out[spec] = {B: r["step_ms"] for B, r in res.items()}
             log(f"  variant {spec}: " + ", ".join(f"B={B} {v:.3f} ms" for B, v in out[spec].items()))
@@ -776,7 +829,7 @@ def main() -> int:
 
         res["splitk"] = run_splitk_sweep()
     if "variants" in secs:
-        res["variants"] = run_decode_variants(args.variants, batches)
+        res["variants"] = run_decode_variants(args.variants, batches, res.get("gemm", {}).get("tuned"))
     if secs & {"engine", "eager", "decode"}:
         model = build_orpheus_model()
         res["weight_bytes"] = weight_bytes(model)
