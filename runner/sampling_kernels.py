@@ -241,7 +241,10 @@ def _search(y_row, sk_row, V, m, lo, hi, n_in, bound, frac, on,
 # --------------------------------------------------------------------------- kernels
 
 
-@triton.jit
+# The batch's filter flags are runtime arguments (uniform branches), not constexprs: with 2^3
+# combinations a combination first met mid-serving would compile then (~1 s with every stream
+# waiting; H200 test in tests/test_gpu.py). Not specialised, so 0 and 1 share one variant.
+@triton.jit(do_not_specialize=["has_top_k", "has_top_p", "has_min_p"])
 def _filter_sample_kernel(
     y_ptr, stride_y,  # logits [B, V] f32; scaled (and in WRITE mode filtered) in place
     q_ptr, stride_q,  # race noise [B, V] f32 (SAMPLE only)
@@ -249,8 +252,7 @@ def _filter_sample_kernel(
     temp_ptr, topk_ptr, topp_ptr, minp_ptr,  # [B] f32, i64, f32, f32
     sk_ptr,  # scratch [B, C] int32: the keys of a search's last interval
     V,
-    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-    FILTER: tl.constexpr,  # HAS_TOP_K or HAS_TOP_P
+    has_top_k, has_top_p, has_min_p,  # int 0/1: some row of the batch uses top-k / top-p / min-p
     SAMPLE: tl.constexpr,  # True: race -> ids; False: write the filtered logits
     BLOCK_P: tl.constexpr, NP: tl.constexpr, BLOCK_S: tl.constexpr, C: tl.constexpr,
     MAX_PASSES: tl.constexpr,
@@ -259,6 +261,9 @@ def _filter_sample_kernel(
     y_row = y_ptr + row * stride_y
     sk_row = sk_ptr + row * C
     ars = tl.arange(0, BLOCK_S)
+    filt = (has_top_k != 0) | (has_top_p != 0)
+    no_filter = ~filt
+    no_min_p = has_min_p == 0
     t_raw = tl.load(temp_ptr + row)
     greedy = t_raw == 0.0
     temp = tl.where(greedy, 1.0, t_raw)  # greedy rows are filtered unscaled (WRITE mode)
@@ -295,12 +300,12 @@ def _filter_sample_kernel(
     n_in = n_fin
 
     # ---- top-k, then top-p over what top-k kept
-    if HAS_TOP_K:
+    if has_top_k != 0:
         k = tl.load(topk_ptr + row)
         k_on = active & (k > 0) & (k < n_fin)  # k >= #finite keeps every finite token
         lo, n_in = _search(y_row, sk_row, V, m, lo, hi, n_in, k.to(tl.float32), 0.0, k_on,
                            False, BLOCK_P, NP, BLOCK_S, C, MAX_PASSES)
-    if HAS_TOP_P:
+    if has_top_p != 0:
         p = tl.load(topp_ptr + row)
         p_on = active & (p < 1.0)
         # Tokens more than 120 below the max have exp(y - max) == 0 in fp32: massless, they
@@ -310,8 +315,7 @@ def _filter_sample_kernel(
         lo_p, n_in = _search(y_row, sk_row, V, m, lo, hi, n_in, unknown, p, p_on,
                              True, BLOCK_P, NP, BLOCK_S, C, MAX_PASSES)
         lo = tl.where(p_on, lo_p, lo)
-    if HAS_MIN_P:
-        min_p = tl.load(minp_ptr + row)
+    min_p = tl.load(minp_ptr + row)  # read (and applied) only where has_min_p
 
     # ---- last pass: min-p, then the race or the filtered logits
     if SAMPLE:
@@ -329,11 +333,7 @@ def _filter_sample_kernel(
                 y_next = _load_row(y_row, nxt, V)
                 q_next = tl.load(q_row + nxt, mask=nxt < V, other=1.0)
                 e = tl.exp(y - m)
-                keep = offs < V
-                if FILTER:
-                    keep = keep & (_order_key(y) > lo)
-                if HAS_MIN_P:
-                    keep = keep & (e >= min_p)
+                keep = (offs < V) & ((_order_key(y) > lo) | no_filter) & ((e >= min_p) | no_min_p)
                 # race_noise is > 0; the clamp guards hand-made q (e/0 = inf or NaN).
                 score = tl.where(keep, e / tl.maximum(q, 1.1754943508222875e-38), -1.0)
                 upd = score > best
@@ -343,21 +343,18 @@ def _filter_sample_kernel(
         win = tl.min(tl.where(best == top, besti, V), axis=0)
         tl.store(ids_ptr + row, tl.where(greedy, greedy_id, win).to(tl.int64))
     else:
-        if FILTER or HAS_MIN_P:
+        if filt | (has_min_p != 0):
             y_next = _load_row(y_row, ars, V)
             for start in range(0, V, BLOCK_S):
                 y = y_next
                 offs = start + ars
                 y_next = _load_row(y_row, offs + BLOCK_S, V)
-                keep = offs < V
-                if FILTER:
-                    keep = keep & (_order_key(y) > lo)
-                if HAS_MIN_P:
-                    keep = keep & (tl.exp(y - m) >= min_p)
+                keep = (offs < V) & ((_order_key(y) > lo) | no_filter) & ((tl.exp(y - m) >= min_p) | no_min_p)
                 tl.store(y_row + offs, tl.where(keep, y, float("-inf")), mask=offs < V)
 
 
-@triton.jit
+# Flags at run time for the reason given at _filter_sample_kernel.
+@triton.jit(do_not_specialize=["has_rep", "has_freq", "has_pres"])
 def _penalty_kernel(
     x_ptr, stride_x,  # logits [B, V] f32, in place
     rows_ptr,  # [B] int64 state row per batch row (padding -> scratch row S)
@@ -365,7 +362,8 @@ def _penalty_kernel(
     cnt_ptr, stride_cnt,  # output counts [S+1, V] int32
     rep_ptr, freq_ptr, pres_ptr,  # [B] f32
     V,
-    HAS_REP: tl.constexpr, HAS_FREQ: tl.constexpr, HAS_PRES: tl.constexpr, BLOCK: tl.constexpr,
+    has_rep, has_freq, has_pres,  # int 0/1: some row of the batch uses this penalty
+    BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -374,14 +372,14 @@ def _penalty_kernel(
     x_row = x_ptr + b * stride_x
     x = tl.load(x_row + offs, mask=valid, other=0.0)
     c = tl.load(cnt_ptr + r * stride_cnt + offs, mask=valid, other=0)
-    if HAS_REP:
+    if has_rep != 0:
         pm = tl.load(mask_ptr + r * stride_mask + offs, mask=valid, other=0)
         rep = tl.load(rep_ptr + b)
         seen = (pm != 0) | (c > 0)
         x = tl.where(seen, tl.where(x < 0, x * rep, tl.div_rn(x, rep)), x)  # IEEE division, as torch's
-    if HAS_FREQ:
+    if has_freq != 0:
         x = x - tl.load(freq_ptr + b) * c.to(tl.float32)
-    if HAS_PRES:
+    if has_pres != 0:
         x = x - tl.load(pres_ptr + b) * tl.where(c > 0, 1.0, 0.0)
     tl.store(x_row + offs, x, mask=valid)
 
@@ -408,7 +406,7 @@ def apply_penalties(logits: torch.Tensor, batch: "SamplingBatch", state: "SlotSt
     _penalty_kernel[grid](
         logits, logits.stride(0), rows, mask, mask.stride(0), counts, counts.stride(0),
         batch.repetition_penalty, batch.frequency_penalty, batch.presence_penalty, v,
-        HAS_REP=batch.any_repetition, HAS_FREQ=batch.any_frequency, HAS_PRES=batch.any_presence,
+        int(batch.any_repetition), int(batch.any_frequency), int(batch.any_presence),
         BLOCK=_PENALTY_BLOCK, num_warps=4, enable_fp_fusion=False,
     )
 
@@ -484,7 +482,7 @@ def _launch(logits: torch.Tensor, batch: "SamplingBatch", q: torch.Tensor | None
         ids if ids is not None else torch.empty(1, dtype=torch.int64, device=logits.device),  # (unused)
         batch.temperature, batch.top_k, batch.top_p, batch.min_p,
         sk, v,
-        HAS_TOP_K=batch.any_top_k, HAS_TOP_P=batch.any_top_p, HAS_MIN_P=batch.any_min_p, FILTER=filt,
+        int(batch.any_top_k), int(batch.any_top_p), int(batch.any_min_p),
         SAMPLE=sample,
         BLOCK_P=cfg["BLOCK_P"], NP=cfg["NP"], BLOCK_S=cfg["BLOCK_S"], C=cfg["C"], MAX_PASSES=cfg["MAX_PASSES"],
         num_warps=warps,

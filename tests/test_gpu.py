@@ -229,3 +229,57 @@ def test_cuda_codec_stage_streams_equal_offline(tmp_path):
         ref = offline_decode(st.decoder, c, st.cfg.policy)
         assert pcm.size == ref.size == len(c) * 2048
         assert np.abs(pcm.astype(np.int32) - ref.astype(np.int32)).max() <= 1
+
+
+def test_after_warm_up_serving_traffic_compiles_no_triton_kernel(tmp_path):
+    """After Engine.warm_up (what the server runs before it listens), the steps real traffic
+    makes compile no Triton kernel: a compile mid-serving stalls every stream for ~0.5-2 s.
+    Traffic: audio requests whose batch grows and shrinks, a long prompt (> 128 tokens: the
+    eager prefill path) arriving alone and one joining running decodes (an eager mixed step),
+    text requests with every sampling option the API takes, and a request for hidden states."""
+    from triton import knobs
+
+    from runner.default_model import ensure_default_model
+    from runner.engine_proc import EngineProcArgs, build_engine
+
+    path = ensure_default_model(tmp_path / "default")
+    eng = build_engine(EngineProcArgs(model_path=str(path), input_addr="", output_addr="", max_num_seqs=16,
+                                      max_model_len=1024, device="cuda"))
+    eng.warm_up()
+    compiled = []
+    old = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(
+        f"{getattr(kw.get('fn'), 'name', '?')}: {str(kw.get('repr', ''))[:300]}") or False
+    try:
+        vocab = eng.cfg.model.vocab_size
+        audio = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=80, seed=1)
+
+        def prompt(n, salt):
+            return [(salt * 31 + i) % (vocab - 10) + 1 for i in range(n)]
+
+        def run(steps=None):
+            n = 0
+            while eng.has_unfinished and (steps is None or n < steps):
+                eng.step()
+                n += 1
+
+        eng.add_request("long-alone", prompt(300, 1), audio, audio=True)
+        run()
+        for i in range(5):  # the batch grows one request per step ...
+            eng.add_request(f"a{i}", prompt(20 + i, 2 + i), audio, audio=True)
+            run(1)
+        eng.add_request("long-joins", prompt(400, 9), audio, audio=True)  # ... a long prompt joins it
+        text = [dict(temperature=1.0), dict(temperature=0.7, top_k=50), dict(temperature=0.9, min_p=0.05),
+                dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01), dict(temperature=1.0, frequency_penalty=0.5),
+                dict(temperature=1.0, presence_penalty=0.3, repetition_penalty=1.2), dict(temperature=0.0)]
+        for i, kw in enumerate(text):  # one at a time: each gives the free rows other filter flags
+            eng.add_request(f"text{i}", prompt(30 + i, 10 + i), SamplingParams(max_tokens=6, seed=i, **kw))
+            run(4)
+        eng.add_request("hidden", prompt(50, 11), SamplingParams(temperature=0.0, max_tokens=8),
+                        hidden_state_layers=(-1,))
+        run(3)
+        eng.abort_request("a0")
+        run()  # ... and shrinks as they finish
+    finally:
+        knobs.runtime.jit_post_compile_hook = old
+    assert compiled == [], "\n".join(compiled)

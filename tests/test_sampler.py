@@ -989,22 +989,18 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
     cfg = m._CONFIG
     sig = dict(y_ptr="*fp32", stride_y="i32", q_ptr="*fp32", stride_q="i32", ids_ptr="*i64", temp_ptr="*fp32",
-               topk_ptr="*i64", topp_ptr="*fp32", minp_ptr="*fp32", sk_ptr="*i32", V="i32")
-    for (tk, tp, mp, sample), warps in itertools.product(itertools.product([False, True], repeat=4),
-                                                         (cfg["num_warps"], cfg["num_warps_small"])):
-        if warps == cfg["num_warps_small"] and not (tp and sample):
-            continue  # the small-batch width: the Orpheus variants are enough
-        build(m._filter_sample_kernel, sig, dict(HAS_TOP_K=tk, HAS_TOP_P=tp, HAS_MIN_P=mp, FILTER=tk or tp,
-              SAMPLE=sample, BLOCK_P=cfg["BLOCK_P"], NP=cfg["NP"], BLOCK_S=cfg["BLOCK_S"], C=cfg["C"],
-              MAX_PASSES=cfg["MAX_PASSES"]), warps)
+               topk_ptr="*i64", topp_ptr="*fp32", minp_ptr="*fp32", sk_ptr="*i32", V="i32",
+               has_top_k="i32", has_top_p="i32", has_min_p="i32")  # the filter flags: one variant for all
+    for sample, warps in itertools.product((False, True), {cfg["num_warps"], cfg["num_warps_small"]}):
+        build(m._filter_sample_kernel, sig, dict(SAMPLE=sample, BLOCK_P=cfg["BLOCK_P"], NP=cfg["NP"],
+              BLOCK_S=cfg["BLOCK_S"], C=cfg["C"], MAX_PASSES=cfg["MAX_PASSES"]), warps)
     psig = dict(x_ptr="*fp32", stride_x="i32", rows_ptr="*i64", mask_ptr="*u8", stride_mask="i32", cnt_ptr="*i32",
-                stride_cnt="i32", rep_ptr="*fp32", freq_ptr="*fp32", pres_ptr="*fp32", V="i32")
-    for flags in itertools.product([False, True], repeat=3):
-        k = build(m._penalty_kernel, psig, dict(HAS_REP=flags[0], HAS_FREQ=flags[1], HAS_PRES=flags[2],
-                  BLOCK=m._PENALTY_BLOCK), 4, enable_fp_fusion=False)
-        ptx = k.asm["ptx"]
-        # bit-exact with torch: IEEE division, no contraction of x - f * c into an FMA
-        assert "div.full" not in ptx and "div.approx" not in ptx and "fma.rn.f32" not in ptx, flags
+                stride_cnt="i32", rep_ptr="*fp32", freq_ptr="*fp32", pres_ptr="*fp32", V="i32",
+                has_rep="i32", has_freq="i32", has_pres="i32")
+    k = build(m._penalty_kernel, psig, dict(BLOCK=m._PENALTY_BLOCK), 4, enable_fp_fusion=False)
+    ptx = k.asm["ptx"]
+    # bit-exact with torch: IEEE division, no contraction of x - f * c into an FMA
+    assert "div.full" not in ptx and "div.approx" not in ptx and "fma.rn.f32" not in ptx
     rsig = dict(slots_ptr="*i64", tok_ptr="*i64", idx_ptr="*i64", last_ptr="*i64", hist_ptr="*i64", stride_h="i32",
                 cnt_ptr="*i32", stride_c="i32", B="i32")
     for counts in (False, True):
