@@ -11,10 +11,12 @@ once at construction by `make_attention_backend` (runner/triton_attention.py on 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from runner.config import ModelConfig
 
@@ -79,6 +81,15 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
 
 
+# SDPA backends for the CUDA prefill path: kernels that are compiled in, nothing set up per shape.
+# On the H200 (torch 2.11) SDPA's own choice paid 77-1914 ms on its first call at each new prompt
+# length (per-shape setup; most likely a cuDNN execution plan, not traced), against 0.4-0.5 ms
+# with these; in the engine a 303-token prompt's prefill step took 1019 ms, every other stream
+# waiting, and 79 ms with these (deploy/RESULTS.md, s9). Memory-efficient attention takes the
+# boolean mask; math is the fallback.
+NO_PLAN_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter the new tokens' K/V ([T, Hkv, D]) into their slots.
 
@@ -103,6 +114,10 @@ class TorchPagedAttention:
 
     supports_token_rows = False
     fuses_decode_rope = False
+
+    def __init__(self, sdpa_backends: list[SDPBackend] | None = None) -> None:
+        # None: SDPA picks as it likes (CPU). TritonPagedAttention passes NO_PLAN_BACKENDS.
+        self.sdpa_backends = sdpa_backends
 
     def decode_rope_fused(self, batch: int, num_kv_heads: int, device: torch.device) -> bool:
         return False
@@ -155,9 +170,10 @@ class TorchPagedAttention:
         # query-length axis. Query head h uses KV head h // group (transformers' repeat_kv order).
         qg = q_pad.view(b, max_q, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * max_q, d)
         mask_g = mask[:, None, None].expand(b, 1, group, max_q, max_s).reshape(b, 1, group * max_q, max_s)
-        out = F.scaled_dot_product_attention(
-            qg, k_pad.transpose(1, 2), v_pad.transpose(1, 2), attn_mask=mask_g, scale=scale
-        )  # [B, Hkv, group*Lq, D]
+        with sdpa_kernel(self.sdpa_backends) if self.sdpa_backends else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(
+                qg, k_pad.transpose(1, 2), v_pad.transpose(1, 2), attn_mask=mask_g, scale=scale
+            )  # [B, Hkv, group*Lq, D]
         out = out.view(b, hkv, group, max_q, d).permute(0, 3, 1, 2, 4).reshape(b, max_q, hq, d)
         return out[seq_of_tok, idx_in_seq]  # [T, Hq, D]
 

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.attention import AttentionMetadata, TorchPagedAttention, write_kv
+from runner.attention import NO_PLAN_BACKENDS, AttentionMetadata, TorchPagedAttention, write_kv
 from runner.triton_fused_ops import rope_rows
 from runner.triton_pdl import pdl_enter
 
@@ -442,7 +442,7 @@ class TritonPagedAttention:
     # RunnerConfig.rope_in_attention=False (A/B runs)
 
     def __init__(self, num_splits: int | None = None, pdl: bool = False, rope_in_attention: bool = True) -> None:
-        self._torch = TorchPagedAttention()
+        self._torch = TorchPagedAttention(NO_PLAN_BACKENDS)
         self.num_splits = num_splits  # None: choose from shapes per call
         self.pdl = pdl  # fixed at construction (make_attention_backend)
         self.fuses_decode_rope = rope_in_attention

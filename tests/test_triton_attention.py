@@ -20,7 +20,7 @@ from tests.triton_interpreter import compile_offline, has_nvidia_backend, interp
 _CUDA = interpret_without_cuda()  # before runner.triton_attention is imported
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
 
-from runner.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
+from runner.attention import NO_PLAN_BACKENDS, AttentionMetadata, TorchPagedAttention  # noqa: E402
 from runner.triton_attention import (  # noqa: E402
     MAX_SPLITS,
     TritonPagedAttention,
@@ -267,7 +267,7 @@ def test_backend_prefill_delegates_to_torch():
     q, k, v, kv, _, meta = _chunked_case([5, 3], [20, 9], seed=2)
     kv_t = kv.clone()
     out = TritonPagedAttention().forward(q, k, v, kv, meta, 0.3)
-    ref = TorchPagedAttention().forward(q, k, v, kv_t, meta, 0.3)
+    ref = TorchPagedAttention(NO_PLAN_BACKENDS).forward(q, k, v, kv_t, meta, 0.3)
     assert torch.equal(out, ref) and torch.equal(kv, kv_t)
 
 
