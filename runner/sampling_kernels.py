@@ -243,8 +243,12 @@ def _search(y_row, sk_row, V, m, lo, hi, n_in, bound, frac, on,
 
 # The batch's filter flags are runtime arguments (uniform branches), not constexprs: with 2^3
 # combinations a combination first met mid-serving would compile then (~1 s with every stream
-# waiting; H200 test in tests/test_gpu.py). Not specialised, so 0 and 1 share one variant.
-@triton.jit(do_not_specialize=["has_top_k", "has_top_p", "has_min_p"])
+# waiting; H200 test in tests/test_gpu.py). Not specialised, so 0 and 1 share one variant; nor
+# are the row strides: a prefill step's logits can be a view of the padded lm_head output (row
+# stride 156992, a multiple of 16) where warm-up saw contiguous rows (156940), and that alone
+# compiled a second variant for the first long prompt (H200, s9). With V not a multiple of 16
+# the row loads are not vectorised either way.
+@triton.jit(do_not_specialize=["stride_y", "stride_q", "has_top_k", "has_top_p", "has_min_p"])
 def _filter_sample_kernel(
     y_ptr, stride_y,  # logits [B, V] f32; scaled (and in WRITE mode filtered) in place
     q_ptr, stride_q,  # race noise [B, V] f32 (SAMPLE only)
@@ -353,8 +357,8 @@ def _filter_sample_kernel(
                 tl.store(y_row + offs, tl.where(keep, y, float("-inf")), mask=offs < V)
 
 
-# Flags at run time for the reason given at _filter_sample_kernel.
-@triton.jit(do_not_specialize=["has_rep", "has_freq", "has_pres"])
+# Flags and the logits' row stride at run time, for the reasons given at _filter_sample_kernel.
+@triton.jit(do_not_specialize=["stride_x", "has_rep", "has_freq", "has_pres"])
 def _penalty_kernel(
     x_ptr, stride_x,  # logits [B, V] f32, in place
     rows_ptr,  # [B] int64 state row per batch row (padding -> scratch row S)

@@ -167,6 +167,8 @@ def test_padded_head_gives_the_same_logits(which, llama_dir, tied_dir):
     assert padded.data_ptr() == model.lm_head_weight.data_ptr() and not padded[v:].any()
     hidden = torch.randn(3, model.cfg.hidden_size)
     torch.testing.assert_close(model.compute_logits(hidden), ref.compute_logits(hidden), rtol=0, atol=0)
+    for rows in (hidden, hidden[:1]):  # row stride V, also for a single row
+        assert model.compute_logits(rows).stride() == (v, 1)
     torch.testing.assert_close(model.compute_logits(hidden, (5, 17)), ref.compute_logits(hidden)[:, 5:17], rtol=0, atol=1e-6)
     ids = torch.tensor([0, 3, v - 1])
     torch.testing.assert_close(model.embed_tokens(ids), ref.embed_tokens(ids), rtol=0, atol=0)

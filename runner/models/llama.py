@@ -291,7 +291,12 @@ class LlamaForCausalLM(nn.Module):
         if span is not None:
             return F.linear(hidden, self.lm_head_weight[span[0] : span[1]]).float()
         if self.lm_head_padded is not None:
-            return F.linear(hidden, self.lm_head_padded)[:, : self.cfg.vocab_size].float()
+            # Row stride V always: `.float()` keeps a one-row view's padded stride V' (torch
+            # counts a [1, V] slice of [1, V'] as contiguous), so one sampled row would reach
+            # the sampling kernels with another row stride than several (a Triton
+            # specialisation compiled mid-serving on the H200, s9).
+            logits = F.linear(hidden, self.lm_head_padded)[:, : self.cfg.vocab_size]
+            return torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)
         return F.linear(hidden, self.lm_head_weight).float()
 
     def reset_buffers(self, device: torch.device | str) -> None:
