@@ -14,6 +14,8 @@ Sections (all by default; pick with --sections):
   ttfa       in-process engine (same model folder as serving, no server): time from add_request
              to the first PCM of one audio request, and the host time per step phase; the
              floor under the serving TTFA (which adds the front end and two IPC hops)
+  first_use  in-process serving engine after warm_up: requests that meet a shape for the first
+             time (eager prefills alone and joining decodes, hidden states) against the same again
   serving    the real server (engine process + aiohttp) with N concurrent WebSocket TTS
              clients reading in real time: TTFA p50/p99, RTF, largest real-time N
   gemm       tile sweep of the skinny decode GEMMs against cuBLAS (deploy/bench_gemm.py);
@@ -244,10 +246,29 @@ def skip_op(model, name: str) -> None:
         raise ValueError(f"skip={name}: one of {SKIPPABLE}")
 
 
+def parse_split_override(item: str) -> tuple[tuple[int, int], tuple]:
+    """'split:N:K=MAX_M:bm/bn/bk/warps/stages/splits+MAX_M:none+...' -> the SPLIT_TUNED key and
+    its rows (all of them, in increasing MAX_M; 'none': not split up to that M)."""
+    from runner.triton_linear import LinearTile
+
+    lhs, rhs = item.removeprefix("split:").split("=")
+    n, k = map(int, lhs.split(":"))
+    rows = []
+    for cell in rhs.split("+"):
+        max_m, spec = cell.split(":")
+        if spec == "none":
+            rows.append((int(max_m), None, 1))
+        else:
+            *t, splits = map(int, spec.split("/"))
+            rows.append((int(max_m), LinearTile(*t), splits))
+    return (n, k), tuple(rows)
+
+
 def run_decode_variants(variants: str, batches, swept: list | None = None) -> dict:
     """Greedy decode step time per kernel variant, each on a freshly built model (one run, same
     GPU state): `variants` = ';'-separated variants, each ','-separated RunnerConfig kernel
     overrides and tile-table rows, e.g. "default;rope_in_attention=0;tile:plain:3072:3072:1=1/8/1024/4/1";
+    `split:N:K=...` replaces a SPLIT_TUNED entry (parse_split_override);
     `swept` takes TUNED from this run's gemm sweep (`swept`, its "tuned" rows); `skip=OP`
     times the step without one per-layer op (skip_op: its critical-path cost)."""
     from bench_gemm import load_tuned_rows
@@ -277,6 +298,9 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
                 if kv.startswith("tile:"):
                     key, max_m, tile = parse_tile_override(kv)
                     triton_linear.TUNED[key] = tuple((mm, tile if mm == max_m else t) for mm, t in triton_linear.TUNED[key])
+                elif kv.startswith("split:"):
+                    key, rows = parse_split_override(kv)
+                    triton_linear.SPLIT_TUNED[key] = rows
                 elif kv == "swept":
                     if swept is None:
                         raise ValueError("variant 'swept' needs the gemm section in the same run")
@@ -515,6 +539,97 @@ def run_ttfa(repeats: int = 8, prompt: list[int] | None = None) -> dict:
     del eng
     torch.cuda.empty_cache()
     return res
+
+
+def run_first_use(max_num_seqs: int = 64) -> dict:
+    """After Engine.warm_up: host time of requests whose steps meet a shape for the first time,
+    next to the same kind of request again (new tokens, so no prefix-cache hit). A first-use
+    cost (a CUDA module loaded on first launch, a Triton compile) shows as first >> again, and
+    in serving every stream waits for it. Cases: eager prefills (prompts past the 128-token
+    token-row limit) alone and joining 8 running decodes, and a hidden-state request."""
+    from triton import knobs
+
+    from runner.sampling_params import SamplingParams
+
+    eng = in_process_engine(max_num_seqs)
+    eng.warm_up()
+    compiled: list[str] = []
+    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(
+        f"{getattr(kw.get('fn'), 'name', '?')}: {str(kw.get('repr', ''))[:600]}") or False
+    g = torch.Generator().manual_seed(7)
+    hi = min(100000, eng.cfg.model.vocab_size)
+    text = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=2, ignore_eos=True)
+    audio = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=300, seed=1)
+    n = 0
+
+    def timed(length: int, hidden: bool = False) -> tuple[float, float]:
+        """(ms from add_request to its end, longest step ms while it ran)."""
+        nonlocal n
+        n += 1
+        rid = f"first-use-{n}"
+        eng.add_request(rid, torch.randint(10, hi, (length,), generator=g).tolist(), text,
+                        hidden_state_layers=(-1,) if hidden else ())
+        t0, longest, done = time.perf_counter(), 0.0, False
+        while not done:
+            ts = time.perf_counter()
+            done = any(o.request_id == rid and o.finished for o in eng.step())
+            longest = max(longest, time.perf_counter() - ts)
+        return 1e3 * (time.perf_counter() - t0), 1e3 * longest
+
+    res: dict = {}
+    for label, length, hidden in (("prompt 300 alone", 300, False), ("prompt 517 alone", 517, False),
+                                  ("hidden states, prompt 50", 50, True)):
+        res[label] = {"first": timed(length, hidden), "again": timed(length, hidden), "third": timed(length + 3, hidden)}
+    for i in range(8):
+        eng.add_request(f"dec-{i}", torch.randint(10, hi, (24,), generator=g).tolist(), audio, audio=True)
+    for _ in range(10):
+        eng.step()
+    res["prompt 400 joining 8 decodes"] = {"first": timed(400), "again": timed(400), "third": timed(403)}
+    for r in list(eng.requests):
+        eng.abort_request(r)
+    while eng.has_unfinished:
+        eng.step()
+    knobs.runtime.jit_post_compile_hook = None
+    res["compiled_after_warm_up"] = compiled
+    for label, r in res.items():
+        if label != "compiled_after_warm_up":
+            log(f"  first use: {label}: " + ", ".join(f"{k} {v[0]:.1f} ms (longest step {v[1]:.1f})" for k, v in r.items()))
+    log(f"  Triton compiles after warm-up: {compiled or 'none'}")
+    del eng
+    torch.cuda.empty_cache()
+    res["sdpa"] = sdpa_first_use()
+    return res
+
+
+def sdpa_first_use(lengths=(611, 614, 777)) -> dict:
+    """The prefill path's SDPA call alone (runner/attention.py's shapes: one sequence of L
+    tokens, 8 KV heads x 3 query heads folded into the query axis, boolean causal mask, bf16)
+    at prompt lengths not seen before: ms of the first call and of the second, with SDPA's own
+    backend choice and with runner.attention.NO_PLAN_BACKENDS."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    from runner.attention import NO_PLAN_BACKENDS
+
+    out = {}
+    for name, backends in (("default", None), ("no_plan", NO_PLAN_BACKENDS)):
+        for L in lengths:
+            L += 0 if name == "default" else 1  # a length this process has not met either
+            q = torch.randn(1, 8, 3 * L, 128, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(1, 8, L, 128, device="cuda", dtype=torch.bfloat16)
+            pos = torch.arange(L, device="cuda")
+            mask = (pos[None, :] <= pos[:, None]).repeat(3, 1)[None, None]  # [1, 1, 3L, L]
+            times = []
+            for _ in range(2):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+                    F.scaled_dot_product_attention(q, k, k, attn_mask=mask, scale=0.088)
+                torch.cuda.synchronize()
+                times.append(1e3 * (time.perf_counter() - t0))
+            out[f"{name} L={L}"] = times
+            log(f"  SDPA {name} L={L}: first {times[0]:.1f} ms, again {times[1]:.2f} ms")
+    return out
 
 
 def run_codec_tiles(tiles_list: list[str]) -> dict:
@@ -857,6 +972,8 @@ def main() -> int:
         res["profile_serving"] = run_profile_serving(args.profile_serving_batch, Path(args.out))
     if "ttfa" in secs:
         res["ttfa"] = run_ttfa()
+    if "first_use" in secs:
+        res["first_use"] = run_first_use()
     if "serving" in secs:
         res["serving"] = [run_serving(args.streams, args.serving_max_seqs, args.serving_max_tokens, args.serving_ramp_s, float(w))
                           for w in args.serving_admission_wait_ms.split(",")]
