@@ -231,55 +231,86 @@ def test_cuda_codec_stage_streams_equal_offline(tmp_path):
         assert np.abs(pcm.astype(np.int32) - ref.astype(np.int32)).max() <= 1
 
 
+class _Traffic:
+    """An engine built as the server builds it and warmed up as the server warms it up, with
+    helpers to drive requests and a record of every Triton compile after the warm-up."""
+
+    def __init__(self, model_path, max_num_seqs: int = 16):
+        from runner.engine_proc import EngineProcArgs, build_engine
+
+        self.eng = build_engine(EngineProcArgs(model_path=str(model_path), input_addr="", output_addr="",
+                                               max_num_seqs=max_num_seqs, max_model_len=1024, device="cuda"))
+        self.eng.warm_up()
+        self.compiled: list[str] = []
+
+    def prompt(self, n: int, salt: int) -> list[int]:
+        vocab = self.eng.cfg.model.vocab_size
+        return [(salt * 31 + i) % (vocab - 10) + 1 for i in range(n)]
+
+    def run(self, steps: int | None = None) -> None:
+        n = 0
+        while self.eng.has_unfinished and (steps is None or n < steps):
+            self.eng.step()
+            n += 1
+
+    def __enter__(self) -> "_Traffic":
+        from triton import knobs
+
+        self._old = knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_post_compile_hook = lambda **kw: self.compiled.append(
+            f"{getattr(kw.get('fn'), 'name', '?')}: {str(kw.get('key', ''))[:600]}") or False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from triton import knobs
+
+        knobs.runtime.jit_post_compile_hook = self._old
+
+
+# every sampling option the API takes, one set per request
+TEXT_SAMPLING = [dict(temperature=1.0), dict(temperature=0.7, top_k=50), dict(temperature=0.9, min_p=0.05),
+                 dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01), dict(temperature=1.0, frequency_penalty=0.5),
+                 dict(temperature=1.0, presence_penalty=0.3, repetition_penalty=1.2), dict(temperature=0.0)]
+
+
 def test_after_warm_up_serving_traffic_compiles_no_triton_kernel(tmp_path):
     """After Engine.warm_up (what the server runs before it listens), the steps real traffic
     makes compile no Triton kernel: a compile mid-serving stalls every stream for ~0.5-2 s.
     Traffic: audio requests whose batch grows and shrinks, a long prompt (> 128 tokens: the
     eager prefill path) arriving alone and one joining running decodes (an eager mixed step),
     text requests with every sampling option the API takes, and a request for hidden states."""
-    from triton import knobs
-
     from runner.default_model import ensure_default_model
-    from runner.engine_proc import EngineProcArgs, build_engine
 
-    path = ensure_default_model(tmp_path / "default")
-    eng = build_engine(EngineProcArgs(model_path=str(path), input_addr="", output_addr="", max_num_seqs=16,
-                                      max_model_len=1024, device="cuda"))
-    eng.warm_up()
-    compiled = []
-    old = knobs.runtime.jit_post_compile_hook
-    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(
-        f"{getattr(kw.get('fn'), 'name', '?')}: {str(kw.get('repr', ''))[:300]}") or False
-    try:
-        vocab = eng.cfg.model.vocab_size
+    with _Traffic(ensure_default_model(tmp_path / "default")) as t:
+        eng = t.eng
         audio = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=80, seed=1)
-
-        def prompt(n, salt):
-            return [(salt * 31 + i) % (vocab - 10) + 1 for i in range(n)]
-
-        def run(steps=None):
-            n = 0
-            while eng.has_unfinished and (steps is None or n < steps):
-                eng.step()
-                n += 1
-
-        eng.add_request("long-alone", prompt(300, 1), audio, audio=True)
-        run()
+        eng.add_request("long-alone", t.prompt(300, 1), audio, audio=True)
+        t.run()
         for i in range(5):  # the batch grows one request per step ...
-            eng.add_request(f"a{i}", prompt(20 + i, 2 + i), audio, audio=True)
-            run(1)
-        eng.add_request("long-joins", prompt(400, 9), audio, audio=True)  # ... a long prompt joins it
-        text = [dict(temperature=1.0), dict(temperature=0.7, top_k=50), dict(temperature=0.9, min_p=0.05),
-                dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01), dict(temperature=1.0, frequency_penalty=0.5),
-                dict(temperature=1.0, presence_penalty=0.3, repetition_penalty=1.2), dict(temperature=0.0)]
-        for i, kw in enumerate(text):  # one at a time: each gives the free rows other filter flags
-            eng.add_request(f"text{i}", prompt(30 + i, 10 + i), SamplingParams(max_tokens=6, seed=i, **kw))
-            run(4)
-        eng.add_request("hidden", prompt(50, 11), SamplingParams(temperature=0.0, max_tokens=8),
+            eng.add_request(f"a{i}", t.prompt(20 + i, 2 + i), audio, audio=True)
+            t.run(1)
+        eng.add_request("long-joins", t.prompt(400, 9), audio, audio=True)  # ... a long prompt joins it
+        for i, kw in enumerate(TEXT_SAMPLING):  # one at a time: each gives the free rows other filter flags
+            eng.add_request(f"text{i}", t.prompt(30 + i, 10 + i), SamplingParams(max_tokens=6, seed=i, **kw))
+            t.run(4)
+        eng.add_request("hidden", t.prompt(50, 11), SamplingParams(temperature=0.0, max_tokens=8),
                         hidden_state_layers=(-1,))
-        run(3)
+        t.run(3)
         eng.abort_request("a0")
-        run()  # ... and shrinks as they finish
-    finally:
-        knobs.runtime.jit_post_compile_hook = old
-    assert compiled == [], "\n".join(compiled)
+        t.run()  # ... and shrinks as they finish
+    assert t.compiled == [], "\n".join(t.compiled)
+
+
+def test_after_warm_up_text_traffic_compiles_no_triton_kernel(tmp_path):
+    """The same for a text model whose vocabulary (1000) is not a multiple of 64, so its lm_head
+    is padded on CUDA: a step that samples one row must hand the sampler the row stride that
+    warm-up's many-row steps did (the H200 compiled a second sampling kernel for it, s9).
+    Traffic: long prompts alone with each sampling option, then several requests at once."""
+    with _Traffic(make_tiny_model("llama", tmp_path / "m", vocab_size=1000, head_dim=64, max_pos=1024)) as t:
+        for i, kw in enumerate(TEXT_SAMPLING):
+            t.eng.add_request(f"alone{i}", t.prompt(200 + i, i), SamplingParams(max_tokens=4, seed=i, **kw))
+            t.run()
+        for i, kw in enumerate(TEXT_SAMPLING):
+            t.eng.add_request(f"together{i}", t.prompt(20 + i, 50 + i), SamplingParams(max_tokens=8, seed=i, **kw))
+        t.run()
+    assert t.compiled == [], "\n".join(t.compiled)
