@@ -315,8 +315,9 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
             for name in skips:
                 skip_op(model, name)
             res = run_engine(model, batches, graphs=True, async_sched=True, sampling=greedy)
-            out[spec] = {B: r["step_ms"] for B, r in res.items()}
-            log(f"  variant {spec}: " + ", ".join(f"B={B} {v:.3f} ms" for B, v in out[spec].items()))
+            key = spec if spec not in out else f"{spec} #{sum(k.split(' #')[0] == spec for k in out) + 1}"
+            out[key] = {B: r["step_ms"] for B, r in res.items()}
+            log(f"  variant {key}: " + ", ".join(f"B={B} {v:.3f} ms" for B, v in out[key].items()))
             del model
             torch.cuda.empty_cache()
     finally:
@@ -987,6 +988,27 @@ def main() -> int:
     return 0
 
 
+def render_variants(variants: dict, num_layers: int = ORPHEUS_3B["num_hidden_layers"]) -> list[str]:
+    """Greedy decode ms/step per variant and batch; for `skip=OP` variants also the op's
+    critical-path cost per layer: (mean of the `default` runs - the variant) / num_layers, in us."""
+    batches = sorted({B for r in variants.values() for B in r}, key=int)
+    base = {B: statistics.mean(r[B] for k, r in variants.items() if k.split(" #")[0] == "default" and B in r)
+            for B in batches if any(k.split(" #")[0] == "default" and B in r for k, r in variants.items())}
+    lines = ["", "Decode variants, greedy ms/step (skip=OP: that op's critical-path cost, us per layer):", "",
+             "| variant | " + " | ".join(f"B={B}" for B in batches) + " |", "| --- |" + " --- |" * len(batches)]
+    for k, r in variants.items():
+        cells = []
+        for B in batches:
+            if B not in r:
+                cells.append("")
+            elif k.startswith("skip=") and B in base:
+                cells.append(f"{r[B]:.3f} ({1e3 * (base[B] - r[B]) / num_layers:.1f} us)")
+            else:
+                cells.append(f"{r[B]:.3f}")
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def render(res: dict) -> str:
     lines = [f"date {res['date']}, GPU {res['gpu']}, torch {res['torch']}, command `{res['command']}`", ""]
     bw = res.get("bandwidth_Bps")
@@ -1004,6 +1026,8 @@ def render(res: dict) -> str:
             g = r.get("gap")
             if g:
                 lines.append(f"| {B} | {g['gpu_step_ms']:.2f} | {g['median_us']:.0f} | {g['p90_us']:.0f} |")
+    if "variants" in res:
+        lines += render_variants(res["variants"])
     if "engine_orpheus_sampling" in res:
         lines += ["", "Orpheus sampling (temperature 0.6, top-p 0.8, repetition penalty 1.1): " + ", ".join(
             f"B={B}: {r['step_ms']:.2f} ms/step" for B, r in res["engine_orpheus_sampling"].items())]
