@@ -188,6 +188,12 @@ class RunnerConfig:
     pdl: bool = True  # programmatic dependent launch where the GPU has it (sm90+)
     rope_in_attention: bool = True  # pure-decode RoPE + KV write inside the attention kernel
     split_k: bool = True  # o_proj / down of 2..64 rows as split-K partials summed by the add + RMSNorm
+    # also capture pure-decode graphs that keep every layer's output, so a decode step with a
+    # hidden-state request replays a graph instead of running eagerly (host-bound: every stream
+    # of the batch waits). Memory: (layers + 1) x max_num_seqs x hidden x dtype in the graph pool
+    # (Orpheus-3B, 512 seqs, bf16: 91 MB), and start-up captures one graph more per bucket.
+    # Off until it has run on a GPU (runner/cuda_graphs.py, tests/test_gpu.py).
+    hidden_state_graphs: bool = False
 
     @property
     def torch_device(self) -> torch.device:

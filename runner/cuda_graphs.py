@@ -15,6 +15,13 @@ run inside the attention kernel) for the buckets up to the most sequences a step
 token-row graphs (short prefill chunks, one row per token: rows read K/V that other rows of the
 same launch write, so the KV write stays a launch of its own) for every bucket; the latter also
 serve pure decode at the other buckets.
+
+Optionally (`hidden_rows` > 0, RunnerConfig.hidden_state_graphs) a third family for pure-decode
+steps in which some request wants hidden states: the same forward, in the same form as the
+plain graph of its bucket (so the same values), that also keeps every layer's output (0 =
+embeddings .. L = after the final norm, as the model's `capture_layers`). Without it such a step
+runs eagerly, and an eager step is host-bound (H200, Orpheus-3B: 15-28 ms against 2-8 ms
+replayed), which every other stream of the batch waits for.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ def graph_buckets(max_bs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_bs: int, max_blocks: int,
-                 scratch_block: int, block_size: int, device: torch.device, max_decode_rows: int | None = None):
+                 scratch_block: int, block_size: int, device: torch.device, max_decode_rows: int | None = None,
+                 hidden_rows: int = 0):
         self.model = model
         self.kv_caches = kv_caches
         self.max_bs = max_bs
@@ -50,6 +58,10 @@ class DecodeGraphs:
         if pure:
             self.families[True] = pure
         self._pure_buckets = frozenset(self.families.get(True, ()))
+        # all-layers graphs for pure decode up to hidden_rows sequences (empty: such steps run eagerly)
+        top_h = self.bucket_for(min(hidden_rows, max_bs)) if hidden_rows > 0 else 0
+        self.hidden_buckets = [s for s in self.buckets if s <= top_h]
+        self.all_layers = tuple(range(model.cfg.num_layers + 1))
         self.device = device
         self.scratch_slot = scratch_block * block_size
         self.scratch_block = scratch_block
@@ -62,8 +74,10 @@ class DecodeGraphs:
         self.block_tables = torch.full((max_bs, max_blocks), scratch_block, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.max_blocks = max_blocks
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, pure_decode)
-        self.hidden: dict[tuple[int, bool], torch.Tensor] = {}
+        # key: (bucket, pure_decode, all_layers)
+        self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[tuple[int, bool, bool], torch.Tensor] = {}  # final hidden [bucket, H]
+        self.layers: dict[tuple[int, bool, bool], dict[int, torch.Tensor]] = {}  # all_layers: {layer: [bucket, H]}
         self.pool = None
 
     def _meta(self, b: int, pure: bool) -> AttentionMetadata:
@@ -77,9 +91,15 @@ class DecodeGraphs:
             pure_decode=pure,
         )
 
-    def _forward(self, b: int, pure: bool) -> torch.Tensor:
-        hidden, _ = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, pure))
-        return hidden
+    def _forward(self, key: tuple[int, bool, bool]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        b, pure, all_layers = key
+        return self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, pure),
+                          self.all_layers if all_layers else ())
+
+    def _keys(self) -> list[tuple[int, bool, bool]]:
+        keys = [(b, pure, False) for pure, buckets in self.families.items() for b in buckets]
+        # the all-layers graph of a bucket takes the form its plain pure-decode graph has
+        return keys + [(b, b in self._pure_buckets, True) for b in self.hidden_buckets]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -89,39 +109,42 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             # every bucket once: Triton compiles a variant per split count (which depends on
             # the batch size) and compilation must not happen inside a capture
-            for pure, buckets in self.families.items():
-                for b in buckets:
-                    self._forward(b, pure)
+            for key in self._keys():
+                self._forward(key)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize(self.device)
         # largest first (the shared pool is sized by the first capture); only one graph replays
         # at a time, so the families share it too
-        for b, pure in sorted(((b, p) for p, bs in self.families.items() for b in bs), reverse=True):
+        for key in sorted(self._keys(), reverse=True):
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                self.hidden[b, pure] = self._forward(b, pure)
+                self.hidden[key], self.layers[key] = self._forward(key)
             if self.pool is None:
                 self.pool = g.pool()
-            self.graphs[b, pure] = g
+            self.graphs[key] = g
         torch.cuda.synchronize(self.device)
-        log.info("captured decode CUDA graphs for batch sizes %s%s", self.buckets,
-                 f" (pure-decode graphs up to {self.families[True][-1]})" if True in self.families else "")
+        log.info("captured decode CUDA graphs for batch sizes %s%s%s", self.buckets,
+                 f" (pure-decode graphs up to {self.families[True][-1]})" if True in self.families else "",
+                 f" (all-layers graphs up to {self.hidden_buckets[-1]})" if self.hidden_buckets else "")
 
-    def bucket_for(self, b: int) -> int | None:
-        if b > self.max_bs:
-            return None
-        for s in self.buckets:
+    def bucket_for(self, b: int, all_layers: bool = False) -> int | None:
+        """The smallest captured bucket >= b (all_layers: of the all-layers family, which
+        serves pure decode only), or None."""
+        for s in self.hidden_buckets if all_layers else self.buckets:
             if s >= b:
                 return s
         return None
 
     def run(self, bucket: int, b: int, ids: torch.Tensor, pos: torch.Tensor, slot_map: torch.Tensor,
-            seq_lens: torch.Tensor, tables: torch.Tensor, pure_decode: bool) -> torch.Tensor:
+            seq_lens: torch.Tensor, tables: torch.Tensor, pure_decode: bool,
+            all_layers: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Fill the persistent buffers (rows [0, b) real, [b, bucket) padding), replay, and
-        return the final hidden states of the real rows ([b, H], a view of the graph's output,
-        valid until the next replay). `pure_decode`: every row is a distinct sequence's one new
-        token (else: token rows)."""
-        key = (bucket, pure_decode and bucket in self._pure_buckets)
+        return the final hidden states of the real rows ([b, H]) and, with `all_layers` (a
+        bucket from bucket_for(b, True), pure decode only), every layer's output {layer: [b, H]}
+        (else {}): views of the graph's outputs, valid until the next replay. `pure_decode`:
+        every row is a distinct sequence's one new token (else: token rows)."""
+        assert pure_decode or not all_layers, "the all-layers graphs serve pure decode only"
+        key = (bucket, pure_decode and bucket in self._pure_buckets, all_layers)
         self.input_ids[:b].copy_(ids, non_blocking=True)
         self.positions[:b].copy_(pos, non_blocking=True)
         self.slot_mapping[:b].copy_(slot_map, non_blocking=True)
@@ -132,4 +155,4 @@ class DecodeGraphs:
             self.slot_mapping[b:bucket].fill_(self.scratch_slot)
             self.seq_lens[b:bucket].zero_()
         self.graphs[key].replay()
-        return self.hidden[key][:b]
+        return self.hidden[key][:b], {layer: t[:b] for layer, t in self.layers[key].items()}

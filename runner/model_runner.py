@@ -182,7 +182,7 @@ class ModelRunner:
             rows = max(S, cfg.scheduler.max_num_batched_tokens) if self.token_rows else S
             self.graphs = DecodeGraphs(model, self.kv_caches, min(cfg.runner.max_graph_batch_size, rows),
                                        self.max_blocks_per_seq, num_blocks, self.block_size, self.device,
-                                       max_decode_rows=S)
+                                       max_decode_rows=S, hidden_rows=S if cfg.runner.hidden_state_graphs else 0)
             self.graphs.capture()
         # GPU timeline (bench): (start, end) CUDA events per step when enabled
         self.record_timeline = False
@@ -301,9 +301,12 @@ class ModelRunner:
         q_lens = np.diff(qsl)
         # every query chunk short enough to run as per-token decode rows (MAX_TOKEN_ROW_QUERY)
         token_rows = self.token_rows and int(q_lens.max()) <= MAX_TOKEN_ROW_QUERY
+        cap = tuple(sorted(capture))
         bucket = None
-        if self.graphs is not None and not hidden_spans:
-            if T == B:
+        if self.graphs is not None:
+            if hidden_spans:  # the all-layers graphs (if captured) serve pure decode only
+                bucket = self.graphs.bucket_for(B, all_layers=True) if T == B else None
+            elif T == B:
                 bucket = self.graphs.bucket_for(B)
             elif token_rows:
                 # Short prefill chunks as decode rows (one per token, causal by its own sequence
@@ -313,11 +316,12 @@ class ModelRunner:
                 bucket = self.graphs.bucket_for(T)
         if bucket is not None:
             if T == B:  # pure decode
-                final_h = self.graphs.run(bucket, B, input_ids, pos_d, slot_d, seq_d, self._to_dev(tables), True)
+                final_h, layers = self.graphs.run(bucket, B, input_ids, pos_d, slot_d, seq_d, self._to_dev(tables),
+                                                  True, all_layers=bool(hidden_spans))
             else:
                 tok_tables = self._to_dev(np.repeat(tables, q_lens, axis=0))
-                final_h = self.graphs.run(bucket, T, input_ids, pos_d, slot_d, pos_d + 1, tok_tables, False)
-            captured = {}
+                final_h, layers = self.graphs.run(bucket, T, input_ids, pos_d, slot_d, pos_d + 1, tok_tables, False)
+            captured = {layer: layers[layer] for layer in cap}
         else:
             nd = sched.num_decodes if T > B else 0  # the scheduler puts one-token rows first
             tok_lens = tok_tables = None
@@ -337,7 +341,6 @@ class ModelRunner:
                 token_block_tables=tok_tables,
                 pure_decode=T == B,
             )
-            cap = tuple(sorted(capture))
             final_h, captured = self.model(input_ids, pos_d, self.kv_caches, meta, cap)
         if len(logits_rows) != T:  # [T, H] -> the sampling rows
             final_h = final_h[self._to_dev(np.asarray(logits_rows, dtype=np.int64))] if logits_rows else None

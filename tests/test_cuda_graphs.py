@@ -22,3 +22,38 @@ def test_buckets_end_at_the_largest_batch_and_pad_little():
 def test_small_buckets_unchanged():
     assert graph_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert graph_buckets(2048)[-9:] == [1024, 1152, 1280, 1408, 1536, 1664, 1792, 1920, 2048]
+
+
+def test_all_layers_family_buckets_keys_and_forward(tmp_path):
+    """hidden_rows > 0 adds an all-layers family for pure decode up to that many rows, in the
+    form (pure or token-row) of each bucket's plain graph; its forward keeps every layer's
+    output, the last being the final hidden. Built on the CPU without capturing (capture and
+    replay: tests/test_gpu.py)."""
+    import torch
+
+    from runner.config import ModelConfig
+    from runner.cuda_graphs import DecodeGraphs
+    from runner.loader import load_model
+    from tests.tiny_models import make_tiny_model
+
+    cfg = ModelConfig.from_pretrained(make_tiny_model("llama", tmp_path / "m", seed=1))
+    model = load_model(cfg, torch.device("cpu"), torch.float32)
+    bs, nb = 16, 8
+    kv = [torch.zeros(2, nb, bs, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    g = DecodeGraphs(model, kv, max_bs=64, max_blocks=4, scratch_block=nb - 1, block_size=bs,
+                     device=torch.device("cpu"), max_decode_rows=16, hidden_rows=12)
+    assert g.hidden_buckets == [1, 2, 4, 8, 16]
+    assert g.bucket_for(5, all_layers=True) == 8 and g.bucket_for(17, all_layers=True) is None
+    assert g.bucket_for(17) == 32
+    keys = g._keys()
+    assert [k for k in keys if k[2]] == [(b, False, True) for b in g.hidden_buckets]  # no fused-RoPE family on CPU
+    assert len(keys) == len(set(keys)) == len(g.buckets) + len(g.hidden_buckets)
+    g.input_ids[:4] = torch.tensor([3, 4, 5, 6])
+    g.seq_lens[:4] = 1
+    g.slot_mapping[:4] = torch.arange(4)
+    g.block_tables[:4, 0] = 0
+    hidden, layers = g._forward((4, False, True))
+    assert sorted(layers) == list(range(cfg.num_layers + 1)) and layers[cfg.num_layers] is hidden
+    plain, none = g._forward((4, False, False))
+    assert none == {} and torch.equal(plain, hidden)
+    assert DecodeGraphs(model, kv, 64, 4, nb - 1, bs, torch.device("cpu")).hidden_buckets == []

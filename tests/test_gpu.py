@@ -126,6 +126,59 @@ def test_prefill_burst_replays_a_token_row_graph(model_dir):
     assert got == burst(eager)
 
 
+def test_hidden_state_graphs_equal_the_eager_hidden_states(model_dir):
+    """RunnerConfig.hidden_state_graphs: a decode step in which a request wants hidden states
+    replays an all-layers graph instead of running eagerly, with the same tokens and bit for
+    bit the same hidden states (bf16; several layers; requests joining mid-decode, one without
+    hidden states) as the engine without those graphs, where such steps run eagerly."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    cfg = EngineConfig.build(model_dir, device="cuda", dtype="bfloat16", max_model_len=256, max_num_batched_tokens=128,
+                             max_num_seqs=16, block_size=16, num_blocks=256, async_scheduling=True, cuda_graphs=True)
+    L = cfg.model.num_layers
+    prompts = prompts_of([5, 9, 14], 512, seed=4)
+    reqs = [("h0", prompts[0], (0, 1, L)), ("t", prompts[1], ()), ("h1", prompts[2], (-1,))]
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+    def run(eng: Engine) -> dict:
+        out = {rid: ([], [], []) for rid, _, _ in reqs}
+
+        def step():
+            for o in eng.step():
+                toks, hid, pos = out[o.request_id]
+                toks += o.new_token_ids
+                if o.hidden is not None:
+                    hid.append(np.array(o.hidden, copy=True))
+                    pos.append(tuple(o.hidden_positions))
+
+        for rid, p, layers in reqs:
+            eng.add_request(rid, p, sp, hidden_state_layers=layers)
+            for _ in range(4):
+                step()
+        while eng.has_unfinished:
+            step()
+        return out
+
+    graphed = Engine(cfg.with_(runner=replace(cfg.runner, hidden_state_graphs=True)))
+    assert graphed.runner.graphs.hidden_buckets[-1] == 16
+    calls = []
+    run_graph = graphed.runner.graphs.run
+    graphed.runner.graphs.run = lambda *a, **k: calls.append(k.get("all_layers", False)) or run_graph(*a, **k)
+    got = run(graphed)
+    assert any(calls)  # hidden-state decode steps replayed the all-layers family
+    ref = run(Engine(cfg))
+    for rid, prompt, layers in reqs:
+        toks, hid, pos = got[rid]
+        rtoks, rhid, rpos = ref[rid]
+        assert toks == rtoks and pos == rpos, rid
+        assert len(hid) == len(rhid) and all(np.array_equal(a, b) for a, b in zip(hid, rhid)), rid
+        # every position fed to the model (the prompt and all tokens but the last), each layer asked for
+        assert sum(h.shape[0] for h in hid) == (len(prompt) + len(toks) - 1 if layers else 0), rid
+        assert all(h.shape[1] == len(layers) for h in hid), rid
+
+
 def test_pdl_keeps_tokens(model_dir):
     """bf16, graphs + async: programmatic dependent launch changes only when kernels start, not
     what they compute, so the tokens are identical with and without it. (The skinny Triton
