@@ -16,6 +16,8 @@ Sections (all by default; pick with --sections):
              floor under the serving TTFA (which adds the front end and two IPC hops)
   first_use  in-process serving engine after warm_up: requests that meet a shape for the first
              time (eager prefills alone and joining decodes, hidden states) against the same again
+  hidden     decode step at batch 64 with one request streaming hidden states: eager steps
+             against RunnerConfig.hidden_state_graphs, next to no such request
   serving    the real server (engine process + aiohttp) with N concurrent WebSocket TTS
              clients reading in real time: TTFA p50/p99, RTF, largest real-time N
   gemm       tile sweep of the skinny decode GEMMs against cuBLAS (deploy/bench_gemm.py);
@@ -542,6 +544,45 @@ def run_ttfa(repeats: int = 8, prompt: list[int] | None = None) -> dict:
     return res
 
 
+def run_hidden_steps(batch: int = 64, new: int = 120) -> dict:
+    """Decode step time at `batch` greedy rows (100-token prompts) when one of them streams its
+    last hidden state (hidden_state_layers=(-1,)): with the plain graphs only (such steps run
+    eagerly) and with RunnerConfig.hidden_state_graphs (an all-layers graph), next to the same
+    batch without a hidden-state request. Median ms over the pure-decode steps."""
+    from dataclasses import replace
+
+    from runner.engine import Engine
+    from runner.sampling_params import SamplingParams
+
+    model = build_orpheus_model()
+    greedy = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    out = {}
+    for label, hidden, graphs in (("no hidden-state request", False, False),
+                                  ("hidden states, eager steps", True, False),
+                                  ("hidden states, all-layers graphs", True, True)):
+        cfg = engine_config(batch, True, True)
+        eng = Engine(cfg.with_(runner=replace(cfg.runner, hidden_state_graphs=graphs)), model=model)
+        g = torch.Generator().manual_seed(batch)
+        for i in range(batch):
+            eng.add_request(f"h{i}", torch.randint(0, 128000, (PROMPT,), generator=g).tolist(), greedy,
+                            hidden_state_layers=(-1,) if hidden and i == 0 else ())
+        times = []
+        while eng.has_unfinished:
+            decoding = not eng.scheduler.waiting and all(
+                r.num_computed_tokens >= r.num_prompt_tokens for r in eng.scheduler.running)
+            t0 = time.perf_counter()
+            eng.step()
+            if decoding and len(eng.scheduler.running) == batch:
+                times.append(1e3 * (time.perf_counter() - t0))
+        out[label] = statistics.median(times)
+        log(f"  B={batch} {label}: {out[label]:.2f} ms/step")
+        del eng
+        torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
 def run_first_use(max_num_seqs: int = 64) -> dict:
     """After Engine.warm_up: host time of requests whose steps meet a shape for the first time,
     next to the same kind of request again (new tokens, so no prefix-cache hit). A first-use
@@ -975,6 +1016,8 @@ def main() -> int:
         res["ttfa"] = run_ttfa()
     if "first_use" in secs:
         res["first_use"] = run_first_use()
+    if "hidden" in secs:
+        res["hidden"] = run_hidden_steps()
     if "serving" in secs:
         res["serving"] = [run_serving(args.streams, args.serving_max_seqs, args.serving_max_tokens, args.serving_ramp_s, float(w))
                           for w in args.serving_admission_wait_ms.split(",")]
@@ -1055,6 +1098,9 @@ def render(res: dict) -> str:
                       + f"; burst of {p['batch']} requests: engine-side time to first audio {p['burst_ttfa']} "
                       f"(kernel profile: profile_serving_B{p['batch']}.txt); host probe (deploy/bench_host.py, "
                       "400 rows, ms): " + ", ".join(f"{k} {v:.2f}" for k, v in p["host_probe_400_ms"].items())]
+    if "hidden" in res:
+        lines += ["", "Decode step, batch 64, one request streaming hidden states: "
+                  + ", ".join(f"{k} {v:.2f} ms" for k, v in res["hidden"].items())]
     if "ttfa" in res:
         t = res["ttfa"]
         lines += ["", f"engine-only time to first audio (one stream, in-process): p50 {t['p50_ms']:.1f} ms over "
