@@ -126,6 +126,13 @@ def weight_bytes(model) -> int:
     return tot
 
 
+def all_decoding(eng) -> bool:
+    """Whether the next step is pure decode: nothing waiting and every prompt computed
+    (Request.is_prefill would also flag a sync-mode request whose newest token is known but not
+    yet computed, so the eager run would time no step)."""
+    return not eng.scheduler.waiting and all(r.num_computed_tokens >= r.num_prompt_tokens for r in eng.scheduler.running)
+
+
 def run_engine(model, batches, graphs: bool, async_sched: bool, sampling, timeline_at: int | None = None):
     from runner.attention import kv_bytes_per_token
     from runner.engine import Engine
@@ -142,10 +149,7 @@ def run_engine(model, batches, graphs: bool, async_sched: bool, sampling, timeli
         record = torch.cuda.is_available()  # GPU busy time and idle gaps at every batch size
         step = 0
         while eng.has_unfinished:
-            # every prompt computed (Request.is_prefill would also flag a sync-mode request whose
-            # newest token is known but not yet computed, so the eager run timed no step)
-            decoding = not eng.scheduler.waiting and all(
-                r.num_computed_tokens >= r.num_prompt_tokens for r in eng.scheduler.running)
+            decoding = all_decoding(eng)
             if record and decoding and step > 20:
                 eng.runner.record_timeline = True
             t0 = time.perf_counter()
@@ -221,8 +225,9 @@ def skip_op(model, name: str) -> None:
     costs on the step's critical path, PDL overlap included. Tokens become meaningless; shapes,
     the graphs and every other kernel stay as they are. `name` is one of SKIPPABLE."""
     ops, attn, cfg = model.ops, model.attn, model.cfg
-    shapes = {"qkv": (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, "o": cfg.hidden_size, "down": cfg.hidden_size}
-    ins = {"qkv": cfg.hidden_size, "o": cfg.num_heads * cfg.head_dim, "down": cfg.intermediate_size}
+    weight_shapes = {"qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size),
+                     "o": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
+                     "down": (cfg.hidden_size, cfg.intermediate_size)}  # nn.Linear [N, K]
     if name == "norm":
         def add_rmsnorm(x, residual, weight, eps):
             return residual, residual
@@ -234,9 +239,9 @@ def skip_op(model, name: str) -> None:
     elif name in ("qkv", "o", "down"):
         linear = ops.linear
 
-        def skipped_linear(x, lin, into_norm=False, _n=shapes[name], _k=ins[name]):
-            if tuple(lin.weight.shape) == (_n, _k):
-                return torch.empty(x.shape[0], _n, dtype=x.dtype, device=x.device)
+        def skipped_linear(x, lin, into_norm=False, _shape=weight_shapes[name]):
+            if tuple(lin.weight.shape) == _shape:
+                return torch.empty(x.shape[0], _shape[0], dtype=x.dtype, device=x.device)
             return linear(x, lin, into_norm)
         ops.linear = skipped_linear
     elif name == "gate_up":
@@ -568,8 +573,7 @@ def run_hidden_steps(batch: int = 64, new: int = 120) -> dict:
                             hidden_state_layers=(-1,) if hidden and i == 0 else ())
         times = []
         while eng.has_unfinished:
-            decoding = not eng.scheduler.waiting and all(
-                r.num_computed_tokens >= r.num_prompt_tokens for r in eng.scheduler.running)
+            decoding = all_decoding(eng)
             t0 = time.perf_counter()
             eng.step()
             if decoding and len(eng.scheduler.running) == batch:
