@@ -297,8 +297,7 @@ class _Traffic:
         self.compiled: list[str] = []
 
     def prompt(self, n: int, salt: int) -> list[int]:
-        vocab = self.eng.cfg.model.vocab_size
-        return [(salt * 31 + i) % (vocab - 10) + 1 for i in range(n)]
+        return prompts_of([n], self.eng.cfg.model.vocab_size, seed=salt)[0]
 
     def run(self, steps: int | None = None) -> None:
         n = 0
