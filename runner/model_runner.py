@@ -378,8 +378,8 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_sampling(self) -> None:
         """Start-up: the lm_head at every row count a step can sample (1..max_num_seqs, over the
-        constraint's span and the full vocabulary), then the sampler once at max_num_seqs
-        padding rows (the scratch slot; every filter on, penalties if their buffers exist).
+        constraint's span and the full vocabulary), then the sampler and the token record once
+        at max_num_seqs padding rows (the scratch slot; every filter and penalty on).
 
         Why: the first lm_head GEMM at a row count never seen before blocks the host until the
         device is idle. On the H200 a burst of 400 arrivals spent ~19 ms of host time per
@@ -394,10 +394,14 @@ class ModelRunner:
         for m in range(1, S + 1):
             for span in spans:
                 self.model.compute_logits(h[:m], span)
-        sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05,
-                            repetition_penalty=1.1 if self.slots.penalties_allocated else 1.0)
+        # The penalty buffers are allocated here, not at the first request with a penalty: that
+        # request would otherwise compile the penalty and counting record kernels mid-serving
+        # (a text model on the H200, s10), and their memory is better taken before serving.
+        self.slots.allocate_penalty_buffers()
+        sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
+                            frequency_penalty=0.1, presence_penalty=0.1)
         batch = SamplingBatch.build([sp] * S, [-1] * S, [0] * S, [0] * S, [], self.device)  # slot -1: scratch row
-        self._sample_free(h, batch)
+        self.slots.record(batch.slots, self._sample_free(h, batch), batch.counters)  # padding rows: writes nothing
         if self.constraint is not None:
             self._sample_constrained(h, batch)
         if self.device.type == "cuda":

@@ -145,11 +145,12 @@ class SlotState:
         self.prompt_mask: Tensor | None = None  # [S, V] view once allocated
         self.output_counts: Tensor | None = None  # [S, V] view once allocated
 
-    @property
-    def penalties_allocated(self) -> bool:
-        return self._output_counts is not None
-
-    def _allocate_penalty_buffers(self) -> None:
+    def allocate_penalty_buffers(self) -> None:
+        """Allocate the [S+1, V] prompt-mask and count rows (idempotent). Admission does it for the
+        first request that tracks penalties; the CUDA warm-up does it at start-up, so the memory is
+        taken before serving and the penalty kernels compile then."""
+        if self._output_counts is not None:
+            return
         rows = self.num_slots + 1
         self._prompt_mask = torch.zeros(rows, self.vocab_size, dtype=torch.bool, device=self.device)
         self._output_counts = torch.zeros(rows, self.vocab_size, dtype=torch.int32, device=self.device)
@@ -195,8 +196,8 @@ class SlotState:
             o_pos += range(n_out)
             o_ids += output_ids
             o_track += [int(track)] * n_out
-        if track_any and self._output_counts is None:
-            self._allocate_penalty_buffers()
+        if track_any:
+            self.allocate_penalty_buffers()
         n, np_, no = len(slots), len(p_ids), len(o_ids)
         pack = _to_device([*slots, *lasts, *p_rows, *p_ids, *o_rows, *o_pos, *o_ids, *o_track], torch.int64, self.device)
         slots_t, lasts_t = pack[:n], pack[n : 2 * n]

@@ -369,3 +369,24 @@ def test_warm_sampling_changes_no_result(audio_engine):
     before, _, _ = _run_audio(audio_engine, False)
     audio_engine.runner.warm_sampling()
     assert _run_audio(audio_engine, False)[0] == before
+
+
+def test_warm_sampling_takes_the_penalty_buffers_and_changes_no_tokens(llama_path):
+    """A text model has no audio warm-up request, so the penalty buffers used to appear at the
+    first request with a penalty, whose step then compiled the penalty and counting record
+    kernels (H200, s10). warm_sampling now allocates them and runs those kernels on padding
+    rows only: penalised and plain requests give the tokens of an engine that never warmed."""
+    sps = [SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True, frequency_penalty=0.7,
+                          presence_penalty=0.4, repetition_penalty=1.3),
+           SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
+    prompts = prompts_of([9, 13], 512, seed=31)
+    cold = make_engine(llama_path)
+    with pytest.raises(RuntimeError, match="not allocated"):
+        cold.runner.slots.penalty_buffers()
+    want = cold.generate(prompts, sps)
+    warm = make_engine(llama_path)
+    warm.runner.warm_sampling()
+    mask, counts = warm.runner.slots.penalty_buffers()
+    S = warm.runner.slots.num_slots
+    assert not mask[:S].any() and not counts[:S].any()  # padding rows touch only the scratch row S
+    assert warm.generate(prompts, sps) == want
