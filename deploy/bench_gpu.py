@@ -18,6 +18,9 @@ Sections (all by default; pick with --sections):
              time (eager prefills alone and joining decodes, hidden states) against the same again
   hidden     decode step at batch 64 with one request streaming hidden states: eager steps
              against RunnerConfig.hidden_state_graphs, next to no such request
+  boundary   what one dependency between two phases costs: a kernel boundary (launch chain in
+             a CUDA graph, with and without PDL) against a grid barrier in one persistent
+             kernel (deploy/boundary_probe.py)
   serving    the real server (engine process + aiohttp) with N concurrent WebSocket TTS
              clients reading in real time: TTFA p50/p99, RTF, largest real-time N
   gemm       tile sweep of the skinny decode GEMMs against cuBLAS (deploy/bench_gemm.py);
@@ -1025,6 +1028,11 @@ def main() -> int:
         res["first_use"] = run_first_use()
     if "hidden" in secs:
         res["hidden"] = run_hidden_steps()
+    if "boundary" in secs:
+        from boundary_probe import measure
+
+        res["boundary"] = measure()
+        log("  us per dependency: " + ", ".join(f"{k} {v:.2f}" for k, v in res["boundary"]["us_per_dependency"].items()))
     if "serving" in secs:
         res["serving"] = [run_serving(args.streams, args.serving_max_seqs, args.serving_max_tokens, args.serving_ramp_s, float(w))
                           for w in args.serving_admission_wait_ms.split(",")]
@@ -1110,6 +1118,10 @@ def render(res: dict) -> str:
                   + ", ".join(f"{k} {v:.2f} ms" for k, v in res["hidden"]["step_ms"].items())
                   + "; engine build, graph capture included: "
                   + ", ".join(f"{k} {v:.1f} s" for k, v in res["hidden"]["engine_build_s"].items())]
+    if "boundary" in res:
+        bd = res["boundary"]
+        lines += ["", f"One dependency between two phases ({bd['programs']} programs, {bd['phases']} phases), us: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in bd["us_per_dependency"].items())]
     if "ttfa" in res:
         t = res["ttfa"]
         lines += ["", f"engine-only time to first audio (one stream, in-process): p50 {t['p50_ms']:.1f} ms over "
