@@ -890,9 +890,11 @@ def host_ms_by_call(eng, steps: int) -> dict[str, float]:
     return {k: round(v * 1e3 / steps, 3) for k, v in acc.items()}
 
 
-def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0", admission_wait_ms: float = 20.0) -> dict:
-    """Start the real server on the Orpheus-3B-shaped random model and run `omnistream bench`
-    against it (N concurrent WebSocket TTS sessions read in real time)."""
+def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0", admission_wait_ms: float = 20.0,
+                server_args: str = "", tag: str = "") -> dict:
+    """Start the real server on the Orpheus-3B-shaped random model (plus `server_args`, e.g. an
+    option to A/B) and run `omnistream bench` against it (N concurrent WebSocket TTS sessions
+    read in real time)."""
     import socket
     import subprocess
     import urllib.request
@@ -903,12 +905,12 @@ def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0", 
         port = sk.getsockname()[1]
     root = Path(__file__).resolve().parent.parent
     out_dir = Path(os.environ.get("OUT", "/tmp"))
-    tag = f"-wait{admission_wait_ms:g}"
+    tag = f"-wait{admission_wait_ms:g}{tag}"
     server_log = open(out_dir / f"server{tag}.log", "wb")  # the engine's per-5 s step / phase / first-audio log
     srv = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", str(folder), "--random-weights",
                             "--device", "cuda", "--max-num-seqs", str(max_seqs), "--max-model-len", "1024", "--port", str(port),
                             "--zmq-endpoint", "none", "--max-concurrent-requests", "4096",
-                            "--admission-wait-ms", str(admission_wait_ms)], cwd=root,
+                            "--admission-wait-ms", str(admission_wait_ms), *server_args.split()], cwd=root,
                            stdout=server_log, stderr=subprocess.STDOUT)
     try:
         t0 = time.time()
@@ -926,7 +928,7 @@ def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0", 
                         "--streams", streams, "--max-tokens", str(max_tokens), "--out", str(out), "--ramp-s", ramps,
                         "--text", "Hello there, this is one sentence of streaming speech for the benchmark."],
                        cwd=root, check=True)
-        return {"table": out.read_text(), "admission_wait_ms": admission_wait_ms}
+        return {"table": out.read_text(), "admission_wait_ms": admission_wait_ms, "server_args": server_args}
     finally:
         srv.terminate()
         try:
@@ -948,6 +950,8 @@ def main() -> int:
     ap.add_argument("--serving-max-tokens", type=int, default=350)
     ap.add_argument("--serving-ramp-s", default="0", help="bench --ramp-s: 0 = all streams start together")
     ap.add_argument("--serving-admission-wait-ms", default="20", help="serve --admission-wait-ms; several: one server each")
+    ap.add_argument("--serving-server-args", default="",
+                    help="';'-separated sets of extra `serve` arguments, one server each (A/B; '' = defaults)")
     ap.add_argument("--profile-serving-batch", type=int, default=400)
     ap.add_argument("--skinny-linear", type=int, default=1, help="0: decode GEMMs in cuBLAS (A/B)")
     ap.add_argument("--pdl", type=int, default=1, help="0: no programmatic dependent launch (A/B)")
@@ -1034,8 +1038,11 @@ def main() -> int:
         res["boundary"] = measure()
         log("  us per dependency: " + ", ".join(f"{k} {v:.2f}" for k, v in res["boundary"]["us_per_dependency"].items()))
     if "serving" in secs:
-        res["serving"] = [run_serving(args.streams, args.serving_max_seqs, args.serving_max_tokens, args.serving_ramp_s, float(w))
-                          for w in args.serving_admission_wait_ms.split(",")]
+        # one server per (admission wait, server-args set), in that order
+        res["serving"] = [run_serving(args.streams, args.serving_max_seqs, args.serving_max_tokens, args.serving_ramp_s, float(w),
+                                      extra.strip(), f"-{i}" if i else "")
+                          for w in args.serving_admission_wait_ms.split(",")
+                          for i, extra in enumerate(args.serving_server_args.split(";"))]
     res["wall_s"] = time.perf_counter() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1129,7 +1136,8 @@ def render(res: dict) -> str:
                       + ", ".join(f"{k} {v:.2f}" for k, v in t["phase_ms_per_step"][0].items())]
     if "serving" in res:
         for sv in res["serving"]:
-            lines += ["", f"Serving (real server, `--admission-wait-ms {sv['admission_wait_ms']:g}`, WebSocket TTS clients "
+            extra = f" {sv['server_args']}" if sv.get("server_args") else ""
+            lines += ["", f"Serving (real server, `--admission-wait-ms {sv['admission_wait_ms']:g}{extra}`, WebSocket TTS clients "
                           "reading in real time):", "", sv["table"]]
     if "gemm" in res:
         lines += ["", "Skinny decode GEMMs, us per call in a CUDA graph (weights rotated past L2), TB/s of weight bytes:", "",

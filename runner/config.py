@@ -248,6 +248,7 @@ class EngineConfig:
         async_scheduling: bool = False,
         cuda_graphs: bool = True,
         admission_wait_ms: float = 0.0,
+        hidden_state_graphs: bool = True,
     ) -> "EngineConfig":
         model = ModelConfig.from_pretrained(model_path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -257,7 +258,7 @@ class EngineConfig:
             cache=CacheConfig(block_size, num_blocks, kv_memory_gb, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_len, async_scheduling, admission_wait_ms),
             runner=RunnerConfig(device=device, dtype=dtype, cuda_graphs=cuda_graphs,
-                                sampler_backend=Env.read().sampler_backend),
+                                hidden_state_graphs=hidden_state_graphs, sampler_backend=Env.read().sampler_backend),
         )
 
     def with_(self, **kw) -> "EngineConfig":

@@ -50,6 +50,7 @@ class EngineProcArgs(msgspec.Struct, forbid_unknown_fields=True):
     enable_prefix_caching: bool = True
     async_scheduling: bool = True
     cuda_graphs: bool = True
+    hidden_state_graphs: bool = True  # RunnerConfig.hidden_state_graphs
     # benchmarks only: config.json gives the shape, weights are random (no safetensors read)
     random_weights: bool = False
     # torch CPU threads (CPU engines only); None: half the cores, at most 4. Tiny models on a
@@ -81,6 +82,7 @@ def build_engine(args: EngineProcArgs):
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
         cuda_graphs=args.cuda_graphs,
+        hidden_state_graphs=args.hidden_state_graphs,
         admission_wait_ms=args.admission_wait_ms,
     )
     dev = cfg.runner.torch_device

@@ -28,6 +28,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--cpu-threads", type=int, default=None, help="torch threads of a CPU engine (default: half the cores, at most 4)")
     p.add_argument("--no-async-scheduling", action="store_true", help="wait for each step's tokens before scheduling the next")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--no-hidden-state-graphs", action="store_true",
+                   help="do not capture the all-layers decode graphs (decode steps with a hidden-state request run eagerly)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-concurrent-requests", type=int, default=256)
     p.add_argument("--random-weights", action="store_true", help="benchmarks only: take the shape from --model's config.json, use random weights")

@@ -45,6 +45,7 @@ def engine_args_from(args: argparse.Namespace, model_path: str, env: Env) -> Eng
         enable_prefix_caching=not args.no_prefix_caching,
         async_scheduling=not args.no_async_scheduling,
         cuda_graphs=not args.no_cuda_graphs,
+        hidden_state_graphs=not args.no_hidden_state_graphs,
         random_weights=args.random_weights,
         codec_dtype=args.codec_dtype,
         cpu_threads=args.cpu_threads,
