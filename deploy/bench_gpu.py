@@ -604,7 +604,9 @@ def run_first_use(max_num_seqs: int = 64) -> dict:
     from runner.sampling_params import SamplingParams
 
     eng = in_process_engine(max_num_seqs)
+    t_warm = time.perf_counter()
     eng.warm_up()
+    log(f"  first use: Engine.warm_up took {time.perf_counter() - t_warm:.1f} s")
     compiled: list[str] = []
     knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(
         f"{getattr(kw.get('fn'), 'name', '?')}: {str(kw.get('repr', ''))[:600]}") or False

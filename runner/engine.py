@@ -289,22 +289,55 @@ class Engine:
         """Run one audio request through every path a first real request takes (eager prefill,
         graphed decode, the sampler's window variant, the codec's windows of every chunk
         size), so Triton compiles now and not in the first client's time to first audio (the
-        H200 log showed ~2.7 s there); then, on CUDA, the lm_head at every row count and the
-        sampler at its largest (ModelRunner.warm_sampling). Counters are reset afterwards; the
-        prefix cache keeps the prompt's blocks, which is harmless."""
+        H200 log showed ~2.7 s there); then, on CUDA, the eager prefill path
+        (warm_up_eager_prefill), the lm_head at every row count and the sampler at its largest
+        (ModelRunner.warm_sampling). Counters are reset afterwards; the prefix cache keeps the
+        prompts' blocks, which is harmless."""
         if self.codec is not None:
             self._warm_up_audio()
         if self.device.type == "cuda":
+            self.warm_up_eager_prefill()
             self.runner.warm_sampling()
+        self.num_requests_total = self.num_generated_total = self.step_count = 0
+        self.phase_s = [0.0] * len(self.PHASES)
+
+    def _run_to_end(self) -> None:
+        while self.has_unfinished:
+            self.step()
 
     def _warm_up_audio(self) -> None:
         sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=7 * 26, seed=0)
         vocab = self.cfg.model.vocab_size
         self.add_request("__warmup__", [i % vocab for i in range(1, 33)], sp, audio=True)
-        while self.has_unfinished:
-            self.step()
-        self.num_requests_total = self.num_generated_total = self.step_count = 0
-        self.phase_s = [0.0] * len(self.PHASES)
+        self._run_to_end()
+
+    def warm_up_eager_prefill(self) -> None:
+        """Run the eager prefill path once alone (with hidden states) and once joining running
+        decodes: prompts past MAX_TOKEN_ROW_QUERY, which no decode graph serves. On the H200
+        the first such prompt after start-up took 85-104 ms against 34-47 ms for the next one
+        (CUDA modules loaded on first launch; deploy/RESULTS.md, s10), and every stream of the
+        batch waited for it. Nothing to do where prompts that long cannot occur."""
+        from runner.model_runner import MAX_TOKEN_ROW_QUERY
+
+        longest = self.cfg.scheduler.max_model_len - 4
+        if longest <= MAX_TOKEN_ROW_QUERY:
+            return
+        vocab = self.cfg.model.vocab_size
+        one = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+        def prompt(n: int, salt: int) -> list[int]:
+            return [(salt + 7 * i) % vocab for i in range(min(n, longest))]
+
+        self.add_request("__warmup_prefill__", prompt(2 * MAX_TOKEN_ROW_QUERY + 44, 1), one, hidden_state_layers=(-1,))
+        self._run_to_end()
+        n_dec = min(8, self.cfg.scheduler.max_num_seqs - 1)
+        for i in range(n_dec):
+            self.add_request(f"__warmup_decode{i}__", prompt(16, 100 + i),
+                             SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        self.step()
+        self.step()  # the short prompts are decoding now ...
+        self.add_request("__warmup_join__", prompt(3 * MAX_TOKEN_ROW_QUERY + 16, 2), one)  # ... and a long one joins
+        self._run_to_end()
 
     # ---- introspection -----------------------------------------------------------------------
 

@@ -390,3 +390,18 @@ def test_warm_sampling_takes_the_penalty_buffers_and_changes_no_tokens(llama_pat
     S = warm.runner.slots.num_slots
     assert not mask[:S].any() and not counts[:S].any()  # padding rows touch only the scratch row S
     assert warm.generate(prompts, sps) == want
+
+
+def test_warm_up_eager_prefill_leaves_the_engine_clean_and_tokens_unchanged(llama_path):
+    """The CUDA warm-up's eager prefills (a long prompt alone with hidden states, then one joining
+    running decodes) end every request it added, free their slots and change no later result."""
+    sps = [SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True),
+           SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)]
+    prompts = prompts_of([140, 11], 512, seed=41)  # one of them on the eager prefill path too
+    want = make_engine(llama_path, budget=256).generate(prompts, sps)
+    eng = make_engine(llama_path, budget=256)
+    eng.warm_up_eager_prefill()
+    st = eng.stats()
+    assert st.num_running == st.num_waiting == 0 and st.active_request_ids == []
+    assert eng.step_count > 4 and len(eng.scheduler.free_slots) == eng.cfg.scheduler.max_num_seqs
+    assert eng.generate(prompts, sps) == want
