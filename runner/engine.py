@@ -316,7 +316,9 @@ class Engine:
         decodes: prompts past MAX_TOKEN_ROW_QUERY, which no decode graph serves. On the H200
         the first such prompt after start-up took 85-104 ms against 34-47 ms for the next one
         (CUDA modules loaded on first launch; deploy/RESULTS.md, s10), and every stream of the
-        batch waited for it. Nothing to do where prompts that long cannot occur."""
+        batch waited for it. The lengths (356, 461) are not the ones `bench_gpu.py --sections
+        first_use` times (300, 517, 400), so that section measures other shapes than these.
+        Nothing to do where prompts that long cannot occur."""
         from runner.model_runner import MAX_TOKEN_ROW_QUERY
 
         longest = self.cfg.scheduler.max_model_len - 4
@@ -328,7 +330,7 @@ class Engine:
         def prompt(n: int, salt: int) -> list[int]:
             return [(salt + 7 * i) % vocab for i in range(min(n, longest))]
 
-        self.add_request("__warmup_prefill__", prompt(2 * MAX_TOKEN_ROW_QUERY + 44, 1), one, hidden_state_layers=(-1,))
+        self.add_request("__warmup_prefill__", prompt(2 * MAX_TOKEN_ROW_QUERY + 100, 1), one, hidden_state_layers=(-1,))
         self._run_to_end()
         n_dec = min(8, self.cfg.scheduler.max_num_seqs - 1)
         for i in range(n_dec):
@@ -336,7 +338,7 @@ class Engine:
                              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
         self.step()
         self.step()  # the short prompts are decoding now ...
-        self.add_request("__warmup_join__", prompt(3 * MAX_TOKEN_ROW_QUERY + 16, 2), one)  # ... and a long one joins
+        self.add_request("__warmup_join__", prompt(3 * MAX_TOKEN_ROW_QUERY + 77, 2), one)  # ... and a long one joins
         self._run_to_end()
 
     # ---- introspection -----------------------------------------------------------------------
