@@ -960,6 +960,8 @@ def main() -> int:
     ap.add_argument("--rope-in-attention", type=int, default=1, help="0: RoPE + KV write in their own launch (A/B)")
     ap.add_argument("--attn-tiles", default="", help="attn section: 'bn,warps,stages;...' at the automatic split only")
     ap.add_argument("--split-k", type=int, default=1, help="0: o_proj / down never as split-K partials (A/B)")
+    ap.add_argument("--prefill-warm-up", type=int, default=1,
+                    help="0: Engine.warm_up skips warm_up_eager_prefill (A/B of the first_use section; run each in its own process)")
     ap.add_argument("--variants", default="default;rope_in_attention=0",
                     help="section variants: ';'-separated kernel overrides, each timed on its own model")
     ap.add_argument("--tuned", default=None, help="gemm_tuned.json of a --sections gemm run: use its tile table")
@@ -972,6 +974,10 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     KERNELS.update(skinny_linear=bool(args.skinny_linear), pdl=bool(args.pdl),
                    rope_in_attention=bool(args.rope_in_attention), split_k=bool(args.split_k))
+    if not args.prefill_warm_up:
+        from runner.engine import Engine
+
+        Engine.warm_up_eager_prefill = lambda self: None  # the A/B baseline: warm-up as before s10
     if args.tuned:
         from bench_gemm import load_tuned
 
@@ -980,7 +986,8 @@ def main() -> int:
         triton_linear.TUNED.clear()
         triton_linear.TUNED.update(load_tuned(args.tuned))
     res: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                 "command": " ".join(sys.argv), "kernels": dict(KERNELS, tuned=args.tuned)}
+                 "command": " ".join(sys.argv), "kernels": dict(KERNELS, tuned=args.tuned),
+                 "prefill_warm_up": bool(args.prefill_warm_up)}
     t0 = time.perf_counter()
     from runner.sampling_params import SamplingParams
 
