@@ -325,20 +325,21 @@ class Engine:
         if longest <= MAX_TOKEN_ROW_QUERY:
             return
         vocab = self.cfg.model.vocab_size
-        one = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        text = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=2, ignore_eos=True, seed=0)
+        audio = self.codec is not None  # decodes as the server runs them: speech, or text
+        decode = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=28, seed=0) if audio \
+            else SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
         def prompt(n: int, salt: int) -> list[int]:
             return [(salt + 7 * i) % vocab for i in range(min(n, longest))]
 
-        self.add_request("__warmup_prefill__", prompt(2 * MAX_TOKEN_ROW_QUERY + 100, 1), one, hidden_state_layers=(-1,))
+        self.add_request("__warmup_prefill__", prompt(2 * MAX_TOKEN_ROW_QUERY + 100, 1), text, hidden_state_layers=(-1,))
         self._run_to_end()
-        n_dec = min(8, self.cfg.scheduler.max_num_seqs - 1)
-        for i in range(n_dec):
-            self.add_request(f"__warmup_decode{i}__", prompt(16, 100 + i),
-                             SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        for i in range(min(8, self.cfg.scheduler.max_num_seqs - 1)):
+            self.add_request(f"__warmup_decode{i}__", prompt(16, 100 + i), decode, audio=audio)
         self.step()
         self.step()  # the short prompts are decoding now ...
-        self.add_request("__warmup_join__", prompt(3 * MAX_TOKEN_ROW_QUERY + 77, 2), one)  # ... and a long one joins
+        self.add_request("__warmup_join__", prompt(3 * MAX_TOKEN_ROW_QUERY + 77, 2), text)  # ... and a long one joins
         self._run_to_end()
 
     # ---- introspection -----------------------------------------------------------------------

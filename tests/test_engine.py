@@ -405,3 +405,14 @@ def test_warm_up_eager_prefill_leaves_the_engine_clean_and_tokens_unchanged(llam
     assert st.num_running == st.num_waiting == 0 and st.active_request_ids == []
     assert eng.step_count > 4 and len(eng.scheduler.free_slots) == eng.cfg.scheduler.max_num_seqs
     assert eng.generate(prompts, sps) == want
+
+
+def test_warm_up_eager_prefill_with_speech_decodes_leaves_no_stream(audio_engine):
+    """With a codec the warm-up's running decodes are speech requests (constrained sampling and
+    the codec stage, as in serving): every stream ends and the codec holds none afterwards."""
+    before, _, _ = _run_audio(audio_engine, False)
+    audio_engine.warm_up_eager_prefill()
+    st = audio_engine.stats()
+    assert st.num_running == st.num_waiting == 0 and st.active_request_ids == []
+    assert len(audio_engine.codec) == 0
+    assert _run_audio(audio_engine, False)[0] == before
