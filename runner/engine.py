@@ -314,9 +314,9 @@ class Engine:
     def warm_up_eager_prefill(self) -> None:
         """Run the eager prefill path once alone (with hidden states) and once joining running
         decodes: prompts past MAX_TOKEN_ROW_QUERY, which no decode graph serves. On the H200
-        the first such prompt after start-up took 85-104 ms against 34-47 ms for the next one
-        (CUDA modules loaded on first launch; deploy/RESULTS.md, s10), and every stream of the
-        batch waited for it. The lengths (356, 461) are not the ones `bench_gpu.py --sections
+        the first such prompt after start-up took 85-137 ms against 35-56 ms for the next one,
+        and 46-58 ms with this warm-up (probably CUDA modules loaded on first launch;
+        deploy/RESULTS.md, s10), and every stream of the batch waited for it. The lengths (356, 461) are not the ones `bench_gpu.py --sections
         first_use` times (300, 517, 400), so that section measures other shapes than these.
         Nothing to do where prompts that long cannot occur."""
         from runner.model_runner import MAX_TOKEN_ROW_QUERY
@@ -335,7 +335,10 @@ class Engine:
 
         self.add_request("__warmup_prefill__", prompt(2 * MAX_TOKEN_ROW_QUERY + 100, 1), text, hidden_state_layers=(-1,))
         self._run_to_end()
-        for i in range(min(8, self.cfg.scheduler.max_num_seqs - 1)):
+        n_decodes = min(8, self.cfg.scheduler.max_num_seqs - 1)
+        if n_decodes < 1:
+            return
+        for i in range(n_decodes):
             self.add_request(f"__warmup_decode{i}__", prompt(16, 100 + i), decode, audio=audio)
         self.step()
         self.step()  # the short prompts are decoding now ...
