@@ -56,18 +56,6 @@ SWEEP = [
     {"num_warps": 4, "num_warps_small": 8},
     {"num_warps": 16, "num_warps_small": 32},
 ]
-# --sweep-row-split: the row split (runner/sampling_kernels.py, NSPLIT programs per row) against
-# one program per row (NSPLIT 0), alternated, and its own parameters.
-ROW_SPLIT_SWEEP = [
-    {"NSPLIT": 0},
-    {},
-    {"NSPLIT": 0},
-    {},
-    {"NSPLIT": 16},
-    {"NSPLIT": 64},
-    {"NP_SPLIT": 32},
-    {"BLOCK_SPLIT": 64},
-]
 
 
 def make_logits(kind: str, b: int, v: int, device: torch.device, seed: int = 0) -> torch.Tensor:
@@ -182,12 +170,11 @@ def bench(device: torch.device, batches: list[int], kinds: list[str], backends: 
     return rows
 
 
-def sweep(device: torch.device, batches: list[int], kinds: list[str], reps: int, warmup: int,
-          configs: list[dict] = SWEEP) -> list[dict]:
+def sweep(device: torch.device, batches: list[int], kinds: list[str], reps: int, warmup: int) -> list[dict]:
     from runner import sampling_kernels
 
     out = []
-    for i, cfg in enumerate(configs):
+    for cfg in SWEEP:
         old = sampling_kernels.set_config(**cfg)
         try:
             for kind in kinds:
@@ -197,7 +184,7 @@ def sweep(device: torch.device, batches: list[int], kinds: list[str], reps: int,
                     st = make_state(b, VOCAB, device)
                     smp = Sampler(device, backend="triton")
                     ms = time_step(lambda x: smp(x, batch, st), logits, reps, warmup)
-                    out.append({"cfg": f"{i}: " + (json.dumps(cfg) if cfg else "default"), "kind": kind, "B": b, "ms": ms})
+                    out.append({"cfg": json.dumps(cfg) if cfg else "default", "kind": kind, "B": b, "ms": ms})
                     print(f"  sweep {out[-1]['cfg']:32s} {kind:6s} B={b:3d} {ms:8.3f} ms", file=sys.stderr, flush=True)
         except Exception as exc:  # a config that does not compile (registers) must not end the run
             print(f"  sweep {cfg}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -215,7 +202,6 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None, help="default 20 on CUDA, 2 on CPU")
     ap.add_argument("--no-check", action="store_true", help="skip the agreement columns")
     ap.add_argument("--sweep", action="store_true", help="also time triton launch configurations (CUDA)")
-    ap.add_argument("--sweep-row-split", action="store_true", help="the sweep times ROW_SPLIT_SWEEP instead")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -226,8 +212,7 @@ def main() -> None:
     torch.manual_seed(0)
     name = torch.cuda.get_device_name(device) if cuda else f"CPU ({torch.get_num_threads()} threads)"
     rows = bench(device, args.batches, args.kinds, backends, reps, warmup, check=not args.no_check)
-    configs = ROW_SPLIT_SWEEP if args.sweep_row_split else SWEEP
-    sweep_rows = sweep(device, args.batches, args.kinds, reps, warmup, configs) if args.sweep and cuda else []
+    sweep_rows = sweep(device, args.batches, args.kinds, reps, warmup) if args.sweep and cuda else []
 
     print(f"\n### Sampler step, V={VOCAB}, Orpheus settings (T 0.6, top-p 0.8, repetition 1.1), {name}\n")
     print("median ms per step (penalties + bias + filters + draw; 'greedy' = argmax alone). "

@@ -398,14 +398,12 @@ class ModelRunner:
         # request would otherwise compile the penalty and counting record kernels mid-serving
         # (a text model on the H200, s10), and their memory is better taken before serving.
         self.slots.allocate_penalty_buffers()
-        # with top-k (one program per row) and without (the row-split pre-pass kernels too)
-        for top_k in (40, 0):
-            sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=top_k, min_p=0.05, repetition_penalty=1.1,
-                                frequency_penalty=0.1, presence_penalty=0.1)
-            batch = SamplingBatch.build([sp] * S, [-1] * S, [0] * S, [0] * S, [], self.device)  # slot -1: scratch row
-            self.slots.record(batch.slots, self._sample_free(h, batch), batch.counters)  # padding rows: writes nothing
-            if self.constraint is not None:
-                self._sample_constrained(h, batch)
+        sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
+                            frequency_penalty=0.1, presence_penalty=0.1)
+        batch = SamplingBatch.build([sp] * S, [-1] * S, [0] * S, [0] * S, [], self.device)  # slot -1: scratch row
+        self.slots.record(batch.slots, self._sample_free(h, batch), batch.counters)  # padding rows: writes nothing
+        if self.constraint is not None:
+            self._sample_constrained(h, batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -67,9 +67,6 @@ _CONFIG: dict[str, int] = {
     # batch size, so the reduction tree may not depend on B (16 warps could hide more latency
     # at small batches; the difference was not measured)
     "num_warps_small": 8,
-    # row split (see _split_stats_kernel): programs per row (0: off), pivots of the split pivot
-    # pass, tokens per chunk of its [BLOCK_SPLIT, NP_SPLIT] accumulators
-    "NSPLIT": 32, "NP_SPLIT": 64, "BLOCK_SPLIT": 128, "BLOCK_SPLIT_STATS": 1024,
 }
 _PENALTY_BLOCK = 2048
 
@@ -133,13 +130,12 @@ def _load_row(y_row, offs, V):
 
 
 @triton.jit
-def _search(y_row, sk_row, V, m, lo, hi, n_in, bound, frac, on, fhi_c, fhi_m,
+def _search(y_row, sk_row, V, m, lo, hi, n_in, bound, frac, on,
             MASS: tl.constexpr, BLOCK_P: tl.constexpr, NP: tl.constexpr, BLOCK_S: tl.constexpr,
             C: tl.constexpr, MAX_PASSES: tl.constexpr):
     """Smallest key t with stat(key > t) < bound; returns (lo, count(key > lo)): keep key > lo.
 
-    In: (lo, hi] with stat(lo) >= bound > stat(hi), where fhi_c / fhi_m = count / mass(key > hi)
-    (0 / 0.0 when hi is the key of the row max; the row-split pre-pass starts lower), lo above
+    In: (lo, hi] with stat(lo) >= bound > stat(hi) = 0 (hi = key of the row max), lo above
     key(-inf) (so -inf tokens and padding lanes are never in play); n_in >= the number of
     tokens in (lo, hi] (exact for count searches, an upper bound for mass ones); bound: k
     (count) or < 0 = "frac * mass(key > lo), measured on the first look at the row" (mass).
@@ -147,6 +143,8 @@ def _search(y_row, sk_row, V, m, lo, hi, n_in, bound, frac, on, fhi_c, fhi_m,
     """
     arp2 = tl.arange(0, BLOCK_P)[:, None]
     ars = tl.arange(0, BLOCK_S)
+    fhi_c = n_in * 0  # count(key > hi): 0 above the row max
+    fhi_m = tl.full([], 0.0, tl.float32)  # mass(key > hi)
     flo_c = n_in
     it = n_in * 0
     go = on & (n_in > C) & (hi.to(tl.int64) - lo.to(tl.int64) > 1)
@@ -240,144 +238,6 @@ def _search(y_row, sk_row, V, m, lo, hi, n_in, bound, frac, on, fhi_c, fhi_m,
     return lo, flo_c
 
 
-# --------------------------------------------------------------------------- row split
-# One program per row leaves a row's passes latency-bound at small batches: on the H200 256 rows
-# took 1.7x the time of one (deploy/RESULTS.md, s10). When the batch samples (SAMPLE) with no
-# top-k, pass 1 and the first top-p pivot pass run as NSPLIT programs per row over contiguous
-# slices; the row's program (SPLIT=True) reduces their partials in split order and goes on from
-# there. NSPLIT is fixed, never derived from B, so a row's sums have one order whatever its batch.
-# Partials: st [B, NSPLIT, 4] f32 (max, first argmax, min finite, #finite; ints exact in f32
-# below 2^24), pv [B, NSPLIT, 2 * NP_SPLIT + 2] f32 (count and mass above each pivot, then
-# count and mass above lo).
-
-
-@triton.jit
-def _split_row_stats(st_ptr, row, NSPLIT, V, SPLIT_P: tl.constexpr):
-    """(max, first argmax, min finite value, #finite) of a row from its slices' partials."""
-    j = tl.arange(0, SPLIT_P)
-    ok = j < NSPLIT
-    base = st_ptr + (row * NSPLIT + j) * 4
-    mx = tl.load(base, mask=ok, other=float("-inf"))
-    arg = tl.load(base + 1, mask=ok, other=0.0)
-    mn = tl.load(base + 2, mask=ok, other=float("inf"))
-    nf = tl.load(base + 3, mask=ok, other=0.0)
-    m = tl.max(mx, axis=0)
-    # the first slice holding the max holds the first argmax (slices are in token order)
-    greedy_id = tl.min(tl.where(ok & (mx == m), arg, V.to(tl.float32)), axis=0).to(tl.int32)
-    return m, greedy_id, tl.min(mn, axis=0), tl.sum(nf, axis=0).to(tl.int32)
-
-
-@triton.jit
-def _split_lo_hi(m, mn_row):
-    """The top-p search's first interval (lo, hi], as _filter_sample_kernel sets it."""
-    lo = tl.maximum(_order_key(mn_row) - 1, _order_key(m - 120.0) - 1)
-    return lo, _order_key(m)
-
-
-@triton.jit(do_not_specialize=["stride_y"])
-def _split_stats_kernel(y_ptr, stride_y, temp_ptr, st_ptr, V, L, NSPLIT, BLOCK: tl.constexpr):
-    """Pass 1 of _filter_sample_kernel over slice [s L, (s + 1) L) of row b: y = x / T in place."""
-    row = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1)
-    y_row = y_ptr + row * stride_y
-    t_raw = tl.load(temp_ptr + row)
-    temp = tl.where(t_raw == 0.0, 1.0, t_raw)
-    rescale = temp != 1.0
-    ar = tl.arange(0, BLOCK)
-    lo0 = s * L
-    mx = tl.full([BLOCK], float("-inf"), tl.float32)
-    mxi = tl.zeros([BLOCK], dtype=tl.int32)
-    mn = tl.full([BLOCK], float("inf"), tl.float32)
-    nf = tl.zeros([BLOCK], dtype=tl.int32)
-    x_next = _load_row(y_row, lo0 + ar, V)
-    for start in range(lo0, tl.minimum(lo0 + L, V), BLOCK):  # slices past V: no chunk
-        x = x_next
-        offs = start + ar
-        x_next = _load_row(y_row, offs + BLOCK, V)  # (past the slice: another slice's, unused)
-        y = tl.div_rn(x, temp)
-        if rescale:
-            tl.store(y_row + offs, y, mask=offs < V)
-        upd = y > mx
-        mx = tl.where(upd, y, mx)
-        mxi = tl.where(upd, offs, mxi)
-        finite = y > float("-inf")
-        mn = tl.where(finite, tl.minimum(mn, y), mn)
-        nf += finite.to(tl.int32)
-    m = tl.max(mx, axis=0)
-    first = tl.min(tl.where(mx == m, mxi, V), axis=0)
-    first = tl.where(m > float("-inf"), first, 0)  # no finite token: 0, as the one-program pass
-    base = st_ptr + (row * NSPLIT + s) * 4
-    tl.store(base, m)
-    tl.store(base + 1, first.to(tl.float32))
-    tl.store(base + 2, tl.min(mn, axis=0))
-    tl.store(base + 3, tl.sum(nf, axis=0).to(tl.float32))
-
-
-@triton.jit(do_not_specialize=["stride_y"])
-def _split_pivot_kernel(y_ptr, stride_y, temp_ptr, topp_ptr, st_ptr, pv_ptr, V, L, NSPLIT,
-                        BLOCK: tl.constexpr, SPLIT_P: tl.constexpr, NP_SPLIT: tl.constexpr):
-    """The top-p search's first pivot pass over slice s of row b (rows that search only)."""
-    row = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1)
-    m, _, mn_row, _ = _split_row_stats(st_ptr, row, NSPLIT, V, SPLIT_P)
-    lo, hi = _split_lo_hi(m, mn_row)
-    p = tl.load(topp_ptr + row)
-    go = (tl.load(temp_ptr + row) != 0.0) & (p < 1.0) & (hi.to(tl.int64) - lo.to(tl.int64) > 1)
-    if go:
-        y_row = y_ptr + row * stride_y
-        piv2 = _pivots(lo, hi, NP_SPLIT)[None, :]  # [1, NP]
-        ar2 = tl.arange(0, BLOCK)[:, None]
-        acc_c = tl.zeros([BLOCK, NP_SPLIT], dtype=tl.float32)
-        acc_m = tl.zeros([BLOCK, NP_SPLIT], dtype=tl.float32)
-        lo_c = tl.zeros([BLOCK, 1], dtype=tl.float32)
-        lo_m = tl.zeros([BLOCK, 1], dtype=tl.float32)
-        lo0 = s * L
-        y_next = _load_row(y_row, lo0 + ar2, V)
-        for start in range(lo0, tl.minimum(lo0 + L, V), BLOCK):
-            y = y_next
-            y_next = _load_row(y_row, start + BLOCK + ar2, V)
-            key = _order_key(y)  # [BLOCK, 1]; past V: -inf, below every lo
-            gt = key > piv2
-            e = tl.exp(y - m)
-            acc_c += tl.where(gt, 1.0, 0.0)
-            acc_m += tl.where(gt, e, 0.0)
-            above = key > lo
-            lo_c += tl.where(above, 1.0, 0.0)
-            lo_m += tl.where(above, e, 0.0)
-        base = pv_ptr + (row * NSPLIT + s) * (2 * NP_SPLIT + 2)
-        c = tl.arange(0, NP_SPLIT)
-        tl.store(base + c, tl.sum(acc_c, axis=0))
-        tl.store(base + NP_SPLIT + c, tl.sum(acc_m, axis=0))
-        tl.store(base + 2 * NP_SPLIT, tl.sum(tl.sum(lo_c, axis=1), axis=0))
-        tl.store(base + 2 * NP_SPLIT + 1, tl.sum(tl.sum(lo_m, axis=1), axis=0))
-
-
-@triton.jit
-def _split_first_pass(pv_ptr, row, NSPLIT, lo, hi, n_in, p, p_on, SPLIT_P: tl.constexpr, NP_SPLIT: tl.constexpr):
-    """_search's first pivot pass from _split_pivot_kernel's partials (summed in split order):
-    (lo, hi, n_in, bound, count(key > hi), mass(key > hi)), or the inputs unchanged (bound < 0:
-    'measure it') where the row does not search."""
-    go = p_on & (hi.to(tl.int64) - lo.to(tl.int64) > 1)
-    piv = _pivots(lo, hi, NP_SPLIT)
-    j = tl.arange(0, SPLIT_P)
-    ok = j < tl.where(go, NSPLIT, 0)  # (a [N] & scalar bool trips the interpreter)
-    base = pv_ptr + (row * NSPLIT + j) * (2 * NP_SPLIT + 2)  # [SPLIT_P]
-    c = tl.arange(0, NP_SPLIT)[None, :]
-    fc = tl.sum(tl.load(base[:, None] + c, mask=ok[:, None], other=0.0), axis=0).to(tl.int32)  # [NP]
-    fm = tl.sum(tl.load(base[:, None] + NP_SPLIT + c, mask=ok[:, None], other=0.0), axis=0)
-    flo_c0 = tl.sum(tl.load(base + 2 * NP_SPLIT, mask=ok, other=0.0), axis=0).to(tl.int32)
-    bound = p * tl.sum(tl.load(base + 2 * NP_SPLIT + 1, mask=ok, other=0.0), axis=0)
-    # as in _search's pivot pass
-    drop = fm >= bound
-    new_hi = tl.min(tl.where(drop, hi, piv), axis=0)
-    new_lo = tl.minimum(tl.max(tl.where(drop, piv, lo), axis=0), new_hi - 1)
-    fhi_c = tl.where(new_hi == hi, 0, tl.max(tl.where(piv == new_hi, fc, 0), axis=0))
-    fhi_m = tl.where(new_hi == hi, 0.0, tl.max(tl.where(piv == new_hi, fm, 0.0), axis=0))
-    flo_c = tl.where(new_lo == lo, flo_c0, tl.max(tl.where(piv == new_lo, fc, 0), axis=0))
-    return (tl.where(go, new_lo, lo), tl.where(go, new_hi, hi), tl.where(go, flo_c - fhi_c, n_in),
-            tl.where(go, bound, p * 0.0 - 1.0), tl.where(go, fhi_c, 0), tl.where(go, fhi_m, 0.0))
-
-
 # --------------------------------------------------------------------------- kernels
 
 
@@ -397,12 +257,9 @@ def _filter_sample_kernel(
     sk_ptr,  # scratch [B, C] int32: the keys of a search's last interval
     V,
     has_top_k, has_top_p, has_min_p,  # int 0/1: some row of the batch uses top-k / top-p / min-p
-    st_ptr, pv_ptr, NSPLIT,  # SPLIT: the row-split pre-pass's partials (see _split_stats_kernel)
     SAMPLE: tl.constexpr,  # True: race -> ids; False: write the filtered logits
     BLOCK_P: tl.constexpr, NP: tl.constexpr, BLOCK_S: tl.constexpr, C: tl.constexpr,
     MAX_PASSES: tl.constexpr,
-    SPLIT: tl.constexpr,  # pass 1 and the first top-p pivot pass were done by NSPLIT programs per row
-    SPLIT_P: tl.constexpr, NP_SPLIT: tl.constexpr,  # NSPLIT padded to a power of two; their pivots
 ):
     row = tl.program_id(0).to(tl.int64)
     y_row = y_ptr + row * stride_y
@@ -421,40 +278,36 @@ def _filter_sample_kernel(
         active = t_raw == t_raw
 
     # ---- pass 1: y = x / T in place; max (first argmax), min finite value, #finite
-    if SPLIT:  # done by _split_stats_kernel: reduce its NSPLIT partials in split order
-        m, greedy_id, mn_row, n_fin = _split_row_stats(st_ptr, row, NSPLIT, V, SPLIT_P)
-    else:
-        mx = tl.full([BLOCK_S], float("-inf"), tl.float32)
-        mxi = tl.zeros([BLOCK_S], dtype=tl.int32)
-        mn = tl.full([BLOCK_S], float("inf"), tl.float32)
-        nf = tl.zeros([BLOCK_S], dtype=tl.int32)
-        x_next = _load_row(y_row, ars, V)
-        for start in range(0, V, BLOCK_S):
-            x = x_next
-            x_next = _load_row(y_row, start + BLOCK_S + ars, V)
-            offs = start + ars
-            y = tl.div_rn(x, temp)  # IEEE division, as torch's (plain `/` is div.full: 2 ulp)
-            if rescale:  # uniform branch (a scalar-bool mask trips the interpreter)
-                tl.store(y_row + offs, y, mask=offs < V)
-            upd = y > mx  # strict: each lane keeps its first max
-            mx = tl.where(upd, y, mx)
-            mxi = tl.where(upd, offs, mxi)
-            finite = y > float("-inf")
-            mn = tl.where(finite, tl.minimum(mn, y), mn)
-            nf += finite.to(tl.int32)
-        m = tl.max(mx, axis=0)
-        greedy_id = tl.min(tl.where(mx == m, mxi, V), axis=0)
-        n_fin = tl.sum(nf, axis=0)
-        mn_row = tl.min(mn, axis=0)
+    mx = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    mxi = tl.zeros([BLOCK_S], dtype=tl.int32)
+    mn = tl.full([BLOCK_S], float("inf"), tl.float32)
+    nf = tl.zeros([BLOCK_S], dtype=tl.int32)
+    x_next = _load_row(y_row, ars, V)
+    for start in range(0, V, BLOCK_S):
+        x = x_next
+        x_next = _load_row(y_row, start + BLOCK_S + ars, V)
+        offs = start + ars
+        y = tl.div_rn(x, temp)  # IEEE division, as torch's (plain `/` is div.full: 2 ulp)
+        if rescale:  # uniform branch (a scalar-bool mask trips the interpreter)
+            tl.store(y_row + offs, y, mask=offs < V)
+        upd = y > mx  # strict: each lane keeps its first max
+        mx = tl.where(upd, y, mx)
+        mxi = tl.where(upd, offs, mxi)
+        finite = y > float("-inf")
+        mn = tl.where(finite, tl.minimum(mn, y), mn)
+        nf += finite.to(tl.int32)
+    m = tl.max(mx, axis=0)
+    greedy_id = tl.min(tl.where(mx == m, mxi, V), axis=0)
+    n_fin = tl.sum(nf, axis=0)
     hi = _order_key(m)
-    lo = _order_key(mn_row) - 1  # every finite token is above lo, -inf below
+    lo = _order_key(tl.min(mn, axis=0)) - 1  # every finite token is above lo, -inf below
     n_in = n_fin
 
     # ---- top-k, then top-p over what top-k kept
     if has_top_k != 0:
         k = tl.load(topk_ptr + row)
         k_on = active & (k > 0) & (k < n_fin)  # k >= #finite keeps every finite token
-        lo, n_in = _search(y_row, sk_row, V, m, lo, hi, n_in, k.to(tl.float32), 0.0, k_on, n_in * 0, k.to(tl.float32) * 0.0,
+        lo, n_in = _search(y_row, sk_row, V, m, lo, hi, n_in, k.to(tl.float32), 0.0, k_on,
                            False, BLOCK_P, NP, BLOCK_S, C, MAX_PASSES)
     if has_top_p != 0:
         p = tl.load(topp_ptr + row)
@@ -462,13 +315,8 @@ def _filter_sample_kernel(
         # Tokens more than 120 below the max have exp(y - max) == 0 in fp32: massless, they
         # never cross the bound; starting above them narrows the value range of the pivots.
         lo = tl.maximum(lo, _order_key(m - 120.0) - 1)  # n_in stays an upper bound
-        bound = p * 0.0 - 1.0  # bound < 0: p * Z, Z measured by the search itself
-        fhi_c = n_in * 0
-        fhi_m = p * 0.0
-        if SPLIT:  # the first pivot pass, from _split_pivot_kernel's partials
-            lo, hi, n_in, bound, fhi_c, fhi_m = _split_first_pass(pv_ptr, row, NSPLIT, lo, hi, n_in, p, p_on,
-                                                                  SPLIT_P, NP_SPLIT)
-        lo_p, n_in = _search(y_row, sk_row, V, m, lo, hi, n_in, bound, p, p_on, fhi_c, fhi_m,
+        unknown = p * 0.0 - 1.0  # bound < 0: p * Z, Z measured by the search itself
+        lo_p, n_in = _search(y_row, sk_row, V, m, lo, hi, n_in, unknown, p, p_on,
                              True, BLOCK_P, NP, BLOCK_S, C, MAX_PASSES)
         lo = tl.where(p_on, lo_p, lo)
     min_p = tl.load(minp_ptr + row)  # read (and applied) only where has_min_p
@@ -632,23 +480,6 @@ def _launch(logits: torch.Tensor, batch: "SamplingBatch", q: torch.Tensor | None
     c = cfg["C"] if filt else 1  # no search: no scratch
     sk = torch.empty(b, c, dtype=torch.int32, device=logits.device)
     sample = q is not None
-    nsplit, nps = cfg["NSPLIT"], cfg["NP_SPLIT"]
-    # The split pre-pass serves the race with no top-k (its pivot pass is top-p's first); the
-    # WRITE mode (tests, `Sampler.process`) and top-k batches keep the one-program passes.
-    split = nsplit > 0 and sample and not batch.any_top_k
-    st = pv = sk  # (unused unless split)
-    if split:
-        blk, blk_st = cfg["BLOCK_SPLIT"], cfg["BLOCK_SPLIT_STATS"]
-        whole = max(blk, blk_st)  # both powers of two: a slice is whole chunks of either kernel
-        length = triton.cdiv(triton.cdiv(v, nsplit), whole) * whole  # tokens per slice
-        st = torch.empty(b, nsplit, 4, dtype=torch.float32, device=logits.device)
-        _split_stats_kernel[(b, nsplit)](logits, logits.stride(0), batch.temperature, st, v, length, nsplit,
-                                         BLOCK=blk_st, num_warps=4)
-        if batch.any_top_p:
-            pv = torch.empty(b, nsplit, 2 * nps + 2, dtype=torch.float32, device=logits.device)
-            _split_pivot_kernel[(b, nsplit)](logits, logits.stride(0), batch.temperature, batch.top_p, st, pv, v,
-                                             length, nsplit, BLOCK=blk, SPLIT_P=triton.next_power_of_2(nsplit),
-                                             NP_SPLIT=nps, num_warps=8)
     _filter_sample_kernel[(b,)](
         logits, logits.stride(0),
         q if sample else logits, q.stride(0) if sample else 0,
@@ -656,10 +487,8 @@ def _launch(logits: torch.Tensor, batch: "SamplingBatch", q: torch.Tensor | None
         batch.temperature, batch.top_k, batch.top_p, batch.min_p,
         sk, v,
         int(batch.any_top_k), int(batch.any_top_p), int(batch.any_min_p),
-        st, pv, max(nsplit, 1),
         SAMPLE=sample,
         BLOCK_P=cfg["BLOCK_P"], NP=cfg["NP"], BLOCK_S=cfg["BLOCK_S"], C=cfg["C"], MAX_PASSES=cfg["MAX_PASSES"],
-        SPLIT=split, SPLIT_P=triton.next_power_of_2(max(nsplit, 1)), NP_SPLIT=nps,
         num_warps=warps,
     )
 

@@ -504,8 +504,7 @@ if SK is not None and not _CUDA:
 
 # Small chunks and scratch so that V of a few hundred already takes the pivot-pass path (the
 # defaults need V > 8192 for it), next to the defaults.
-SMALL_KERNEL_CFG = {"BLOCK_P": 32, "NP": 8, "BLOCK_S": 64, "C": 64,
-                    "NSPLIT": 5, "NP_SPLIT": 8, "BLOCK_SPLIT": 16, "BLOCK_SPLIT_STATS": 32}
+SMALL_KERNEL_CFG = {"BLOCK_P": 32, "NP": 8, "BLOCK_S": 64, "C": 64}
 
 
 @pytest.fixture
@@ -813,31 +812,6 @@ def test_triton_race_picks_the_torch_backend_token(kernel_cfg):
                 assert float(score[i, ids[i]]) >= float(score[i, want[i]]) * (1 - 1e-6), (kind, i)
 
 
-@needs_triton
-@pytest.mark.parametrize("kernel_cfg", [{}, SMALL_KERNEL_CFG], indirect=True, ids=["default", "multipass"])
-def test_triton_row_split_draws_the_tokens_of_one_program_per_row(kernel_cfg):
-    """The row split (pass 1 and top-p's first pivot pass as NSPLIT programs per row) draws the
-    tokens one program per row draws from the same noise, for every kind of logits, with greedy,
-    min-p and top-p-1 rows in the batch. Top-k is left out: a batch with it never splits."""
-    v, b = (1501, 18) if _CUDA else (601, 6 if not kernel_cfg else 12)  # the interpreter: ~1 ms per op
-    params = [SamplingParams(temperature=p.temperature, top_p=p.top_p, min_p=p.min_p)
-              for p in random_params(b, seed=70, vocab=v)]
-    batch = build(params, range(b), KDEV)
-    assert not batch.any_top_k and batch.any_top_p and batch.any_greedy
-    nsplit = SK._CONFIG["NSPLIT"]
-    for kind in KINDS:
-        logits = make_logits(kind, b, v, seed=80 + KINDS.index(kind))[0]
-        q = torch.empty(b, v).exponential_(generator=torch.Generator().manual_seed(2))
-        ids = {}
-        for n in (nsplit, 0):
-            old = SK.set_config(NSPLIT=n)
-            try:
-                ids[n] = SK.filter_and_sample(logits.clone().to(KDEV), batch, q.clone().to(KDEV)).cpu()
-            finally:
-                SK.set_config(**old)
-        assert torch.equal(ids[nsplit], ids[0]), (kind, ids[nsplit], ids[0])
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(SK is None or not _CUDA, reason="needs CUDA (too slow for the interpreter)")
 def test_triton_large_vocab_orpheus_settings_cuda():
@@ -1016,19 +990,10 @@ _COMPILE_SCRIPT = textwrap.dedent(
     cfg = m._CONFIG
     sig = dict(y_ptr="*fp32", stride_y="i32", q_ptr="*fp32", stride_q="i32", ids_ptr="*i64", temp_ptr="*fp32",
                topk_ptr="*i64", topp_ptr="*fp32", minp_ptr="*fp32", sk_ptr="*i32", V="i32",
-               has_top_k="i32", has_top_p="i32", has_min_p="i32",  # the filter flags: one variant for all
-               st_ptr="*fp32", pv_ptr="*fp32", NSPLIT="i32")
-    split_p = 1 << (cfg["NSPLIT"] - 1).bit_length()
-    for sample, warps, split in itertools.product((False, True), {cfg["num_warps"], cfg["num_warps_small"]},
-                                                  (False, True)):
+               has_top_k="i32", has_top_p="i32", has_min_p="i32")  # the filter flags: one variant for all
+    for sample, warps in itertools.product((False, True), {cfg["num_warps"], cfg["num_warps_small"]}):
         build(m._filter_sample_kernel, sig, dict(SAMPLE=sample, BLOCK_P=cfg["BLOCK_P"], NP=cfg["NP"],
-              BLOCK_S=cfg["BLOCK_S"], C=cfg["C"], MAX_PASSES=cfg["MAX_PASSES"], SPLIT=split, SPLIT_P=split_p,
-              NP_SPLIT=cfg["NP_SPLIT"]), warps)
-    build(m._split_stats_kernel, dict(y_ptr="*fp32", stride_y="i32", temp_ptr="*fp32", st_ptr="*fp32", V="i32",
-          L="i32", NSPLIT="i32"), dict(BLOCK=cfg["BLOCK_SPLIT_STATS"]), 4)
-    build(m._split_pivot_kernel, dict(y_ptr="*fp32", stride_y="i32", temp_ptr="*fp32", topp_ptr="*fp32",
-          st_ptr="*fp32", pv_ptr="*fp32", V="i32", L="i32", NSPLIT="i32"),
-          dict(BLOCK=cfg["BLOCK_SPLIT"], SPLIT_P=split_p, NP_SPLIT=cfg["NP_SPLIT"]), 8)
+              BLOCK_S=cfg["BLOCK_S"], C=cfg["C"], MAX_PASSES=cfg["MAX_PASSES"]), warps)
     psig = dict(x_ptr="*fp32", stride_x="i32", rows_ptr="*i64", mask_ptr="*u8", stride_mask="i32", cnt_ptr="*i32",
                 stride_cnt="i32", rep_ptr="*fp32", freq_ptr="*fp32", pres_ptr="*fp32", V="i32",
                 has_rep="i32", has_freq="i32", has_pres="i32")
