@@ -316,9 +316,10 @@ class Engine:
         decodes: prompts past MAX_TOKEN_ROW_QUERY, which no decode graph serves. On the H200
         the first such prompt after start-up took 85-137 ms against 35-56 ms for the next one,
         and 46-58 ms with this warm-up (probably CUDA modules loaded on first launch;
-        deploy/RESULTS.md, s10), and every stream of the batch waited for it. The lengths (356, 461) are not the ones `bench_gpu.py --sections
-        first_use` times (300, 517, 400), so that section measures other shapes than these.
-        Nothing to do where prompts that long cannot occur."""
+        deploy/RESULTS.md, s10), and every stream of the batch waited for it. The lengths (356,
+        461) are not the ones `bench_gpu.py --sections first_use` times (300, 517, 400), so that
+        section measures other shapes than these. Nothing to do where prompts that long cannot
+        occur."""
         from runner.model_runner import MAX_TOKEN_ROW_QUERY
 
         longest = self.cfg.scheduler.max_model_len - 4
