@@ -599,51 +599,47 @@ def run_first_use(max_num_seqs: int = 64) -> dict:
     cost (a CUDA module loaded on first launch, a Triton compile) shows as first >> again, and
     in serving every stream waits for it. Cases: eager prefills (prompts past the 128-token
     token-row limit) alone and joining 8 running decodes, and a hidden-state request."""
-    from triton import knobs
-
+    from runner.compile_log import recording
     from runner.sampling_params import SamplingParams
 
     eng = in_process_engine(max_num_seqs)
     t_warm = time.perf_counter()
     eng.warm_up()
     log(f"  first use: Engine.warm_up took {time.perf_counter() - t_warm:.1f} s")
-    compiled: list[str] = []
-    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(
-        f"{getattr(kw.get('fn'), 'name', '?')}: {str(kw.get('repr', ''))[:600]}") or False
-    g = torch.Generator().manual_seed(7)
-    hi = min(100000, eng.cfg.model.vocab_size)
-    text = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=2, ignore_eos=True)
-    audio = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=300, seed=1)
-    n = 0
+    with recording() as compiled:  # every Triton compile after warm-up
+        g = torch.Generator().manual_seed(7)
+        hi = min(100000, eng.cfg.model.vocab_size)
+        text = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=2, ignore_eos=True)
+        audio = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=300, seed=1)
+        n = 0
 
-    def timed(length: int, hidden: bool = False) -> tuple[float, float]:
-        """(ms from add_request to its end, longest step ms while it ran)."""
-        nonlocal n
-        n += 1
-        rid = f"first-use-{n}"
-        eng.add_request(rid, torch.randint(10, hi, (length,), generator=g).tolist(), text,
-                        hidden_state_layers=(-1,) if hidden else ())
-        t0, longest, done = time.perf_counter(), 0.0, False
-        while not done:
-            ts = time.perf_counter()
-            done = any(o.request_id == rid and o.finished for o in eng.step())
-            longest = max(longest, time.perf_counter() - ts)
-        return 1e3 * (time.perf_counter() - t0), 1e3 * longest
+        def timed(length: int, hidden: bool = False) -> tuple[float, float]:
+            """(ms from add_request to its end, longest step ms while it ran)."""
+            nonlocal n
+            n += 1
+            rid = f"first-use-{n}"
+            eng.add_request(rid, torch.randint(10, hi, (length,), generator=g).tolist(), text,
+                            hidden_state_layers=(-1,) if hidden else ())
+            t0, longest, done = time.perf_counter(), 0.0, False
+            while not done:
+                ts = time.perf_counter()
+                done = any(o.request_id == rid and o.finished for o in eng.step())
+                longest = max(longest, time.perf_counter() - ts)
+            return 1e3 * (time.perf_counter() - t0), 1e3 * longest
 
-    res: dict = {}
-    for label, length, hidden in (("prompt 300 alone", 300, False), ("prompt 517 alone", 517, False),
-                                  ("hidden states, prompt 50", 50, True)):
-        res[label] = {"first": timed(length, hidden), "again": timed(length, hidden), "third": timed(length + 3, hidden)}
-    for i in range(8):
-        eng.add_request(f"dec-{i}", torch.randint(10, hi, (24,), generator=g).tolist(), audio, audio=True)
-    for _ in range(10):
-        eng.step()
-    res["prompt 400 joining 8 decodes"] = {"first": timed(400), "again": timed(400), "third": timed(403)}
-    for r in list(eng.requests):
-        eng.abort_request(r)
-    while eng.has_unfinished:
-        eng.step()
-    knobs.runtime.jit_post_compile_hook = None
+        res: dict = {}
+        for label, length, hidden in (("prompt 300 alone", 300, False), ("prompt 517 alone", 517, False),
+                                      ("hidden states, prompt 50", 50, True)):
+            res[label] = {"first": timed(length, hidden), "again": timed(length, hidden), "third": timed(length + 3, hidden)}
+        for i in range(8):
+            eng.add_request(f"dec-{i}", torch.randint(10, hi, (24,), generator=g).tolist(), audio, audio=True)
+        for _ in range(10):
+            eng.step()
+        res["prompt 400 joining 8 decodes"] = {"first": timed(400), "again": timed(400), "third": timed(403)}
+        for r in list(eng.requests):
+            eng.abort_request(r)
+        while eng.has_unfinished:
+            eng.step()
     res["compiled_after_warm_up"] = compiled
     for label, r in res.items():
         if label != "compiled_after_warm_up":

@@ -294,7 +294,7 @@ class _Traffic:
         self.eng = build_engine(EngineProcArgs(model_path=str(model_path), input_addr="", output_addr="",
                                                max_num_seqs=max_num_seqs, max_model_len=1024, device="cuda"))
         self.eng.warm_up()
-        self.compiled: list[str] = []
+        self.compiled: list[str] = []  # while inside `with`: runner.compile_log.recording's list
 
     def prompt(self, n: int, salt: int) -> list[int]:
         return prompts_of([n], self.eng.cfg.model.vocab_size, seed=salt)[0]
@@ -306,17 +306,14 @@ class _Traffic:
             n += 1
 
     def __enter__(self) -> "_Traffic":
-        from triton import knobs
+        from runner.compile_log import recording
 
-        self._old = knobs.runtime.jit_post_compile_hook
-        knobs.runtime.jit_post_compile_hook = lambda **kw: self.compiled.append(
-            f"{getattr(kw.get('fn'), 'name', '?')}: {str(kw.get('key', ''))[:600]}") or False
+        self._recording = recording()
+        self.compiled = self._recording.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        from triton import knobs
-
-        knobs.runtime.jit_post_compile_hook = self._old
+        self._recording.__exit__(*exc)
 
 
 # every sampling option the API takes, one set per request
