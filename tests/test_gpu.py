@@ -168,7 +168,9 @@ def test_hidden_state_graphs_equal_the_eager_hidden_states(model_dir):
     graphed.runner.graphs.run = lambda *a, **k: calls.append(k.get("all_layers", False)) or run_graph(*a, **k)
     got = run(graphed)
     assert any(calls)  # hidden-state decode steps replayed the all-layers family
-    ref = run(Engine(cfg))
+    eager = Engine(cfg.with_(runner=replace(cfg.runner, hidden_state_graphs=False)))  # (the default is on)
+    assert eager.runner.graphs.hidden_buckets == []
+    ref = run(eager)
     for rid, prompt, layers in reqs:
         toks, hid, pos = got[rid]
         rtoks, rhid, rpos = ref[rid]
