@@ -73,7 +73,7 @@ ORPHEUS_3B = {
 }
 BATCHES = [1, 8, 32, 64, 128, 256]
 # RunnerConfig kernel options of every engine this run builds (--skinny-linear, --pdl, ...)
-KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "split_k": True}
+KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "attention_prefetch": True, "split_k": True}
 PROMPT, NEW = 100, 500
 
 
@@ -181,21 +181,24 @@ def run_engine(model, batches, graphs: bool, async_sched: bool, sampling, timeli
         log(f"  engine graphs={graphs} async={async_sched} B={B}: {step_ms:.2f} ms/step" + (f" gap {gap}" if gap else ""))
         if timeline_at == B:
             prof_path = Path(os.environ.get("OUT", "/tmp")) / f"profile_graphs{int(graphs)}_B{B}.txt"
-            profile_steps(eng, prof_path)
+            out[B]["critical_path"] = profile_steps(eng, prof_path, sampling=sampling)
         del eng
         torch.cuda.empty_cache()
     return out
 
 
-def profile_steps(eng, path: Path, steps: int = 8) -> None:
-    """Kernel-level GPU time of a few decode steps (same shapes as the timed ones)."""
+def profile_steps(eng, path: Path, steps: int = 8, sampling=None) -> dict:
+    """Kernel-level GPU time of a few decode steps (same shapes as the timed ones), and each
+    kernel's share of the step's critical path (`critical_path`, written next to `path` as
+    *_critical.md). `sampling` defaults to the Orpheus settings."""
+    import msgspec
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(1)
     B = eng.cfg.scheduler.max_num_seqs
+    sp = eng_sampling(steps + 40) if sampling is None else msgspec.structs.replace(sampling, max_tokens=steps + 40)
     for i in range(B):
-        eng.add_request(f"prof-{i}", torch.randint(0, 128000, (PROMPT,), generator=g).tolist(),
-                        eng_sampling(steps + 40))
+        eng.add_request(f"prof-{i}", torch.randint(0, 128000, (PROMPT,), generator=g).tolist(), sp)
     for _ in range(30):
         eng.step()
     torch.cuda.synchronize()
@@ -204,8 +207,56 @@ def profile_steps(eng, path: Path, steps: int = 8) -> None:
             eng.step()
         torch.cuda.synchronize()
     path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    chain = critical_path(prof, steps)
+    path.with_name(path.stem + "_critical.md").write_text(render_critical_path(chain, B))
     while eng.has_unfinished:
         eng.step()
+    return chain
+
+
+def critical_path(prof, steps: int) -> dict:
+    """Each GPU activity's share of the profiled span: activities sorted by end time, each
+    charged end - the latest earlier end (the time by which it pushed the frontier; 0 if it
+    ended inside an earlier one's span). With PDL a kernel starts before its predecessor ends and waits, so
+    its own duration overstates it; this share does not. The shares sum to the span. Kernels
+    that repeat within a layer are told apart by their ordinal since the last attention kernel
+    (e.g. _skinny_linear_kernel#1 = o_proj, #2 = gate_up, #3 = down at batch 1)."""
+    from torch.autograd import DeviceType
+
+    evs = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == DeviceType.CUDA), key=lambda t: t[0])
+    seen: dict[str, int] = {}
+    labelled = []
+    for start, end, name in evs:
+        short = name.split("(")[0].split("<")[0].strip()[:48]
+        if "_paged_decode_kernel" in short:
+            seen.clear()
+        seen[short] = seen.get(short, 0) + 1
+        labelled.append((start, end, f"{short}#{seen[short]}"))
+    rows: dict[str, list[float]] = {}
+    first = frontier = labelled[0][0] if labelled else 0.0
+    for start, end, label in sorted(labelled, key=lambda t: t[1]):
+        share = max(0.0, end - frontier)
+        frontier = max(frontier, end)
+        r = rows.setdefault(label, [0, 0.0, 0.0])
+        r[0] += 1
+        r[1] += share
+        r[2] += end - start
+    span = frontier - first
+    return {"span_us_per_step": span / steps, "steps": steps,
+            "kernels": {k: {"calls_per_step": n / steps, "us_per_step": sh / steps, "share_us": sh / n,
+                            "duration_us": d / n} for k, (n, sh, d) in rows.items()}}
+
+
+def render_critical_path(chain: dict, batch: int) -> str:
+    lines = [f"Critical path per decode step, batch {batch}: {chain['span_us_per_step']:.1f} us per step "
+             f"(profiled span / {chain['steps']} steps; shares sum to it)", "",
+             "| kernel (#: ordinal since the attention kernel) | calls / step | us / step | share us / call | duration us / call |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for k, r in sorted(chain["kernels"].items(), key=lambda kv: -kv[1]["us_per_step"]):
+        lines.append(f"| {k} | {r['calls_per_step']:.1f} | {r['us_per_step']:.1f} | {r['share_us']:.2f} | "
+                     f"{r['duration_us']:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def parse_tile_override(item: str) -> tuple[tuple[int, int, int], int, "LinearTile | None"]:
@@ -1017,7 +1068,7 @@ def main() -> int:
             res["engine_orpheus_sampling"] = run_engine(model, [b for b in batches if b in (1, 64, 256)], True, True, orpheus,
                                                         timeline_at=64 if "profile" in secs else None)
         for B in (int(b) for b in args.profile_batches.split(",") if b):
-            run_engine(model, [B], True, True, greedy, timeline_at=B)
+            res.setdefault("critical_path", {})[B] = run_engine(model, [B], True, True, greedy, timeline_at=B)[B]["critical_path"]
         if "eager" in secs:
             res["eager"] = run_engine(model, [b for b in batches if b in (1, 64)], graphs=False, async_sched=False, sampling=greedy,
                                       timeline_at=1 if "profile" in secs else None)

@@ -180,14 +180,17 @@ class TorchPagedAttention:
     __call__ = forward
 
 
-def make_attention_backend(device: torch.device | str, pdl: bool = True, rope_in_attention: bool = True):
+def make_attention_backend(device: torch.device | str, pdl: bool = True, rope_in_attention: bool = True,
+                           attention_prefetch: bool = True):
     """Pick the attention backend for a device once, at model construction: the Triton paged
     decode kernel on CUDA (prefill still goes through the torch path; `pdl`: launched with
     programmatic dependent launch where the GPU has it; `rope_in_attention`: pure-decode steps
-    do RoPE and the KV write inside the kernel), plain torch elsewhere."""
+    do RoPE and the KV write inside the kernel; `attention_prefetch`: those steps' split kernel
+    loads the block table and first K/V tile before the PDL wait), plain torch elsewhere."""
     if torch.device(device).type == "cuda":
         from runner.triton_attention import TritonPagedAttention  # needs triton, present with CUDA torch
         from runner.triton_pdl import pdl_available
 
-        return TritonPagedAttention(pdl=pdl and pdl_available(device), rope_in_attention=rope_in_attention)
+        return TritonPagedAttention(pdl=pdl and pdl_available(device), rope_in_attention=rope_in_attention,
+                                    prefetch=attention_prefetch)
     return TorchPagedAttention()

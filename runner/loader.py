@@ -161,7 +161,8 @@ def kernels_for(runner: RunnerConfig) -> tuple[object, object]:
     """(attention backend, elementwise/GEMM ops) for the runner's device and kernel options,
     chosen once per model (runner/attention.py, runner/fused_ops.py)."""
     dev = runner.torch_device
-    attn = make_attention_backend(dev, pdl=runner.pdl, rope_in_attention=runner.rope_in_attention)
+    attn = make_attention_backend(dev, pdl=runner.pdl, rope_in_attention=runner.rope_in_attention,
+                                  attention_prefetch=runner.attention_prefetch)
     return attn, make_ops(dev, skinny_linear=runner.skinny_linear, pdl=runner.pdl, split_k=runner.split_k)
 
 

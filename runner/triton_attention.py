@@ -73,6 +73,50 @@ _FUSED_ROPE_PROGRAMS_PER_SM = 4
 
 # max_blocks and the table's row stride change with every eager step's longest sequence: not
 # specialising on them (divisibility by 16, == 1) keeps one compiled variant per split count.
+@triton.jit
+def _split_range(seq_lens_ptr, b, split, max_blocks, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr):
+    """(seq_len, n_tiles, t_lo, t_hi): sequence b's length and the tile run [t_lo, t_hi) of `split`."""
+    # Clamp to the table's capacity so a bad seq_len can never read past the row.
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_blocks * BLOCK_SIZE)
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    t_lo = split * tiles_per_split
+    t_hi = tl.minimum(t_lo + tiles_per_split, n_tiles)  # t_lo >= t_hi: empty split
+    return seq_len, n_tiles, t_lo, t_hi
+
+
+@triton.jit
+def _load_kv_tile(kv_ptr, bt_row, t, live, stride_btc, stride_blk, stride_tok, head_off, stride_kvd, stride_kv,
+                  offs_d, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile t's K and V [BLOCK_N, D] and its position mask (positions < `live`), gathered
+    through the block table."""
+    offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
+    n_mask = offs_n < live
+    # Masked positions issue no block-table or K/V load, and their scores are -inf, so dead
+    # slots (even NaN) never reach the result.
+    blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btc, mask=n_mask, other=0)
+    # int64: block * stride_blk overflows int32 on caches over 2^31 elements.
+    tok_off = blk.to(tl.int64) * stride_blk + (offs_n % BLOCK_SIZE) * stride_tok + head_off  # [BLOCK_N]
+    kv_off = tok_off[:, None] + offs_d[None, :] * stride_kvd  # [BLOCK_N, D]
+    k = tl.load(kv_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+    v = tl.load(kv_ptr + stride_kv + kv_off, mask=n_mask[:, None], other=0.0)
+    return k, v, n_mask
+
+
+@triton.jit
+def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2e, DOT_PREC: tl.constexpr):
+    """One online-softmax step over a K/V tile: the updated (m_i, l_i, acc)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e  # [GROUP_P, BLOCK_N] fp32
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # >= _NEG, finite
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])  # masked -> exp2(-inf) = 0
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["stride_btb", "max_blocks"])
 def _paged_decode_kernel(
     q_ptr,  # [B, Hq, D]
@@ -126,21 +170,40 @@ def _paged_decode_kernel(
     FUSED_ROPE: tl.constexpr,  # rotate q and this token's k here and write k/v to the cache
     ROUND: tl.constexpr,  # FUSED_ROPE: 16-bit model dtype (round where torch materialises)
     FOLD_CURRENT: tl.constexpr,  # FUSED_ROPE and split: the current token joins after the loop
+    # FOLD_CURRENT only: everything but q and this token's k/v is loaded before the PDL wait
+    PREFETCH: tl.constexpr,
 ):
-    pdl_enter(USE_GDC)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-
-    # Clamp to the table's capacity so a bad seq_len can never read past the row.
-    seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_blocks * BLOCK_SIZE)
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-    t_lo = split * tiles_per_split
-    t_hi = tl.minimum(t_lo + tiles_per_split, n_tiles)  # t_lo >= t_hi: empty split
-
     offs_g = tl.arange(0, GROUP_P)
     offs_d = tl.arange(0, HEAD_DIM)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    head_off = kvh * stride_kvh
+    if PREFETCH:
+        # At batch 1-16 a program attends one tile or two, so its time is a chain of dependent
+        # loads (seq_len -> block table -> K/V), not bytes. None of them reads what the kernels
+        # before it in this step write: seq_lens, tables, positions and slots come from host
+        # copies before the step, and the cached positions [0, seq_len - 1) from earlier steps
+        # (this token's slot is written below, by this program). So they are issued before
+        # the wait and run under the qkv GEMM's tail; only q, k and v (the GEMM's output)
+        # wait. Same values, same arithmetic as without (the first tile is the loop's first
+        # iteration, peeled).
+        seq_len, n_tiles, t_lo, t_hi = _split_range(seq_lens_ptr, b, split, max_blocks, BLOCK_SIZE, BLOCK_N,
+                                                    NUM_SPLITS)
+        pos = tl.minimum(tl.maximum(tl.load(pos_ptr + b).to(tl.int64), 0), max_pos - 1)
+        c = tl.load(cos_ptr + pos * stride_cos + offs_d)[None, :]  # [1, D]
+        s_ = tl.load(sin_ptr + pos * stride_sin + offs_d)[None, :]
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        # an empty split (t_lo >= t_hi) masks every position: the peeled step then changes nothing
+        k0, v0, mask0 = _load_kv_tile(kv_ptr, bt_row, t_lo, tl.where(t_lo < t_hi, seq_len - 1, 0), stride_btc,
+                                      stride_blk, stride_tok, head_off, stride_kvd, stride_kv, offs_d, BLOCK_SIZE,
+                                      BLOCK_N)
+    pdl_enter(USE_GDC)
+    if not PREFETCH:
+        seq_len, n_tiles, t_lo, t_hi = _split_range(seq_lens_ptr, b, split, max_blocks, BLOCK_SIZE, BLOCK_N,
+                                                    NUM_SPLITS)
+
     g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g  # [GROUP_P] query heads of this KV head
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh  # [GROUP_P, 1]
@@ -148,9 +211,11 @@ def _paged_decode_kernel(
         # The RoPE kernel's arithmetic (runner/triton_fused_ops.py), so q and k come out bit for
         # bit as the unfused RoPE + KV write would leave them (the attention itself then differs
         # from the unfused launch in fp32 summation order only).
-        pos = tl.minimum(tl.maximum(tl.load(pos_ptr + b).to(tl.int64), 0), max_pos - 1)
-        c = tl.load(cos_ptr + pos * stride_cos + offs_d)[None, :]  # [1, D]
-        s_ = tl.load(sin_ptr + pos * stride_sin + offs_d)[None, :]
+        if not PREFETCH:
+            pos = tl.minimum(tl.maximum(tl.load(pos_ptr + b).to(tl.int64), 0), max_pos - 1)
+            c = tl.load(cos_ptr + pos * stride_cos + offs_d)[None, :]  # [1, D]
+            s_ = tl.load(sin_ptr + pos * stride_sin + offs_d)[None, :]
+            slot = tl.load(slot_ptr + b).to(tl.int64)
         if ROUND:  # torch casts the fp32 table rows to the model dtype before use
             c = c.to(q_ptr.dtype.element_ty).to(tl.float32)
             s_ = s_.to(q_ptr.dtype.element_ty).to(tl.float32)
@@ -167,7 +232,6 @@ def _paged_decode_kernel(
         k_cur = rope_rows(k_row, 1, offs_d, offs_d[None, :] < HEAD_DIM, c, s_, HEAD_DIM, ROUND)
         k_cur = k_cur.to(kv_ptr.dtype.element_ty)
         v_cur = tl.load(vnew_ptr + b * stride_vnb + kvh * stride_vnh + offs_d)[None, :].to(kv_ptr.dtype.element_ty)
-        slot = tl.load(slot_ptr + b).to(tl.int64)
         dst = (kv_ptr + (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_tok + kvh * stride_kvh
                + offs_d[None, :] * stride_kvd)  # [1, D]
         if not FOLD_CURRENT:
@@ -184,34 +248,20 @@ def _paged_decode_kernel(
     l_i = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
 
-    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    head_off = kvh * stride_kvh
     # FOLD_CURRENT: the loop reads the positions already in the cache, [0, seq_len - 1); the
     # current token is folded in after it, from registers
     cached = seq_len - 1 if FOLD_CURRENT else seq_len
+    t_first = t_lo
+    if PREFETCH:
+        m_i, l_i, acc = _attend_tile(q, k0, v0, mask0, m_i, l_i, acc, scale_log2e, DOT_PREC)
+        t_first = t_lo + 1
     # Explicit tl.range stages: without it Triton 3.6 does not software-pipeline this loop (the
     # K/V addresses depend on a block-table load). With it the block-table load runs a stage
     # ahead and K/V of tile t+1 are fetched with cp.async while tile t is computed.
-    for t in tl.range(t_lo, t_hi, num_stages=LOOP_STAGES):
-        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
-        n_mask = offs_n < cached
-        # Positions >= seq_len are masked: no block-table or K/V load is issued for them, and
-        # their scores are -inf, so dead slots (even NaN) never reach the result.
-        blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btc, mask=n_mask, other=0)
-        # int64: block * stride_blk overflows int32 on caches over 2^31 elements.
-        tok_off = blk.to(tl.int64) * stride_blk + (offs_n % BLOCK_SIZE) * stride_tok + head_off  # [BLOCK_N]
-        kv_off = tok_off[:, None] + offs_d[None, :] * stride_kvd  # [BLOCK_N, D]
-        k = tl.load(kv_ptr + kv_off, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
-        v = tl.load(kv_ptr + stride_kv + kv_off, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e  # [GROUP_P, BLOCK_N] fp32
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # >= _NEG, finite
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # masked -> exp2(-inf) = 0
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+    for t in tl.range(t_first, t_hi, num_stages=LOOP_STAGES):
+        k, v, n_mask = _load_kv_tile(kv_ptr, bt_row, t, cached, stride_btc, stride_blk, stride_tok, head_off,
+                                     stride_kvd, stride_kv, offs_d, BLOCK_SIZE, BLOCK_N)
+        m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2e, DOT_PREC)
 
     if FOLD_CURRENT:
         last = n_tiles - 1
@@ -342,6 +392,7 @@ def paged_decode_attention(
     rope: DecodeRope | None = None,
     num_warps: int | None = None,  # None: _NUM_WARPS (bench sweeps pass others)
     num_stages: int | None = None,  # None: _NUM_STAGES
+    prefetch: bool = True,  # split with `rope`: load all but q/k/v before the PDL wait
 ) -> torch.Tensor:  # [B, Hq, D], q's dtype unless `out` is given
     """Attention of one query token per sequence over positions [0, seq_lens[b]) of its paged KV.
 
@@ -401,6 +452,7 @@ def paged_decode_attention(
     else:
         rope_args = (q, q, q, q, seq_lens, seq_lens, 0, 0, 0, 0, 0, 0, 1)  # never touched
     stages = num_stages or _NUM_STAGES
+    fold = rope is not None and splits > 1
     _paged_decode_kernel[(bsz, hkv, splits)](
         q, kv_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
         scale * _LOG2E,
@@ -412,7 +464,8 @@ def paged_decode_attention(
         GROUP=group, GROUP_P=group_p, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=bn,
         NUM_SPLITS=splits, DOT_PREC=dot_prec, LOOP_STAGES=stages,
         num_warps=num_warps or _NUM_WARPS, num_stages=stages, USE_GDC=pdl, launch_pdl=pdl,
-        FUSED_ROPE=rope is not None, ROUND=q.dtype != torch.float32, FOLD_CURRENT=rope is not None and splits > 1,
+        FUSED_ROPE=rope is not None, ROUND=q.dtype != torch.float32, FOLD_CURRENT=fold,
+        PREFETCH=fold and prefetch,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(bsz, hq)](
@@ -441,11 +494,13 @@ class TritonPagedAttention:
     # (one launch per layer fewer) where `decode_rope_fused` says so; off with
     # RunnerConfig.rope_in_attention=False (A/B runs)
 
-    def __init__(self, num_splits: int | None = None, pdl: bool = False, rope_in_attention: bool = True) -> None:
+    def __init__(self, num_splits: int | None = None, pdl: bool = False, rope_in_attention: bool = True,
+                 prefetch: bool = True) -> None:
         self._torch = TorchPagedAttention(NO_PLAN_BACKENDS)
         self.num_splits = num_splits  # None: choose from shapes per call
         self.pdl = pdl  # fixed at construction (make_attention_backend)
         self.fuses_decode_rope = rope_in_attention
+        self.prefetch = prefetch  # the split pure-decode kernel's loads before the PDL wait
 
     def forward(
         self,
@@ -535,6 +590,6 @@ class TritonPagedAttention:
         assert meta.pure_decode and q.shape[0] == meta.seq_lens.shape[0], (q.shape, meta.seq_lens.shape)
         rope = DecodeRope(k, v, cos, sin, positions, meta.slot_mapping)
         return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                      num_splits=self.num_splits, pdl=self.pdl, rope=rope)
+                                      num_splits=self.num_splits, pdl=self.pdl, rope=rope, prefetch=self.prefetch)
 
     __call__ = forward

@@ -212,6 +212,22 @@ def test_rope_in_attention_keeps_tokens(model_dir):
     assert run_staggered(fused, prompts, GREEDY) == run_staggered(plain, prompts, GREEDY)
 
 
+def test_attention_prefetch_keeps_tokens(model_dir):
+    """bf16, graphs + async, PDL on: the split pure-decode attention kernel loading its block
+    table, first K/V tile and RoPE rows before the PDL wait computes what it computes with the
+    loads in the loop (peeled first tile), so the tokens are identical. A read before the wait
+    of anything the step's earlier kernels write would show up here as a different token."""
+    from dataclasses import replace
+
+    prompts = prompts_of([5, 11, 20, 9, 1, 30], 512, seed=14)
+    with_prefetch = cuda_engine(model_dir, "bfloat16")
+    attn = with_prefetch.model.layers[0].self_attn.attn
+    assert attn.prefetch and attn.pdl and with_prefetch.model.layers[0].self_attn.rope_in_attention
+    without = Engine(with_prefetch.cfg.with_(runner=replace(with_prefetch.cfg.runner, attention_prefetch=False)))
+    assert not without.model.layers[0].self_attn.attn.prefetch
+    assert run_staggered(with_prefetch, prompts, GREEDY) == run_staggered(without, prompts, GREEDY)
+
+
 def test_split_k_into_norm_keeps_graphs_equal_and_hf_close(model_dir, monkeypatch):
     """o_proj / down as split-K partials summed by the add + RMSNorm (the tile table pointed at
     this tiny model's shapes; the real table only has Orpheus-3B's): graphs + async give the

@@ -409,6 +409,34 @@ def test_fused_rope_equals_rope_kernel_then_decode(dtype, splits, hq, hkv, d, le
     _check(out, _reference(q_ref, kv_ref, tables, seq_lens, d**-0.5), dtype)
 
 
+@pytest.mark.parametrize("lens,splits", [([7, 300, 17, 0], 3), ([1, 2, 33, 64, 65], 2), ([200], 16)])
+def test_prefetch_before_the_wait_changes_nothing(lens, splits):
+    """The split pure-decode kernel with its first tile, block table and RoPE rows loaded before
+    the PDL wait (the first tile peeled off the loop): output and cache bit for bit those of
+    the kernel that loads them in the loop. Covers empty splits, a padding row (seq_len 0),
+    one- and two-tile splits and the current position at a tile's first slot."""
+    from runner.triton_attention import DecodeRope
+
+    hq, hkv, d = 4, 2, 32
+    b = len(lens)
+    _, kv, tables, seq_lens = _make_case(b, hq, hkv, d, lens, torch.bfloat16, poison=True)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(b, h, d, generator=gen).to(DEVICE, torch.bfloat16) for h in (hq, hkv, hkv))
+    cos, sin = _rope_tables(512, d)
+    meta = _decode_meta(seq_lens, tables)
+    pos = (seq_lens.long() - 1).clamp(min=0)
+    outs, caches = [], []
+    for prefetch in (False, True):
+        cache = kv.clone()
+        outs.append(paged_decode_attention(q, cache, tables, seq_lens, d**-0.5, num_splits=splits, block_n=16,
+                                           rope=DecodeRope(k, v, cos, sin, pos, meta.slot_mapping),
+                                           prefetch=prefetch))
+        caches.append(cache)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0].nan_to_num(7.0), caches[1].nan_to_num(7.0))
+    assert not torch.equal(caches[0].nan_to_num(7.0), kv.nan_to_num(7.0))  # this step's k/v were written
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_fused_rope_backend_path_and_empty_rows(splits):
     """TritonPagedAttention.forward_decode_rope: the pure-decode path; a seq_len 0 row (graph
@@ -456,7 +484,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
             consts = dict(GROUP=3, GROUP_P=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=splits,
                           DOT_PREC="tf32", LOOP_STAGES=3, USE_GDC=True, FUSED_ROPE=fused, ROUND=True,
                           FOLD_CURRENT=fused and splits > 1)
-            compile_sm90(m._paged_decode_kernel, sig, consts, num_warps=4, num_stages=3, launch_pdl=True)
+            for prefetch in (False, True) if fused and splits > 1 else (False,):
+                compile_sm90(m._paged_decode_kernel, sig, dict(consts, PREFETCH=prefetch), num_warps=4,
+                             num_stages=3, launch_pdl=True)
     merge_sig = dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", out_ptr="*bf16",
                      stride_ob="i32", stride_oh="i32", stride_od="i32", num_q_heads="i32")
     compile_sm90(m._merge_splits_kernel, merge_sig, dict(HEAD_DIM=128, NUM_SPLITS=32, SPLITS_P=32, USE_GDC=True),
