@@ -331,17 +331,22 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     overrides and tile-table rows, e.g. "default;rope_in_attention=0;tile:plain:3072:3072:1=1/8/1024/4/1";
     `split:N:K=...` replaces a SPLIT_TUNED entry (parse_split_override);
     `swept` takes TUNED from this run's gemm sweep (`swept`, its "tuned" rows); `skip=OP`
-    times the step without one per-layer op (skip_op: its critical-path cost)."""
+    times the step without one per-layer op (skip_op: its critical-path cost); `attn:NAME=INT`
+    sets a constant of runner/triton_attention.py (e.g. PREFETCH_MIN_SPLITS); `attn_splits=N`
+    fixes the decode attention's split count at every batch size."""
     from bench_gemm import load_tuned_rows
 
-    from runner import triton_linear
+    from runner import triton_attention, triton_linear
     from runner.sampling_params import SamplingParams
 
     base = dict(KERNELS)
     base_tuned = dict(triton_linear.TUNED)
     base_split = dict(triton_linear.SPLIT_TUNED)
+    base_attn = {"PREFETCH_MIN_SPLITS": triton_attention.PREFETCH_MIN_SPLITS}
 
     def reset() -> None:  # every variant starts from the run's options, and the run ends there
+        for name, value in base_attn.items():
+            setattr(triton_attention, name, value)
         KERNELS.clear()
         KERNELS.update(base)
         triton_linear.TUNED.clear()
@@ -354,7 +359,7 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     try:
         for spec in variants.split(";"):
             reset()
-            skips = []
+            skips, attn_splits = [], None
             for kv in filter(None, (x.strip() for x in spec.split(","))):
                 if kv.startswith("tile:"):
                     key, max_m, tile = parse_tile_override(kv)
@@ -369,12 +374,21 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
                     triton_linear.TUNED.update(load_tuned_rows(swept))
                 elif kv.startswith("skip="):
                     skips.append(kv.removeprefix("skip="))
+                elif kv.startswith("attn:"):
+                    name, value = kv.removeprefix("attn:").split("=")
+                    if name not in base_attn:
+                        raise ValueError(f"attn:{name}: not one of {sorted(base_attn)}")
+                    setattr(triton_attention, name, int(value))
+                elif kv.startswith("attn_splits="):
+                    attn_splits = int(kv.removeprefix("attn_splits="))
                 elif kv != "default":
                     k, v = kv.split("=")
                     KERNELS[k] = bool(int(v))
             model = build_orpheus_model()
             for name in skips:
                 skip_op(model, name)
+            if attn_splits is not None:
+                model.attn.num_splits = attn_splits  # the one backend every layer shares
             res = run_engine(model, batches, graphs=True, async_sched=True, sampling=greedy)
             key = spec if spec not in out else f"{spec} #{sum(k.split(' #')[0] == spec for k in out) + 1}"
             out[key] = {B: r["step_ms"] for B, r in res.items()}
