@@ -170,7 +170,7 @@ def _paged_decode_kernel(
     FUSED_ROPE: tl.constexpr,  # rotate q and this token's k here and write k/v to the cache
     ROUND: tl.constexpr,  # FUSED_ROPE: 16-bit model dtype (round where torch materialises)
     FOLD_CURRENT: tl.constexpr,  # FUSED_ROPE and split: the current token joins after the loop
-    # FUSED_ROPE only: everything but q and this token's k/v is loaded before the PDL wait
+    # FOLD_CURRENT only: everything but q and this token's k/v is loaded before the PDL wait
     PREFETCH: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -185,10 +185,10 @@ def _paged_decode_kernel(
         # dependent loads (seq_len -> block table -> K/V), not bytes. None of them reads what
         # the kernels before it in this step write: seq_lens, tables, positions and slots come
         # from host copies before the step, and the cached positions [0, seq_len - 1) from
-        # earlier steps (this token's slot is written below, by this program, and taken from
-        # registers). So they are issued before the wait and can run under the qkv GEMM's
-        # tail; only q, k and v (the GEMM's output) wait. Same values, same arithmetic as
-        # without (the first tile is the loop's first iteration, peeled).
+        # earlier steps (this token's slot is not read: it is folded in from registers). So
+        # they are issued before the wait and can run under the qkv GEMM's tail; only q, k
+        # and v (the GEMM's output) wait. Same values, same arithmetic as without (the first
+        # tile is the loop's first iteration, peeled).
         seq_len, n_tiles, t_lo, t_hi = _split_range(seq_lens_ptr, b, split, max_blocks, BLOCK_SIZE, BLOCK_N,
                                                     NUM_SPLITS)
         pos = tl.minimum(tl.maximum(tl.load(pos_ptr + b).to(tl.int64), 0), max_pos - 1)
@@ -196,7 +196,7 @@ def _paged_decode_kernel(
         s_ = tl.load(sin_ptr + pos * stride_sin + offs_d)[None, :]
         slot = tl.load(slot_ptr + b).to(tl.int64)
         # an empty split (t_lo >= t_hi) masks every position: the peeled step then changes nothing
-        k0, v0, cached0 = _load_kv_tile(kv_ptr, bt_row, t_lo, tl.where(t_lo < t_hi, seq_len - 1, 0), stride_btc,
+        k0, v0, mask0 = _load_kv_tile(kv_ptr, bt_row, t_lo, tl.where(t_lo < t_hi, seq_len - 1, 0), stride_btc,
                                       stride_blk, stride_tok, head_off, stride_kvd, stride_kv, offs_d, BLOCK_SIZE,
                                       BLOCK_N)
     pdl_enter(USE_GDC)
@@ -253,16 +253,6 @@ def _paged_decode_kernel(
     cached = seq_len - 1 if FOLD_CURRENT else seq_len
     t_first = t_lo
     if PREFETCH:
-        if FOLD_CURRENT:
-            mask0 = cached0
-        else:
-            # Written first, the current token is read back by the loop, but the peeled tile was
-            # loaded before its write: put this token's k/v in from registers, the values the
-            # cache now holds (its position, seq_len - 1, lies in this tile or a later one).
-            cur = (t_lo * BLOCK_N + tl.arange(0, BLOCK_N)) == seq_len - 1  # [BLOCK_N]
-            k0 = tl.where(cur[:, None], k_cur, k0)
-            v0 = tl.where(cur[:, None], v_cur, v0)
-            mask0 = cached0 | (cur & (t_lo < t_hi))
         m_i, l_i, acc = _attend_tile(q, k0, v0, mask0, m_i, l_i, acc, scale_log2e, DOT_PREC)
         t_first = t_lo + 1
     # Explicit tl.range stages: without it Triton 3.6 does not software-pipeline this loop (the
@@ -370,16 +360,20 @@ def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-# Pure-decode launches with at least this many splits load their first tile before the PDL
-# wait (`prefetches`); bench variants override it.
-PREFETCH_MIN_SPLITS = 1
+# Split pure-decode launches with at least this many splits load their first tile before the
+# PDL wait (`prefetches`); bench variants override it. H200, 350 tokens, greedy engine step
+# (deploy/RESULTS.md, s11-run2): batch 1 (32 splits) with the qkv GEMM in Triton 2.162 / 2.164
+# ms against 2.232 without the prefetch; batch 8 (4 splits) 2.672 / 2.674 with it against
+# 2.647 / 2.648 (the peeled tile delays the loop's pipelined loads past the wait). Unsplit
+# (write-first), batch 64, it cost 3.37 against 3.16 ms, and that form was removed.
+PREFETCH_MIN_SPLITS = 16
 
 
 def prefetches(num_splits: int) -> bool:
     """Whether a fused-RoPE decode launch with `num_splits` splits issues its block-table, first
     K/V tile and RoPE-row loads before the PDL wait: a function of the split count alone, which
     the batch shape fixes, so eager steps and graph replays run the same kernel."""
-    return num_splits >= PREFETCH_MIN_SPLITS
+    return num_splits > 1 and num_splits >= PREFETCH_MIN_SPLITS
 
 
 def choose_block_n(batch: int, num_kv_heads: int, num_sms: int) -> int:
@@ -487,7 +481,7 @@ def paged_decode_attention(
         NUM_SPLITS=splits, DOT_PREC=dot_prec, LOOP_STAGES=stages,
         num_warps=num_warps or _NUM_WARPS, num_stages=stages, USE_GDC=pdl, launch_pdl=pdl,
         FUSED_ROPE=rope is not None, ROUND=q.dtype != torch.float32, FOLD_CURRENT=fold,
-        PREFETCH=rope is not None and prefetch and prefetches(splits),
+        PREFETCH=fold and prefetch and prefetches(splits),
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(bsz, hq)](

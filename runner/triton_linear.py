@@ -241,9 +241,13 @@ def _largest_block_k(k: int, cap: int) -> int | None:
 # the last max_m, or a kind/shape/M with no entry where an entry for the shape exists, is not
 # served here (the caller uses cuBLAS). Shapes absent from the table
 # (other models) use `default_tile`. Orpheus-3B / Llama-3.2-3B shapes: qkv 5120 x 3072,
-# o 3072 x 3072, gate_up 16384 x 3072, down 3072 x 8192.
+# o 3072 x 3072, gate_up 16384 x 3072, down 3072 x 8192. qkv at M = 1 is the GEMV although
+# cuBLAS is faster alone: launched with PDL it lets the split attention kernel after it start
+# and load its K/V under the GEMV's tail (runner/triton_attention.py PREFETCH_MIN_SPLITS), and
+# the pair is faster: engine batch 1 2.162 / 2.164 ms against 2.199 / 2.241 with cuBLAS
+# (s11-run2; 2.232 as the GEMV without the prefetch).
 TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
-    (PLAIN, 5120, 3072): ((1, None), (16, None), (32, None), (64, None)),
+    (PLAIN, 5120, 3072): ((1, LinearTile(1, 8, 1024, 4, 1)), (16, None), (32, None), (64, None)),
     (PLAIN, 3072, 3072): ((1, LinearTile(1, 8, 1024, 4, 1)), (16, LinearTile(16, 32, 128, 4, 5)), (32, None), (64, None)),
     (PLAIN, 16384, 3072): ((1, None), (16, None), (32, None), (64, None)),
     (GATED, 16384, 3072): ((1, LinearTile(16, 64, 128, 4, 5)), (16, LinearTile(16, 64, 128, 4, 5)),

@@ -409,16 +409,13 @@ def test_fused_rope_equals_rope_kernel_then_decode(dtype, splits, hq, hkv, d, le
     _check(out, _reference(q_ref, kv_ref, tables, seq_lens, d**-0.5), dtype)
 
 
-@pytest.mark.parametrize("lens,splits", [([7, 300, 17, 0], 3), ([1, 2, 33, 64, 65], 2), ([200], 16),
-                                         ([7, 300, 17, 0], 1), ([16, 17, 1, 33, 0], 1)])
+@pytest.mark.parametrize("lens,splits", [([7, 300, 17, 0], 16), ([1, 2, 33, 64, 65], 16), ([200], 32),
+                                         ([16, 17, 1, 33, 0, 300], 32)])
 def test_prefetch_before_the_wait_changes_nothing(lens, splits):
-    """The pure-decode kernel with its first tile, block table and RoPE rows loaded before the
-    PDL wait (the first tile peeled off the loop): output and cache bit for bit those of the
-    kernel that loads them in the loop. Split, the current token is folded in after the loop;
-    not split, it is written first and read back, and the peeled tile, loaded before that
-    write, takes it from registers (the cache's slot holds a stale value here). Covers empty
-    splits, a padding row (seq_len 0), one- and multi-tile runs and the current position at a
-    tile's first and last slot."""
+    """The split pure-decode kernel with its first tile, block table and RoPE rows loaded before
+    the PDL wait (the first tile peeled off the loop): output and cache bit for bit those of the
+    kernel that loads them in the loop. Covers empty splits, a padding row (seq_len 0), one-
+    and multi-tile splits and the current position at a tile's first and last slot."""
     from runner import triton_attention
     from runner.triton_attention import DecodeRope
 
@@ -431,7 +428,7 @@ def test_prefetch_before_the_wait_changes_nothing(lens, splits):
     meta = _decode_meta(seq_lens, tables)
     pos = (seq_lens.long() - 1).clamp(min=0)
     outs, caches = [], []
-    assert triton_attention.prefetches(splits)
+    assert triton_attention.prefetches(splits) and not triton_attention.prefetches(1)
     for prefetch in (False, True):
         cache = kv.clone()
         outs.append(paged_decode_attention(q, cache, tables, seq_lens, d**-0.5, num_splits=splits, block_n=16,
@@ -490,7 +487,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
             consts = dict(GROUP=3, GROUP_P=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=splits,
                           DOT_PREC="tf32", LOOP_STAGES=3, USE_GDC=True, FUSED_ROPE=fused, ROUND=True,
                           FOLD_CURRENT=fused and splits > 1)
-            for prefetch in (False, True) if fused else (False,):
+            for prefetch in (False, True) if fused and splits > 1 else (False,):
                 compile_sm90(m._paged_decode_kernel, sig, dict(consts, PREFETCH=prefetch), num_warps=4,
                              num_stages=3, launch_pdl=True)
     merge_sig = dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", out_ptr="*bf16",
