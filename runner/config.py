@@ -187,7 +187,7 @@ class RunnerConfig:
     skinny_linear: bool = True  # 16-bit GEMMs of <= 64 rows in Triton (tile table), SiLU*mul in gate_up
     pdl: bool = True  # programmatic dependent launch where the GPU has it (sm90+)
     rope_in_attention: bool = True  # pure-decode RoPE + KV write inside the attention kernel
-    # ... and, where that kernel is split 16 ways or more (batch <= 2 on 8 KV heads and 132 SMs),
+    # ... and, where that kernel is split 32 ways (batch 1 on 8 KV heads and 132 SMs),
     # its loads that no earlier kernel of the step writes (block table, first K/V tile, RoPE
     # rows) issued before the PDL wait (runner/triton_attention.py PREFETCH_MIN_SPLITS)
     attention_prefetch: bool = True

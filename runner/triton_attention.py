@@ -362,11 +362,12 @@ def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
 
 # Split pure-decode launches with at least this many splits load their first tile before the
 # PDL wait (`prefetches`); bench variants override it. H200, 350 tokens, greedy engine step
-# (deploy/RESULTS.md, s11-run2): batch 1 (32 splits) with the qkv GEMM in Triton 2.162 / 2.164
-# ms against 2.232 without the prefetch; batch 8 (4 splits) 2.672 / 2.674 with it against
-# 2.647 / 2.648 (the peeled tile delays the loop's pipelined loads past the wait). Unsplit
-# (write-first), batch 64, it cost 3.37 against 3.16 ms, and that form was removed.
-PREFETCH_MIN_SPLITS = 16
+# (deploy/RESULTS.md, s11-run2/3): batch 1 (32 splits) with the qkv GEMM in Triton 2.162 /
+# 2.164 ms against 2.232 without the prefetch; batch 2 (16 splits) 2.498 / 2.497 with it
+# against 2.475 / 2.473, batch 8 (4 splits) 2.672 / 2.674 against 2.647 / 2.648 (the peeled
+# tile delays the loop's pipelined loads past the wait). Unsplit (write-first), batch 64, it
+# cost 3.37 against 3.16 ms, and that form was removed.
+PREFETCH_MIN_SPLITS = 32
 
 
 def prefetches(num_splits: int) -> bool:

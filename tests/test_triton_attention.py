@@ -409,9 +409,9 @@ def test_fused_rope_equals_rope_kernel_then_decode(dtype, splits, hq, hkv, d, le
     _check(out, _reference(q_ref, kv_ref, tables, seq_lens, d**-0.5), dtype)
 
 
-@pytest.mark.parametrize("lens,splits", [([7, 300, 17, 0], 16), ([1, 2, 33, 64, 65], 16), ([200], 32),
+@pytest.mark.parametrize("lens,splits", [([7, 300, 17, 0], 3), ([1, 2, 33, 64, 65], 2), ([200], 32),
                                          ([16, 17, 1, 33, 0, 300], 32)])
-def test_prefetch_before_the_wait_changes_nothing(lens, splits):
+def test_prefetch_before_the_wait_changes_nothing(lens, splits, monkeypatch):
     """The split pure-decode kernel with its first tile, block table and RoPE rows loaded before
     the PDL wait (the first tile peeled off the loop): output and cache bit for bit those of the
     kernel that loads them in the loop. Covers empty splits, a padding row (seq_len 0), one-
@@ -428,7 +428,8 @@ def test_prefetch_before_the_wait_changes_nothing(lens, splits):
     meta = _decode_meta(seq_lens, tables)
     pos = (seq_lens.long() - 1).clamp(min=0)
     outs, caches = [], []
-    assert triton_attention.prefetches(splits) and not triton_attention.prefetches(1)
+    assert triton_attention.prefetches(32) and not triton_attention.prefetches(1)
+    monkeypatch.setattr(triton_attention, "PREFETCH_MIN_SPLITS", 2)  # also multi-tile splits
     for prefetch in (False, True):
         cache = kv.clone()
         outs.append(paged_decode_attention(q, cache, tables, seq_lens, d**-0.5, num_splits=splits, block_n=16,
