@@ -22,7 +22,9 @@ the kernel is built around reading those bytes once and nothing else:
   The split count and tile length depend on (B, Hkv, SM count) only, never on the table's
   width, so an eager step and a graph replay of the same rows compute the same values.
 * Pure decode may also fuse RoPE and the KV write (`DecodeRope`,
-  `TritonPagedAttention.decode_rope_fused`).
+  `TritonPagedAttention.decode_rope_fused`). Split 32 ways (batch 1), it also issues every load
+  the step's earlier kernels do not write (seq_len, block table, first K/V tile, RoPE rows)
+  before the PDL wait, so they run under the qkv GEMM's tail (`prefetches`).
 
 seq_len == 0 (padding rows of a graph batch) gives l == 0 and the kernels write zeros, never
 NaN: the running max starts at a finite sentinel (_NEG) rather than -inf so exp2(m_old - m_new)
@@ -71,8 +73,6 @@ _NUM_STAGES = 3
 _FUSED_ROPE_PROGRAMS_PER_SM = 4
 
 
-# max_blocks and the table's row stride change with every eager step's longest sequence: not
-# specialising on them (divisibility by 16, == 1) keeps one compiled variant per split count.
 @triton.jit
 def _split_range(seq_lens_ptr, b, split, max_blocks, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                  NUM_SPLITS: tl.constexpr):
@@ -117,6 +117,8 @@ def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2e, DOT_PREC: tl.const
     return m_new, l_i, acc
 
 
+# max_blocks and the table's row stride change with every eager step's longest sequence: not
+# specialising on them (divisibility by 16, == 1) keeps one compiled variant per split count.
 @triton.jit(do_not_specialize=["stride_btb", "max_blocks"])
 def _paged_decode_kernel(
     q_ptr,  # [B, Hq, D]
@@ -181,7 +183,7 @@ def _paged_decode_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     head_off = kvh * stride_kvh
     if PREFETCH:
-        # At small batches a program attends one tile or two, so its time is a chain of
+        # Split 32 ways (batch 1), a program attends a tile or two, so its time is a chain of
         # dependent loads (seq_len -> block table -> K/V), not bytes. None of them reads what
         # the kernels before it in this step write: seq_lens, tables, positions and slots come
         # from host copies before the step, and the cached positions [0, seq_len - 1) from
