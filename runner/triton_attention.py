@@ -87,6 +87,16 @@ def _split_range(seq_lens_ptr, b, split, max_blocks, BLOCK_SIZE: tl.constexpr, B
 
 
 @triton.jit
+def _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, b, stride_cos, stride_sin, max_pos, offs_d):
+    """Fused RoPE's per-sequence inputs: its cos and sin table rows ([1, D] fp32, the position
+    clamped into the table) and its flat cache slot."""
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + b).to(tl.int64), 0), max_pos - 1)
+    c = tl.load(cos_ptr + pos * stride_cos + offs_d)[None, :]
+    s = tl.load(sin_ptr + pos * stride_sin + offs_d)[None, :]
+    return c, s, tl.load(slot_ptr + b).to(tl.int64)
+
+
+@triton.jit
 def _load_kv_tile(kv_ptr, bt_row, t, live, stride_btc, stride_blk, stride_tok, head_off, stride_kvd, stride_kv,
                   offs_d, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Tile t's K and V [BLOCK_N, D] and its position mask (positions < `live`), gathered
@@ -193,10 +203,7 @@ def _paged_decode_kernel(
         # tile is the loop's first iteration, peeled).
         seq_len, n_tiles, t_lo, t_hi = _split_range(seq_lens_ptr, b, split, max_blocks, BLOCK_SIZE, BLOCK_N,
                                                     NUM_SPLITS)
-        pos = tl.minimum(tl.maximum(tl.load(pos_ptr + b).to(tl.int64), 0), max_pos - 1)
-        c = tl.load(cos_ptr + pos * stride_cos + offs_d)[None, :]  # [1, D]
-        s_ = tl.load(sin_ptr + pos * stride_sin + offs_d)[None, :]
-        slot = tl.load(slot_ptr + b).to(tl.int64)
+        c, s_, slot = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, b, stride_cos, stride_sin, max_pos, offs_d)
         # an empty split (t_lo >= t_hi) masks every position: the peeled step then changes nothing
         k0, v0, mask0 = _load_kv_tile(kv_ptr, bt_row, t_lo, tl.where(t_lo < t_hi, seq_len - 1, 0), stride_btc,
                                       stride_blk, stride_tok, head_off, stride_kvd, stride_kv, offs_d, BLOCK_SIZE,
@@ -214,10 +221,8 @@ def _paged_decode_kernel(
         # bit as the unfused RoPE + KV write would leave them (the attention itself then differs
         # from the unfused launch in fp32 summation order only).
         if not PREFETCH:
-            pos = tl.minimum(tl.maximum(tl.load(pos_ptr + b).to(tl.int64), 0), max_pos - 1)
-            c = tl.load(cos_ptr + pos * stride_cos + offs_d)[None, :]  # [1, D]
-            s_ = tl.load(sin_ptr + pos * stride_sin + offs_d)[None, :]
-            slot = tl.load(slot_ptr + b).to(tl.int64)
+            c, s_, slot = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, b, stride_cos, stride_sin, max_pos,
+                                       offs_d)
         if ROUND:  # torch casts the fp32 table rows to the model dtype before use
             c = c.to(q_ptr.dtype.element_ty).to(tl.float32)
             s_ = s_.to(q_ptr.dtype.element_ty).to(tl.float32)
