@@ -1,21 +1,32 @@
-"""Host time of the engine step's per-request bookkeeping at serving batch sizes (no model).
+"""Host time of the engine step's per-request bookkeeping at serving batch sizes (no GPU).
 
 At 400 streams the H200 engine step is bounded by host work as much as by the GPU
-(deploy/RESULTS.md: schedule ~1.2 ms, sample ~2 ms, emit ~1 ms per step). This times the
-device-independent parts on the CPU, so a change to them can be measured anywhere:
-Scheduler.schedule, SamplingTable.batch (the per-step sampling inputs) and
-Scheduler.update_from_output, for N running decode requests.
+(deploy/RESULTS.md: the serving edge follows the host's speed). Two measurements, both on the
+CPU, so a change to the bookkeeping can be measured anywhere:
 
-    python deploy/bench_host.py --rows 64,256,400
+* `probe`: Scheduler.schedule, SamplingTable.batch and Scheduler.update_from_output alone for N
+  running decode requests, plus `reference`, a fixed pure-Python workload that does not use the
+  project's code: its reading says how fast this host runs Python, so a probe from another
+  machine or another version of the code can be put in proportion.
+* `engine` (--engine): the real Engine (embedded default model, codec stage, async scheduling)
+  with N audio requests in steady decode, the model forward and the SNAC decode replaced by
+  stubs, so what remains is the step's host work: schedule, input packing, sampling inputs (the
+  CPU sampler's tensor math is left in, reported separately and excluded from `host`),
+  emit (update, codec push, outputs) and the codec stage's bookkeeping.
+
+    python deploy/bench_host.py --rows 64,256,400 --engine
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
-import time
-from pathlib import Path
 import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -27,7 +38,38 @@ from runner.sampling_params import SamplingParams  # noqa: E402
 from runner.scheduler import Scheduler  # noqa: E402
 
 
+def reference(reps: int = 9) -> float:
+    """ms of a fixed pure-Python workload (dicts, lists, attribute reads, small ints: what the
+    step's bookkeeping is made of); median of `reps`."""
+
+    class Obj:
+        __slots__ = ("a", "b", "c")
+
+        def __init__(self, i: int) -> None:
+            self.a, self.b, self.c = i, [i], {}
+
+    def work() -> int:
+        objs = [Obj(i) for i in range(2000)]
+        d: dict[int, int] = {}
+        s = 0
+        for o in objs:
+            o.b.append(o.a + 1)
+            s += o.a * 3 + len(o.b)
+            d[o.a] = s & 0xFFFF
+            if o.a % 7 == 0:
+                o.c["k"] = d.get(o.a - 1, 0)
+        return s + sum(d.values())
+
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        work()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
 def measure(n: int, steps: int = 300) -> dict[str, float]:
+    """Median ms of schedule / sampling-table batch / update for n running decode requests."""
     sched = Scheduler(SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=16384, max_model_len=4096),
                       BlockManager(n * 300, 16, True))
     for i in range(n):
@@ -50,18 +92,106 @@ def measure(n: int, steps: int = 300) -> dict[str, float]:
         t3 = time.perf_counter()
         for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
             times[k].append(dt * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
+    res = {k: statistics.median(v) for k, v in times.items()}
+    res["reference"] = reference()
+    return res
+
+
+class _Timed:
+    """Wraps methods to sum their host seconds (a few hundred ns per call of overhead)."""
+
+    def __init__(self) -> None:
+        self.s: Counter = Counter()
+
+    def wrap(self, obj: object, attr: str, label: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.s[label] += time.perf_counter() - t
+
+        setattr(obj, attr, timed)
+
+
+def measure_engine(n: int, steps: int = 200, warm_steps: int = 30) -> dict[str, float]:
+    """Host ms per step of the real Engine with n audio requests decoding (see the module
+    docstring): per phase, the CPU sampler's math (`sampler_math`, not host bookkeeping on a
+    GPU), and `host` = the step minus the stubs' and the sampler math's time."""
+    import torch
+
+    from runner.codec import PendingPCM
+    from runner.default_model import ensure_default_model
+    from runner.engine_proc import EngineProcArgs, build_engine
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        eng = build_engine(EngineProcArgs(model_path=str(ensure_default_model(tmp)), input_addr="", output_addr="",
+                                          max_num_seqs=n, max_num_batched_tokens=max(2048, 2 * n),
+                                          num_blocks=n * 64, cpu_threads=1))
+    hidden = eng.cfg.model.hidden_size
+    timed = _Timed()
+
+    # The forward returns ones, and the lm_head row of the end-of-speech token is negative, so
+    # no stream ends while measured (every row samples among the audio codes).
+    def forward(input_ids, positions, kv_caches, meta, capture):
+        return torch.ones(input_ids.shape[0], hidden), {}
+
+    eng.model.forward = forward
+    with torch.no_grad():
+        eng.model.lm_head_weight[eng.codec.cfg.end_token_id] = -1.0
+    spf = eng.codec.decoder.samples_per_frame
+
+    def launch_jobs(windows, jobs, seeds):  # silence of the right length, at once
+        return PendingPCM(torch.zeros(len(jobs), windows[0].shape[0] * spf, dtype=torch.int16),
+                          [j.emit_slice(spf) for j in jobs], None)
+
+    eng.codec.decoder.launch_jobs = launch_jobs
+    r = eng.runner
+    timed.wrap(r, "_sample_constrained", "sampler_math")
+    for i in range(n):
+        sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=100000, seed=i)
+        eng.add_request(f"r{i}", [1 + (i + j) % 100 for j in range(30)], sp, audio=True)
+    for _ in range(warm_steps):
+        eng.step()
+    assert len(eng.scheduler.running) == n, "every stream must still be decoding"
+    gc.collect()
+    gc.freeze()  # as the engine process does once ready (runner/engine_proc.py)
+    eng.phase_s = [0.0] * len(eng.PHASES)
+    timed.s.clear()
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    wall = time.perf_counter() - t
+    res = {name: 1e3 * v / steps for name, v in zip(eng.PHASES, eng.phase_s)}
+    res["sample"] -= 1e3 * timed.s["sampler_math"] / steps
+    res["sampler_math"] = 1e3 * timed.s["sampler_math"] / steps
+    res["host"] = 1e3 * wall / steps - res["sampler_math"]
+    gc.unfreeze()
+    return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="64,256,400")
+    ap.add_argument("--engine", action="store_true", help="also time the whole engine step (stubbed model and codec)")
     args = ap.parse_args()
-    print("| rows | schedule ms | sampling batch ms | update ms |")
-    print("| ---: | ---: | ---: | ---: |")
-    for n in map(int, args.rows.split(",")):
+    rows = [int(x) for x in args.rows.split(",")]
+    print("| rows | schedule ms | sampling batch ms | update ms | reference ms |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for n in rows:
         r = measure(n)
-        print(f"| {n} | {r['schedule']:.3f} | {r['build']:.3f} | {r['update']:.3f} |")
+        print(f"| {n} | {r['schedule']:.3f} | {r['build']:.3f} | {r['update']:.3f} | {r['reference']:.3f} |")
+    if args.engine:
+        print()
+        print("| rows | host ms/step | schedule | execute | sample (launch) | emit | codec | CPU sampler math (excluded) |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for n in rows:
+            r = measure_engine(n)
+            print(f"| {n} | {r['host']:.2f} | {r['schedule']:.2f} | {r['execute']:.2f} | {r['sample']:.2f} | "
+                  f"{r['emit']:.2f} | {r['codec']:.2f} | {r['sampler_math']:.2f} |")
 
 
 if __name__ == "__main__":
