@@ -649,30 +649,37 @@ class CodecStage:
     def push(self, key: object, token_ids: list[int]) -> None:
         """Newly sampled tokens of a request. The end token finishes its stream and later
         tokens are ignored; so are tokens for unknown keys (a late output after abort)."""
-        req = self._reqs.get(key)
-        if req is None or req.ended or req.error is not None:
-            return
-        cfg = self.cfg
-        for tok in token_ids:
+        self.push_many([(key, tok) for tok in token_ids])
+
+    def push_many(self, items: list[tuple[object, int]]) -> None:
+        """push() for many requests in one call: (key, token) pairs, in order within a key (the
+        engine hands over each step's tokens of all its audio requests at once)."""
+        cfg, reqs, dirty = self.cfg, self._reqs, self._dirty
+        end, per_frame = cfg.end_token_id, cfg.tokens_per_frame
+        for key, tok in items:
+            req = reqs.get(key)
+            if req is None or req.ended or req.error is not None:
+                continue
             tok = int(tok)
-            if tok == cfg.end_token_id:
+            if tok == end:
                 req.ended = True
-                self._dirty.add(key)
-                return
+                dirty.add(key)
+                continue
             lo, hi = audio_token_range(cfg, req.audio_index)
             if not lo <= tok < hi:
                 req.error = invalid_token_reason(cfg, tok, req.audio_index)
-                self._dirty.add(key)
-                return
-            req.partial.append(tok - lo)
+                dirty.add(key)
+                continue
+            partial = req.partial
+            partial.append(tok - lo)
             req.audio_index += 1
-            if len(req.partial) == cfg.tokens_per_frame:
+            if len(partial) == per_frame:
                 if req.n_frames == req.codes.shape[0]:
                     req.codes = np.concatenate([req.codes, np.zeros_like(req.codes)])  # amortised growth
-                req.codes[req.n_frames] = req.partial
+                req.codes[req.n_frames] = partial
                 req.n_frames += 1
                 req.partial = []
-                self._dirty.add(key)
+                dirty.add(key)
 
     def close(self, key: object) -> None:
         """The request finished (stop/length): remaining frames become ready with truncated

@@ -19,7 +19,7 @@ from runner.ipc import EngineStats, RequestOutput
 from runner.kv_cache import BlockManager
 from runner.model_runner import AsyncOutput, ModelRunner, StepResult
 from runner.orpheus import OrpheusCodeConstraint
-from runner.request import FinishReason, Request
+from runner.request import FinishReason, Request, Status
 from runner.sampler import pick_backend
 from runner.sampling_params import InvalidRequest, SamplingParams
 from runner.scheduler import Scheduler, SchedulerOutput
@@ -200,21 +200,27 @@ class Engine:
     def _emit(self, p: _Pending) -> list[RequestOutput]:
         res: StepResult = p.out.get()
         accepted = self.scheduler.update_from_output(p.sched, res.sampled)
+        self.num_generated_total += len(accepted)
         by_req: dict[int, RequestOutput] = {}
-        for req, toks in accepted:
-            self.num_generated_total += len(toks)
+        audio: list[tuple[int, int]] = []  # (codec key, token), handed over in one call
+        closed: list[int] = []
+        for req, tok in accepted:
             if req.audio:
                 # Tokens of an audio request travel with its next audio chunk or its finish
                 # (_codec_step): a message per token would be ~40x the traffic for no reader.
-                self.codec.push(id(req), toks)
-                if req.is_finished:
-                    self.codec.close(id(req))
+                audio.append((id(req), tok))
+                if req.status is Status.FINISHED:
+                    closed.append(id(req))
                 continue
-            o = by_req[id(req)] = self._output(req, toks, finished=False)
+            o = by_req[id(req)] = self._output(req, [tok], finished=False)
             if req.is_finished:
                 o.finished, o.finish_reason = True, req.finish_reason.value
                 o.error = req.finish_message or None
                 self._forget(req)
+        if audio:
+            self.codec.push_many(audio)
+            for key in closed:  # after its last token
+                self.codec.close(key)
         reqs = {id(e.req): e.req for e in p.sched.scheduled} if res.hidden else {}
         for rid, (first, rows) in res.hidden.items():
             req = reqs[rid]

@@ -30,8 +30,8 @@ class BlockManager:
         # free queue: block id -> None, oldest-freed first (evicted first). Uncached blocks are
         # pushed to the front so cached ones survive longer.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        # per request: number of leading blocks already hashed/registered
-        self._num_hashed: dict[int, int] = {}
+        # per request (by id): chain hashes computed so far; how many of them are published is
+        # the request's num_hashed_blocks
         self._hashes: dict[int, list[int]] = {}
         self.hit_tokens_total = 0
 
@@ -78,7 +78,7 @@ class BlockManager:
             self.ref[b] += 1
             req.block_ids.append(b)
         n = len(req.block_ids) * self.block_size
-        self._num_hashed[id(req)] = len(req.block_ids)
+        req.num_hashed_blocks = len(req.block_ids)
         self.hit_tokens_total += n
         return n
 
@@ -89,7 +89,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = min(num_known_tokens, req.num_computed_tokens) // self.block_size
-        done = self._num_hashed.get(id(req), 0)
+        done = req.num_hashed_blocks
         if full <= done:
             return
         hashes = self._chain_hashes(req, full)
@@ -98,7 +98,7 @@ class BlockManager:
             if self.block_hash[b] is None and h not in self.cached:
                 self.block_hash[b] = h
                 self.cached[h] = b
-        self._num_hashed[id(req)] = full
+        req.num_hashed_blocks = full
 
     # ---- allocation ----------------------------------------------------------------------
 
@@ -132,5 +132,5 @@ class BlockManager:
                 if self.block_hash[b] is None:
                     self.free.move_to_end(b, last=False)  # uncached: reuse first
         req.block_ids = []
-        self._num_hashed.pop(id(req), None)
+        req.num_hashed_blocks = 0
         self._hashes.pop(id(req), None)

@@ -224,7 +224,13 @@ class ModelRunner:
         pack = np.zeros(3 * Ta + 2 * Ba + 2, dtype=np.int64)
         ids, pos, slot_map = pack[:T], pack[Ta : Ta + T], pack[2 * Ta : 2 * Ta + T]
         seq_lens, qsl = pack[3 * Ta : 3 * Ta + B], pack[3 * Ta + Ba : 3 * Ta + Ba + B + 1]
-        slots = np.empty(B, dtype=np.int64)
+        # One pass over the entries collects per-row Python ints (numpy scalar writes cost ~0.1 us
+        # each, and there are hundreds of rows); the arrays are then filled with vector ops.
+        row_slots: list[int] = []
+        starts: list[int] = []
+        counts: list[int] = []
+        host_rows: list[int] = []  # one-token rows whose token is on the host (sync mode, recompute)
+        host_ids: list[int] = []
         dev_rows: list[int] = []  # flat rows whose token is still on the device
         dev_slots: list[int] = []
         logits_rows: list[int] = []
@@ -233,47 +239,39 @@ class ModelRunner:
         hidden_rows: list[np.ndarray] = []
         capture: set[int] = set()
         admitted: list = []
-        table = self.block_table
+        table, written = self.block_table, self.blocks_written
         t = 0
-        for b, e in enumerate(entries):
+        for e in entries:
             req = e.req
             slot = req.slot
-            slots[b] = slot
             blocks = req.block_ids
             if e.new_admission:
                 self._admit(e, admitted)
                 table[slot, : len(blocks)] = blocks
-                self.blocks_written[slot] = len(blocks)
-            elif len(blocks) > self.blocks_written[slot]:  # block tables only grow while running
-                w = self.blocks_written[slot]
+                written[slot] = len(blocks)
+            elif len(blocks) > written[slot]:  # block tables only grow while running
+                w = written[slot]
                 table[slot, w : len(blocks)] = blocks[w:]
-                self.blocks_written[slot] = len(blocks)
+                written[slot] = len(blocks)
             n, s = e.num_tokens, e.start
+            row_slots.append(slot)
+            starts.append(s)
+            counts.append(n)
             prompt, outs = req.prompt_token_ids, req.output_token_ids
             known = len(prompt) + len(outs)
-            if n == 1:  # decode: no per-request arrays
-                pos[t] = s
-                if s < known:
-                    ids[t] = prompt[s] if s < len(prompt) else outs[s - len(prompt)]
-                else:  # its token is in flight: take it on the device
-                    dev_rows.append(t)
-                    dev_slots.append(slot)
-                slot_map[t] = blocks[s // bs] * bs + s % bs
-            else:
-                p = np.arange(s, s + n, dtype=np.int64)
-                pos[t : t + n] = p
-                k_end = min(s + n, known)
-                if k_end > s:
-                    src = prompt[s:k_end] if k_end <= len(prompt) else (prompt + outs)[s:k_end]
-                    ids[t : t + k_end - s] = src
-                if s + n > known:
-                    assert s + n == known + 1
-                    dev_rows.append(t + n - 1)
-                    dev_slots.append(slot)
-                slot_map[t : t + n] = table[slot, p // bs] * bs + p % bs
-            seq_lens[b] = s + n
-            qsl[b + 1] = t + n
-            if req.wants_hidden_states:
+            k_end = s + n
+            if k_end > known:  # the chunk's last token is in flight: take it on the device
+                assert k_end == known + 1
+                k_end = known
+                dev_rows.append(t + n - 1)
+                dev_slots.append(slot)
+            if k_end > s:
+                if n == 1:
+                    host_rows.append(t)
+                    host_ids.append(prompt[s] if s < len(prompt) else outs[s - len(prompt)])
+                else:
+                    ids[t : t + k_end - s] = prompt[s:k_end] if k_end <= len(prompt) else (prompt + outs)[s:k_end]
+            if req.hidden_state_layers:
                 first = max(s, req.num_hidden_emitted)
                 if first < s + n:
                     layers = tuple(l if l >= 0 else self.cfg.model.num_layers + 1 + l for l in req.hidden_state_layers)
@@ -285,6 +283,20 @@ class ModelRunner:
                 logits_rows.append(t + n - 1)
                 sample_entries.append(e)
             t += n
+        slots = np.array(row_slots, dtype=np.int64)
+        start = np.array(starts, dtype=np.int64)
+        count = np.array(counts, dtype=np.int64)
+        seq_lens[:] = start + count
+        np.cumsum(count, out=qsl[1:])
+        if T == B:  # one token per row
+            pos[:] = start
+            tok_slots = slots
+        else:  # row b's tokens sit at flat rows qsl[b] .. qsl[b + 1] - 1
+            pos[:] = np.repeat(start - qsl[:-1], count) + np.arange(T)
+            tok_slots = np.repeat(slots, count)
+        if host_rows:
+            ids[host_rows] = host_ids
+        slot_map[:] = table[tok_slots, pos // bs].astype(np.int64) * bs + pos % bs
         max_blocks = -(-int(seq_lens.max()) // bs)
         tables = table[slots, :max_blocks]
         self.slots.admit_many(admitted)  # before the sampler reads the rows, after this loop

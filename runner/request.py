@@ -61,6 +61,7 @@ class Request:
     num_output_tokens_sent: int = 0  # audio requests: outputs already sent with earlier chunks
     slot: int = -1  # persistent batch row holding device-side sampling state; -1 = none
     block_ids: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks whose chain hashes are published (BlockManager)
     finish_reason: FinishReason | None = None
     finish_message: str = ""
 

@@ -26,7 +26,7 @@ from runner.kv_cache import BlockManager
 from runner.request import FinishReason, Request, Status
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     req: Request
     start: int  # first position computed this step
@@ -103,26 +103,34 @@ class Scheduler:
         # 1) running requests, oldest first; preempt the newest when blocks run out. This loop
         # visits every running request each step (hundreds when serving), so it reads the
         # request's counters once instead of through its properties (Request.num_tokens,
-        # num_outputs_with_inflight) and skips the block manager when the request's blocks
-        # already suffice.
+        # num_outputs_with_inflight), skips the block manager when the request's blocks already
+        # suffice and when no block became full, and builds the entry inline (`_entry`).
         block_size, max_len = bs.block_size, self.cfg.max_model_len
+        prefix = bs.enable_prefix_caching
+        running = self.running
+        scheduled = out.scheduled
+        num_decodes = 0
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n_out = len(req.output_token_ids) + req.num_inflight  # = num_outputs_with_inflight
-            total = len(req.prompt_token_ids) + n_out  # = req.num_tokens
-            n = total - req.num_computed_tokens
-            if n <= 0 or n_out >= req.sampling.max_tokens or total >= max_len:
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n_prompt = len(req.prompt_token_ids)
+            known = n_prompt + len(req.output_token_ids)  # tokens on the host
+            total = known + req.num_inflight  # = req.num_tokens
+            start = req.num_computed_tokens
+            n = total - start
+            if n <= 0 or total - n_prompt >= req.sampling.max_tokens or total >= max_len:
                 # n <= 0: chunk ended the prompt, token still in flight. At max_tokens (in-flight
                 # tokens counted) or max_model_len: the in-flight token is the last one;
                 # scheduling more would compute a token that must be dropped.
                 i += 1
                 continue
-            n = min(n, budget)
-            if req.num_computed_tokens + n > len(req.block_ids) * block_size:  # needs blocks
+            if n > budget:
+                n = budget
+            end = start + n
+            if end > len(req.block_ids) * block_size:  # needs blocks
                 while not bs.allocate(req, n):
-                    victim = self.running[-1]
-                    if victim is req and len(self.running) == 1 and not out.scheduled:
+                    victim = running[-1]
+                    if victim is req and len(running) == 1 and not scheduled:
                         # alone and still no room: the cache cannot hold this sequence
                         self.finish(req, FinishReason.ERROR, "KV cache too small for this sequence")
                         self.failed.append(req)
@@ -132,7 +140,14 @@ class Scheduler:
                         break
                 if req.status is not Status.RUNNING:
                     continue  # finished or preempted itself; the list shrank, do not advance i
-            out.scheduled.append(self._entry(req, n, new=False))
+            req.num_computed_tokens = end
+            sample = end == total
+            if sample:
+                req.num_inflight += 1
+            if prefix and min(known, end) // block_size > req.num_hashed_blocks:
+                bs.register_full_blocks(req, known)  # see _entry
+            scheduled.append(ScheduledRequest(req, start, n, sample, False))
+            num_decodes += n == 1
             budget -= n
             i += 1
 
@@ -162,15 +177,15 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             out.scheduled.append(self._entry(req, n, new=True))
+            num_decodes += n == 1
             budget -= n
 
         out.num_batched_tokens = self.cfg.max_num_batched_tokens - budget
         # One-token entries first (stable): attention runs them with the decode kernel and
         # only the rest through the prefill path (AttentionMetadata.num_decodes).
-        nd = sum(1 for e in out.scheduled if e.num_tokens == 1)
-        if nd != len(out.scheduled) and nd:
+        if num_decodes != len(out.scheduled) and num_decodes:
             out.scheduled.sort(key=lambda e: e.num_tokens != 1)
-        out.num_decodes = nd
+        out.num_decodes = num_decodes
         return out
 
     def _entry(self, req: Request, n: int, new: bool) -> ScheduledRequest:
@@ -186,10 +201,13 @@ class Scheduler:
 
     # ---- outputs ---------------------------------------------------------------------------
 
-    def update_from_output(self, sched: SchedulerOutput, sampled: list[int]) -> list[tuple[Request, list[int]]]:
-        """Apply sampled ids (one per sampling entry of `sched`, in order). Returns, per request
-        that produced an accepted token or finished, (request, accepted new tokens)."""
-        results: list[tuple[Request, list[int]]] = []
+    def update_from_output(self, sched: SchedulerOutput, sampled: list[int]) -> list[tuple[Request, int]]:
+        """Apply sampled ids (one per sampling entry of `sched`, in order). Returns (request,
+        accepted token) for every request whose token was accepted, including those that
+        finished with it. Runs over every row of every step, so the request's counters are
+        read directly instead of through its properties."""
+        results: list[tuple[Request, int]] = []
+        eos, max_len, finished = self.eos_token_ids, self.cfg.max_model_len, Status.FINISHED
         k = 0
         for entry in sched.scheduled:
             if not entry.sample:
@@ -197,17 +215,18 @@ class Scheduler:
             tok = sampled[k]
             k += 1
             req = entry.req
-            if req.is_finished:
+            if req.status is finished:
                 continue  # late output of a request that stopped/aborted meanwhile: dropped
             req.num_inflight -= 1
-            req.output_token_ids.append(tok)
+            outs = req.output_token_ids
+            outs.append(tok)
             p = req.sampling
-            n_out = len(req.output_token_ids)
+            n_out = len(outs)
             # The sampler masks stop/EOS ids while n_out <= min_tokens; the check here is the rule.
-            is_stop = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
+            is_stop = tok in p.stop_token_ids or (not p.ignore_eos and tok in eos)
             if is_stop and n_out > p.min_tokens:
                 self.finish(req, FinishReason.STOP)
-            elif n_out >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+            elif n_out >= p.max_tokens or len(req.prompt_token_ids) + n_out + req.num_inflight >= max_len:
                 self.finish(req, FinishReason.LENGTH)
-            results.append((req, [tok]))
+            results.append((req, tok))
         return results
