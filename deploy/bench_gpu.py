@@ -954,10 +954,11 @@ def host_ms_by_call(eng, steps: int) -> dict[str, float]:
 
 
 def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0", admission_wait_ms: float = 20.0,
-                server_args: str = "", tag: str = "") -> dict:
+                server_args: str = "", tag: str = "", server_root: str = "") -> dict:
     """Start the real server on the Orpheus-3B-shaped random model (plus `server_args`, e.g. an
-    option to A/B) and run `omnistream bench` against it (N concurrent WebSocket TTS sessions
-    read in real time)."""
+    option to A/B; from the checkout `server_root` if given, e.g. the previous version's code)
+    and run `omnistream bench` (this checkout's) against it: N concurrent WebSocket TTS sessions
+    read in real time."""
     import socket
     import subprocess
     import urllib.request
@@ -967,14 +968,15 @@ def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0", 
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
     root = Path(__file__).resolve().parent.parent
+    srv_root = Path(server_root).resolve() if server_root else root
     out_dir = Path(os.environ.get("OUT", "/tmp"))
     tag = f"-wait{admission_wait_ms:g}{tag}"
     server_log = open(out_dir / f"server{tag}.log", "wb")  # the engine's per-5 s step / phase / first-audio log
     srv = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", str(folder), "--random-weights",
                             "--device", "cuda", "--max-num-seqs", str(max_seqs), "--max-model-len", "1024", "--port", str(port),
                             "--zmq-endpoint", "none", "--max-concurrent-requests", "4096",
-                            "--admission-wait-ms", str(admission_wait_ms), *server_args.split()], cwd=root,
-                           stdout=server_log, stderr=subprocess.STDOUT)
+                            "--admission-wait-ms", str(admission_wait_ms), *server_args.split()], cwd=srv_root,
+                           stdout=server_log, stderr=subprocess.STDOUT)  # `-m` imports from cwd first
     try:
         t0 = time.time()
         while True:
@@ -991,7 +993,8 @@ def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0", 
                         "--streams", streams, "--max-tokens", str(max_tokens), "--out", str(out), "--ramp-s", ramps,
                         "--text", "Hello there, this is one sentence of streaming speech for the benchmark."],
                        cwd=root, check=True)
-        return {"table": out.read_text(), "admission_wait_ms": admission_wait_ms, "server_args": server_args}
+        return {"table": out.read_text(), "admission_wait_ms": admission_wait_ms, "server_args": server_args,
+                "server_root": server_root}
     finally:
         srv.terminate()
         try:
@@ -1015,6 +1018,9 @@ def main() -> int:
     ap.add_argument("--serving-admission-wait-ms", default="20", help="serve --admission-wait-ms; several: one server each")
     ap.add_argument("--serving-server-args", default="",
                     help="';'-separated sets of extra `serve` arguments, one server each (A/B; '' = defaults)")
+    ap.add_argument("--serving-roots", default="",
+                    help="';'-separated checkouts whose server to run, one server each, in turn ('' = this one): "
+                         "an A/B against another version's code on the same machine")
     ap.add_argument("--profile-serving-batch", type=int, default=400)
     ap.add_argument("--skinny-linear", type=int, default=1, help="0: decode GEMMs in cuBLAS (A/B)")
     ap.add_argument("--pdl", type=int, default=1, help="0: no programmatic dependent launch (A/B)")
@@ -1108,11 +1114,12 @@ def main() -> int:
         res["boundary"] = measure()
         log("  us per dependency: " + ", ".join(f"{k} {v:.2f}" for k, v in res["boundary"]["us_per_dependency"].items()))
     if "serving" in secs:
-        # one server per (admission wait, server-args set), in that order
+        # one server per (admission wait, server-args set, checkout), in that order
+        sets = [(w, extra.strip(), root.strip()) for w in args.serving_admission_wait_ms.split(",")
+                for extra in args.serving_server_args.split(";") for root in args.serving_roots.split(";")]
         res["serving"] = [run_serving(args.streams, args.serving_max_seqs, args.serving_max_tokens, args.serving_ramp_s, float(w),
-                                      extra.strip(), f"-{i}" if i else "")
-                          for w in args.serving_admission_wait_ms.split(",")
-                          for i, extra in enumerate(args.serving_server_args.split(";"))]
+                                      extra, f"-{i}" if i else "", root)
+                          for i, (w, extra, root) in enumerate(sets)]
     res["wall_s"] = time.perf_counter() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1207,6 +1214,7 @@ def render(res: dict) -> str:
     if "serving" in res:
         for sv in res["serving"]:
             extra = f" {sv['server_args']}" if sv.get("server_args") else ""
+            extra += f"; server from {sv['server_root']}" if sv.get("server_root") else ""
             lines += ["", f"Serving (real server, `--admission-wait-ms {sv['admission_wait_ms']:g}{extra}`, WebSocket TTS clients "
                           "reading in real time):", "", sv["table"]]
     if "gemm" in res:

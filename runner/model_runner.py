@@ -58,7 +58,14 @@ class LogitsConstraint(Protocol):
 @dataclass
 class ExecuteState:
     sched: SchedulerOutput
-    sample_entries: list[ScheduledRequest]
+    # the rows that sample, in order, gathered by execute_model's pass over the entries so that
+    # sample_tokens needs no pass of its own: request, slot, sampling params, index among the
+    # request's outputs of the token sampled now, and which rows are under the constraint
+    sample_reqs: list[Request]
+    sample_slots: list[int]
+    sample_params: list[SamplingParams]
+    out_index: list[int]
+    constrained_rows: list[int]
     final_hidden: torch.Tensor | None  # [S, H] last hidden state (after the final norm) per sampling entry
     hidden: torch.Tensor | None  # [R, n_capture, H] rows of requests that want hidden states
     hidden_spans: list[tuple[Request, int, int, int, tuple[int, ...]]]  # (req, row0, nrows, first_pos, layer idx)
@@ -163,7 +170,8 @@ class ModelRunner:
             raise ValueError(f"the model's logits constraint spans ids {constraint.vocab_span}, outside the "
                              f"vocabulary of {cfg.model.vocab_size} (codec audio_token_offset / codebook_size?)")
         self.constraint = constraint
-        self.wants_constraint = wants_constraint or (lambda r: False)
+        # which requests sample under the constraint (None: no constraint, no request does)
+        self.wants_constraint = (wants_constraint or (lambda r: False)) if constraint is not None else None
         self.eos = cfg.model.eos_token_ids
         self._state: ExecuteState | None = None
         self.staging = staging_for(self.device) if self.device.type == "cuda" else None
@@ -234,7 +242,12 @@ class ModelRunner:
         dev_rows: list[int] = []  # flat rows whose token is still on the device
         dev_slots: list[int] = []
         logits_rows: list[int] = []
-        sample_entries: list[ScheduledRequest] = []
+        sample_reqs: list[Request] = []
+        sample_slots: list[int] = []
+        sample_params: list[SamplingParams] = []
+        out_index: list[int] = []
+        constrained_rows: list[int] = []
+        wants_constraint = self.wants_constraint
         hidden_spans = []
         hidden_rows: list[np.ndarray] = []
         capture: set[int] = set()
@@ -281,7 +294,12 @@ class ModelRunner:
                     req.num_hidden_emitted = s + n
             if e.sample:
                 logits_rows.append(t + n - 1)
-                sample_entries.append(e)
+                if wants_constraint is not None and wants_constraint(req):
+                    constrained_rows.append(len(sample_reqs))
+                sample_reqs.append(req)
+                sample_slots.append(slot)
+                sample_params.append(req.sampling)
+                out_index.append(len(outs) + req.num_inflight - 1)  # the in-flight count includes it
             t += n
         slots = np.array(row_slots, dtype=np.int64)
         start = np.array(starts, dtype=np.int64)
@@ -367,12 +385,17 @@ class ModelRunner:
             for req, first, n, layers in hidden_spans:
                 spans.append((req, r0, n, first, [cap.index(l) for l in layers]))
                 r0 += n
-        self._state = ExecuteState(sched, sample_entries, final_h, h_out, spans)
+        self._state = ExecuteState(sched, sample_reqs, sample_slots, sample_params, out_index, constrained_rows,
+                                   final_h, h_out, spans)
 
     # ---- phase 2 ---------------------------------------------------------------------------
 
-    def _sampling_batch(self, reqs: list[Request], out_index: list[int]) -> SamplingBatch:
-        return self.sampling_table.batch([r.slot for r in reqs], out_index, [r.sampling for r in reqs], self.device)
+    def _sampling_batch(self, st: ExecuteState, rows: list[int] | None = None) -> SamplingBatch:
+        """The sampling inputs of the step's sampling rows (`rows` of them; None: all)."""
+        if rows is None:
+            return self.sampling_table.batch(st.sample_slots, st.out_index, st.sample_params, self.device)
+        return self.sampling_table.batch([st.sample_slots[i] for i in rows], [st.out_index[i] for i in rows],
+                                         [st.sample_params[i] for i in rows], self.device)
 
     def _sample_constrained(self, final_h: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Rows under the model's constraint: logits of the constraint's vocabulary span only,
@@ -425,27 +448,24 @@ class ModelRunner:
         ids are copied to the host asynchronously."""
         st, self._state = self._state, None
         assert st is not None, "execute_model() must come first"
-        entries = st.sample_entries
-        if not entries:
+        n = len(st.sample_reqs)
+        if not n:
             return self.copier.copy(torch.empty(0, dtype=torch.int64, device=self.device), st.hidden, st.hidden_spans)
-        reqs = [e.req for e in entries]
-        # index among outputs of the token sampled now (in-flight count already includes it)
-        out_index = [r.num_outputs_with_inflight - 1 for r in reqs]
-        c_rows = [i for i, r in enumerate(reqs) if self.wants_constraint(r)] if self.constraint is not None else []
+        c_rows = st.constrained_rows
         final_h = st.final_hidden
-        if not c_rows or len(c_rows) == len(reqs):
-            batch = self._sampling_batch(reqs, out_index)
+        if not c_rows or len(c_rows) == n:
+            batch = self._sampling_batch(st)
             sampled = (self._sample_constrained if c_rows else self._sample_free)(final_h, batch)
             self.slots.record(batch.slots, sampled, batch.counters)
         else:
             # Constrained and free rows sample separately, each as it would alone: a request's
             # tokens must not depend on what else shares its batch.
-            sampled = torch.empty(len(reqs), dtype=torch.int64, device=self.device)
-            constrained_rows = set(c_rows)
-            free = [i for i in range(len(reqs)) if i not in constrained_rows]
+            sampled = torch.empty(n, dtype=torch.int64, device=self.device)
+            constrained = set(c_rows)
+            free = [i for i in range(n) if i not in constrained]
             for rows, sample in ((c_rows, self._sample_constrained), (free, self._sample_free)):
                 rows_t = self._to_dev(np.asarray(rows, dtype=np.int64))
-                batch = self._sampling_batch([reqs[i] for i in rows], [out_index[i] for i in rows])
+                batch = self._sampling_batch(st, rows)
                 ids = sample(final_h[rows_t], batch)
                 sampled[rows_t] = ids
                 self.slots.record(batch.slots, ids, batch.counters)

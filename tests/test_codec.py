@@ -241,6 +241,38 @@ def test_invalid_token_ends_only_that_request(stage_factory) -> None:
     assert res.done and res.pcm.size == 0 and "invalid audio token 128000 at audio index 0" in res.error
 
 
+def test_push_many_one_token_per_stream_per_step_like_the_engine(stage_factory) -> None:
+    """The engine hands each step's tokens of all its audio requests over in one push_many
+    call, one (key, token) pair per request: the streams must come out as each would alone
+    (its PCM, its end, its error), whatever they are interleaved with."""
+    st = stage_factory()
+    rng = np.random.default_rng(11)
+    codes = {"a": _codes(rng, 9), "b": _codes(rng, 5), "c": _codes(rng, 4)}
+    toks = {k: codes_to_tokens(st.cfg, c) for k, c in codes.items()}
+    toks["a"] = toks["a"] + [st.cfg.end_token_id]
+    toks["b"][10] = st.cfg.audio_token_offset + 1  # wrong codebook slot at audio index 10
+    for k in toks:
+        st.open(k)
+    pcm: dict[str, list[np.ndarray]] = {k: [] for k in toks}
+    final: dict[str, StageResult] = {}
+    for i in range(max(map(len, toks.values()))):
+        items = [(k, t[i]) for k, t in toks.items() if i < len(t)]
+        if i == len(toks["a"]) - 1:
+            items.insert(1, ("a", 7))  # right after a's end token, in the same call: ignored
+        st.push_many(items)
+        if i == len(toks["c"]) - 1:
+            st.close("c")  # c ends by close() (a stop on max_tokens), not by the end token
+        for k, res in st.step().items():
+            pcm[k].append(res.pcm)
+            if res.done:
+                final[k] = res
+    assert set(final) == {"a", "b", "c"}
+    for k in ("a", "c"):
+        assert final[k].error is None
+        _assert_pcm_close(np.concatenate(pcm[k]), offline_decode(st.decoder, codes[k], st.cfg.policy))
+    assert "invalid audio token" in final["b"].error and "at audio index 10" in final["b"].error
+
+
 def test_abort_drops_state(stage_factory) -> None:
     st = stage_factory()
     toks = codes_to_tokens(st.cfg, _codes(np.random.default_rng(6), 12))
