@@ -132,7 +132,7 @@ def measure_engine(n: int, steps: int = 60, repeats: int = 5, warm_steps: int = 
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        eng = build_engine(EngineProcArgs(model_path=str(ensure_default_model(tmp)), input_addr="", output_addr="",
+        eng = build_engine(EngineProcArgs(model_path=str(ensure_default_model(tmp)), input_addr="", output_addr="", device="cpu",
                                           max_num_seqs=n, max_num_batched_tokens=max(2048, 2 * n),
                                           num_blocks=n * 64, cpu_threads=1))
     hidden = eng.cfg.model.hidden_size
