@@ -19,7 +19,7 @@ from runner.ipc import EngineStats, RequestOutput
 from runner.kv_cache import BlockManager
 from runner.model_runner import AsyncOutput, ModelRunner, StepResult
 from runner.orpheus import OrpheusCodeConstraint
-from runner.request import FinishReason, Request, Status
+from runner.request import FinishReason, Request
 from runner.sampler import pick_backend
 from runner.sampling_params import InvalidRequest, SamplingParams
 from runner.scheduler import Scheduler, SchedulerOutput
@@ -209,7 +209,7 @@ class Engine:
                 # Tokens of an audio request travel with its next audio chunk or its finish
                 # (_codec_step): a message per token would be ~40x the traffic for no reader.
                 audio.append((id(req), tok))
-                if req.status is Status.FINISHED:
+                if req.is_finished:
                     closed.append(id(req))
                 continue
             o = by_req[id(req)] = self._output(req, [tok], finished=False)
