@@ -1,0 +1,113 @@
+"""The front end's share of time to first audio when many TTS sessions start at once (no GPU).
+
+The real server app (aiohttp handlers, text segmenter, tokenizer, Speaker, metrics) runs in its
+own process on an engine that answers at once (tests/fake_engine.py: first audio 1 ms after a
+request, then an 85 ms chunk every `--chunk-ms`, about the real server's pace at 400 streams),
+and `omnistream bench` (the same client as the GPU serving benchmark, another process) starts N
+WebSocket sessions together. Per level it reports the client's TTFA and the server's own (text
+segment queued -> first audio byte sent, from the /metrics histogram, so bucket bounds). With a
+real engine these milliseconds come on top of the engine's time to first audio: on the H200 the
+client's TTFA exceeded the engine's by 30-100 ms in bursts of 400-440 and by ~7 ms when the
+same sessions started over 2 s (deploy/RESULTS.md, s12).
+
+    python deploy/bench_frontend.py --streams 1,100,400
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = "Hello there, this is one sentence of streaming speech for the benchmark."
+_TTFA = re.compile(r'omnistream_time_to_first_audio_seconds_bucket\{endpoint="/v1/audio/speech/stream",le="([^"]+)"\} (\S+)')
+
+
+def serve(url_file: str, chunk_ms: float, chunks: int) -> None:
+    """The app on the fake engine until killed (uvloop when installed, as `serve` runs)."""
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    from fake_engine import FakeEngine, serve as serve_app
+
+    async def run() -> None:
+        eng = FakeEngine(steps=chunks, samples_per_step=2048, audio_from_step=0, step_delay=chunk_ms / 1e3,
+                         first_delay=0.001)
+        async with serve_app(eng, max_concurrent_requests=8192) as s:
+            Path(url_file).write_text(s.base_url)
+            await asyncio.Event().wait()
+
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as r:
+        r.run(run())
+
+
+def server_ttfa(url: str) -> dict[float, float]:
+    """Cumulative count per histogram bound (seconds) of the server-side TTFA."""
+    body = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return {float(le): float(v) for le, v in _TTFA.findall(body)}
+
+
+def quantile_bound(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """Upper bound (ms) of the bucket holding quantile q of the observations between two reads."""
+    bounds = sorted(after)
+    delta = [after[b] - before.get(b, 0.0) for b in bounds]
+    total = delta[-1]
+    for b, c in zip(bounds, delta):
+        if total and c >= q * total:
+            return b * 1e3
+    return float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", default="1,100,400")
+    ap.add_argument("--chunk-ms", type=float, default=70.0, help="fake engine: ms between 85 ms audio chunks")
+    ap.add_argument("--chunks", type=int, default=3, help="fake engine: chunks per utterance")
+    ap.add_argument("--serve", metavar="URL_FILE", help=argparse.SUPPRESS)  # internal: the server process
+    args = ap.parse_args()
+    if args.serve:
+        serve(args.serve, args.chunk_ms, args.chunks)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        url_file = Path(tmp) / "url"
+        srv = subprocess.Popen([sys.executable, __file__, "--serve", str(url_file), "--chunk-ms", str(args.chunk_ms),
+                                "--chunks", str(args.chunks)], cwd=ROOT)
+        try:
+            t0 = time.time()
+            while not url_file.exists() or not url_file.read_text():
+                if srv.poll() is not None or time.time() - t0 > 60:
+                    raise RuntimeError("the front end did not start")
+                time.sleep(0.2)
+            url = url_file.read_text()
+            print("| sessions starting together | client TTFA p50 / p99 ms | server TTFA p50 / p99 ms (bucket bound) |")
+            print("| ---: | --- | --- |")
+            for n in (int(x) for x in args.streams.split(",")):
+                before = server_ttfa(url)
+                out = subprocess.run([sys.executable, "-m", "server.cli", "bench", "--url", url, "--streams", str(n),
+                                      "--max-tokens", "60", "--ramp-s", "0", "--text", TEXT], cwd=ROOT, check=True,
+                                     capture_output=True, text=True).stdout
+                after = server_ttfa(url)
+                row = next(line for line in out.splitlines() if line.startswith(f"| {n} | 0 |")).split("|")
+                # the warm-up session of `bench` is in the server's histogram too: one in n + 1
+                print(f"| {n} | {row[3].strip()} / {row[4].strip()} | "
+                      f"{quantile_bound(before, after, 0.5):.0f} / {quantile_bound(before, after, 0.99):.0f} |", flush=True)
+        finally:
+            srv.terminate()
+            srv.wait(10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
