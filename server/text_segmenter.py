@@ -18,11 +18,15 @@ Rules:
 
 from __future__ import annotations
 
+import re
+
 _SENTENCE_ENDS = ".!?"
 _CJK_SENTENCE_ENDS = "。！？"
 _CLAUSE_MARKS = ",;:"
 _CJK_CLAUSE_MARKS = "，；：、"
 _CLOSERS = "\"')]}»”’」』）】"
+# every character at which a segment can end (the length limit aside)
+_BOUNDARY = re.compile("[" + re.escape("\n" + _SENTENCE_ENDS + _CJK_SENTENCE_ENDS + _CLAUSE_MARKS + _CJK_CLAUSE_MARKS) + "]")
 _ABBREVIATIONS = frozenset(
     "mr mrs ms dr prof sr jr st mt vs no nos fig figs approx dept est inc ltd co corp gen col lt "
     "sgt capt rev hon jan feb mar apr jun jul aug sep sept oct nov dec e.g i.e cf al u.s u.k".split()
@@ -68,8 +72,19 @@ class TextSegmenter:
         buf = self._buf
         n = len(buf)
         start = n - len(buf.lstrip())
+        over = start + self._max_chars  # the first index at which the segment is too long
         i = start
         while i < n:
+            # Only boundary characters act; at any other index the one rule is the length
+            # limit. So jump to the next boundary character unless the limit comes first (a
+            # streaming server runs this for every text message of every session).
+            m = _BOUNDARY.search(buf, i)
+            nxt = m.start() if m else n
+            if max(i, over) < nxt:
+                return self._length_cut(start, max(i, over))
+            if nxt == n:
+                return None
+            i = nxt
             ch = buf[i]
             seg_len = i + 1 - start
             if ch == "\n":
@@ -94,10 +109,14 @@ class TextSegmenter:
                 if buf[i + 1].isspace():
                     return i + 1, i + 1
             if seg_len > self._max_chars:
-                space = buf.rfind(" ", start, i)
-                return (space, space + 1) if space > start else (i, i)
+                return self._length_cut(start, i)
             i += 1
         return None
+
+    def _length_cut(self, start: int, i: int) -> tuple[int, int]:
+        """A segment with no boundary, too long at index i: cut at the last space before i."""
+        space = self._buf.rfind(" ", start, i)
+        return (space, space + 1) if space > start else (i, i)
 
     def _skip(self, j: int, chars: str) -> int:
         while j < len(self._buf) and self._buf[j] in chars:

@@ -92,3 +92,64 @@ def test_char_by_char_streaming_matches_one_push(text):
 def test_bad_limits_are_rejected():
     with pytest.raises(ValueError):
         TextSegmenter(min_clause_chars=50, max_chars=50)
+
+
+class _CharByCharSegmenter(TextSegmenter):
+    """The rules applied at every index in turn (the segmenter's first form): the reference
+    that the boundary-jumping `_find_cut` must match on any text."""
+
+    def _find_cut(self):
+        from server.text_segmenter import _CJK_CLAUSE_MARKS, _CJK_SENTENCE_ENDS, _CLAUSE_MARKS, _CLOSERS, _SENTENCE_ENDS
+
+        buf, n = self._buf, len(self._buf)
+        start = n - len(buf.lstrip())
+        i = start
+        while i < n:
+            ch, seg_len = buf[i], i + 1 - start
+            if ch == "\n":
+                return i, i + 1
+            if ch in _CJK_SENTENCE_ENDS:
+                j = self._skip(i + 1, _CJK_SENTENCE_ENDS + _CLOSERS)
+                return j, j
+            if ch in _SENTENCE_ENDS:
+                j = self._skip(self._skip(i + 1, _SENTENCE_ENDS), _CLOSERS)
+                if j == n:
+                    return None
+                if buf[j].isspace() and not (ch == "." and j == i + 1 and self._abbreviation_before(i)):
+                    return j, j
+                i = j
+                continue
+            if ch in _CJK_CLAUSE_MARKS and seg_len >= self._min_clause:
+                return i + 1, i + 1
+            if ch in _CLAUSE_MARKS and seg_len >= self._min_clause:
+                if i + 1 == n:
+                    return None
+                if buf[i + 1].isspace():
+                    return i + 1, i + 1
+            if seg_len > self._max_chars:
+                space = buf.rfind(" ", start, i)
+                return (space, space + 1) if space > start else (i, i)
+            i += 1
+        return None
+
+
+def test_jumping_to_boundaries_matches_the_rules_applied_at_every_character():
+    """Random texts rich in boundary marks, closers, abbreviations and long unbroken runs, fed
+    in random pieces with small limits (so the length cut also lands inside skipped runs of
+    terminators): the same segments, piece by piece, as the character-by-character rules."""
+    import random
+
+    rng = random.Random(5)
+    atoms = ["a", "b", "word", " ", "  ", ".", "...", "?!", "!", ",", ";", ":", "\n", "。", "！", "，", "、", '"', ")",
+             "’", "」", "Dr", "e.g", "J", "I", "3", "14", "1,000", "x" * 12]
+    for case in range(400):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(1, 60)))
+        min_clause = rng.randint(1, 12)
+        max_chars = rng.randint(min_clause + 1, 30)
+        fast, ref = TextSegmenter(min_clause, max_chars), _CharByCharSegmenter(min_clause, max_chars)
+        i = 0
+        while i < len(text):
+            k = rng.randint(1, 9)
+            piece, i = text[i : i + k], i + k
+            assert fast.push(piece) == ref.push(piece), (case, text, min_clause, max_chars)
+        assert fast.flush() == ref.flush(), (case, text, min_clause, max_chars)
