@@ -25,6 +25,7 @@ _CJK_SENTENCE_ENDS = "。！？"
 _CLAUSE_MARKS = ",;:"
 _CJK_CLAUSE_MARKS = "，；：、"
 _CLOSERS = "\"')]}»”’」』）】"
+_WAIT = -1  # TextSegmenter._rule_at: the next character, not received yet, decides
 # every character at which a segment can end (the length limit aside)
 _BOUNDARY = re.compile("[" + re.escape("\n" + _SENTENCE_ENDS + _CJK_SENTENCE_ENDS + _CLAUSE_MARKS + _CJK_CLAUSE_MARKS) + "]")
 _ABBREVIATIONS = frozenset(
@@ -84,34 +85,45 @@ class TextSegmenter:
                 return self._length_cut(start, max(i, over))
             if nxt == n:
                 return None
-            i = nxt
-            ch = buf[i]
-            seg_len = i + 1 - start
-            if ch == "\n":
-                return i, i + 1
-            if ch in _CJK_SENTENCE_ENDS:
-                j = self._skip(i + 1, _CJK_SENTENCE_ENDS + _CLOSERS)
-                return j, j
-            if ch in _SENTENCE_ENDS:
-                j = self._skip(i + 1, _SENTENCE_ENDS)
-                j = self._skip(j, _CLOSERS)
-                if j == n:
-                    return None  # wait: the next character decides
-                if buf[j].isspace() and not (ch == "." and j == i + 1 and self._abbreviation_before(i)):
-                    return j, j
-                i = j
-                continue
-            if ch in _CJK_CLAUSE_MARKS and seg_len >= self._min_clause:
-                return i + 1, i + 1
-            if ch in _CLAUSE_MARKS and seg_len >= self._min_clause:
-                if i + 1 == n:
-                    return None
-                if buf[i + 1].isspace():
-                    return i + 1, i + 1
-            if seg_len > self._max_chars:
-                return self._length_cut(start, i)
-            i += 1
+            r = self._rule_at(nxt, start)
+            if isinstance(r, tuple):
+                return r
+            if r == _WAIT:
+                return None
+            i = r
         return None
+
+    def _rule_at(self, i: int, start: int) -> tuple[int, int] | int:
+        """The rules at index i of the segment that starts at `start`: (end, resume) to cut, or
+        the next index to look at (i + 1, or past a run of terminators that did not end a
+        sentence), or _WAIT when a character not received yet decides."""
+        buf = self._buf
+        n = len(buf)
+        ch = buf[i]
+        seg_len = i + 1 - start
+        if ch == "\n":
+            return i, i + 1
+        if ch in _CJK_SENTENCE_ENDS:
+            j = self._skip(i + 1, _CJK_SENTENCE_ENDS + _CLOSERS)
+            return j, j
+        if ch in _SENTENCE_ENDS:
+            j = self._skip(i + 1, _SENTENCE_ENDS)
+            j = self._skip(j, _CLOSERS)
+            if j == n:
+                return _WAIT  # the next character decides
+            if buf[j].isspace() and not (ch == "." and j == i + 1 and self._abbreviation_before(i)):
+                return j, j
+            return j
+        if ch in _CJK_CLAUSE_MARKS and seg_len >= self._min_clause:
+            return i + 1, i + 1
+        if ch in _CLAUSE_MARKS and seg_len >= self._min_clause:
+            if i + 1 == n:
+                return _WAIT
+            if buf[i + 1].isspace():
+                return i + 1, i + 1
+        if seg_len > self._max_chars:
+            return self._length_cut(start, i)
+        return i + 1
 
     def _length_cut(self, start: int, i: int) -> tuple[int, int]:
         """A segment with no boundary, too long at index i: cut at the last space before i."""

@@ -99,38 +99,13 @@ class _CharByCharSegmenter(TextSegmenter):
     that the boundary-jumping `_find_cut` must match on any text."""
 
     def _find_cut(self):
-        from server.text_segmenter import _CJK_CLAUSE_MARKS, _CJK_SENTENCE_ENDS, _CLAUSE_MARKS, _CLOSERS, _SENTENCE_ENDS
+        from server.text_segmenter import _WAIT
 
-        buf, n = self._buf, len(self._buf)
-        start = n - len(buf.lstrip())
-        i = start
-        while i < n:
-            ch, seg_len = buf[i], i + 1 - start
-            if ch == "\n":
-                return i, i + 1
-            if ch in _CJK_SENTENCE_ENDS:
-                j = self._skip(i + 1, _CJK_SENTENCE_ENDS + _CLOSERS)
-                return j, j
-            if ch in _SENTENCE_ENDS:
-                j = self._skip(self._skip(i + 1, _SENTENCE_ENDS), _CLOSERS)
-                if j == n:
-                    return None
-                if buf[j].isspace() and not (ch == "." and j == i + 1 and self._abbreviation_before(i)):
-                    return j, j
-                i = j
-                continue
-            if ch in _CJK_CLAUSE_MARKS and seg_len >= self._min_clause:
-                return i + 1, i + 1
-            if ch in _CLAUSE_MARKS and seg_len >= self._min_clause:
-                if i + 1 == n:
-                    return None
-                if buf[i + 1].isspace():
-                    return i + 1, i + 1
-            if seg_len > self._max_chars:
-                space = buf.rfind(" ", start, i)
-                return (space, space + 1) if space > start else (i, i)
-            i += 1
-        return None
+        n = len(self._buf)
+        start = r = n - len(self._buf.lstrip())
+        while not isinstance(r, tuple) and r != _WAIT and r < n:  # every index from the start
+            r = self._rule_at(r, start)
+        return r if isinstance(r, tuple) else None
 
 
 def test_jumping_to_boundaries_matches_the_rules_applied_at_every_character():
