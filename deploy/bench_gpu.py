@@ -905,7 +905,9 @@ def run_profile_serving(n: int, out_dir: Path, steps: int = 10) -> dict:
 @contextlib.contextmanager
 def timed_calls(eng):
     """Wrap the step's main calls (nested: sample_tokens includes the sampler's calls) while
-    the block runs; yields {call: host seconds summed}, then unwraps them."""
+    the block runs; yields {call: host seconds summed}, then unwraps them (bench_host.timed_calls)."""
+    import bench_host
+
     import runner.model_runner as mr
 
     r = eng.runner
@@ -918,30 +920,8 @@ def timed_calls(eng):
         "copy_out": (r.copier, "copy"), "emit": (eng, "_emit"), "output_get": (mr.AsyncOutput, "get"),
         "codec_step": (eng.codec, "step"),
     }
-    acc = dict.fromkeys(targets, 0.0)
-    saved = []
-    for name, (obj, attr) in targets.items():
-        if obj is None:
-            continue
-        fn = getattr(obj, attr)
-        saved.append((obj, attr, obj.__dict__.get(attr)))
-
-        def wrapped(*a, _fn=fn, _name=name, **k):
-            t = time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                acc[_name] += time.perf_counter() - t
-
-        setattr(obj, attr, wrapped)
-    try:
-        yield acc
-    finally:
-        for obj, attr, old in reversed(saved):
-            if old is None:
-                delattr(obj, attr)
-            else:
-                setattr(obj, attr, old)
+    with bench_host.timed_calls(targets) as (wall, _):
+        yield wall
 
 
 def host_ms_by_call(eng, steps: int) -> dict[str, float]:

@@ -20,12 +20,13 @@ CPU, so a change to the bookkeeping can be measured anywhere:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -97,25 +98,37 @@ def measure(n: int, steps: int = 300) -> dict[str, float]:
     return res
 
 
-class _Timed:
-    """Wraps methods to sum their wall and CPU seconds (a few hundred ns per call of overhead)."""
-
-    def __init__(self) -> None:
-        self.s: Counter = Counter()
-        self.cpu: Counter = Counter()
-
-    def wrap(self, obj: object, attr: str, label: str) -> None:
+@contextlib.contextmanager
+def timed_calls(targets: dict[str, tuple[object, str]]) -> Iterator[tuple[dict[str, float], dict[str, float]]]:
+    """Wrap each `obj.attr` of `targets` (name -> (obj, attr); obj None: skipped) while the
+    block runs; yields ({name: wall seconds}, {name: CPU seconds of the calling thread}) summed
+    over its calls (a few hundred ns of overhead per call), then unwraps them."""
+    wall = dict.fromkeys(targets, 0.0)
+    cpu = dict.fromkeys(targets, 0.0)
+    saved = []
+    for name, (obj, attr) in targets.items():
+        if obj is None:
+            continue
         fn = getattr(obj, attr)
+        saved.append((obj, attr, obj.__dict__.get(attr)))
 
-        def timed(*a, **k):
+        def timed(*a, _fn=fn, _name=name, **k):
             t, c = time.perf_counter(), time.thread_time()
             try:
-                return fn(*a, **k)
+                return _fn(*a, **k)
             finally:
-                self.s[label] += time.perf_counter() - t
-                self.cpu[label] += time.thread_time() - c
+                wall[_name] += time.perf_counter() - t
+                cpu[_name] += time.thread_time() - c
 
         setattr(obj, attr, timed)
+    try:
+        yield wall, cpu
+    finally:
+        for obj, attr, old in reversed(saved):
+            if old is None:  # the attribute came from the class: drop the instance's wrapper
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, old)
 
 
 def measure_engine(n: int, steps: int = 60, repeats: int = 5, warm_steps: int = 30) -> dict[str, float]:
@@ -136,7 +149,6 @@ def measure_engine(n: int, steps: int = 60, repeats: int = 5, warm_steps: int = 
                                           max_num_seqs=n, max_num_batched_tokens=max(2048, 2 * n),
                                           num_blocks=n * 64, cpu_threads=1))
     hidden = eng.cfg.model.hidden_size
-    timed = _Timed()
 
     # The forward returns ones, and the lm_head row of the end-of-speech token is negative, so
     # no stream ends while measured (every row samples among the audio codes).
@@ -153,8 +165,7 @@ def measure_engine(n: int, steps: int = 60, repeats: int = 5, warm_steps: int = 
                           [j.emit_slice(spf) for j in jobs], None)
 
     eng.codec.decoder.launch_jobs = launch_jobs
-    r = eng.runner
-    timed.wrap(r, "_sample_constrained", "sampler_math")
+    math = {"sampler_math": (eng.runner, "_sample_constrained")}
     for i in range(n):
         sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=100000, seed=i)
         eng.add_request(f"r{i}", [1 + (i + j) % 100 for j in range(30)], sp, audio=True)
@@ -168,18 +179,17 @@ def measure_engine(n: int, steps: int = 60, repeats: int = 5, warm_steps: int = 
     blocks: list[dict[str, float]] = []
     for _ in range(repeats):
         eng.phase_s = [0.0] * len(eng.PHASES)
-        timed.s.clear()
-        timed.cpu.clear()
-        t, c = time.perf_counter(), time.thread_time()
-        for _ in range(steps):
-            eng.step()
-        wall, cpu = time.perf_counter() - t, time.thread_time() - c
+        with timed_calls(math) as (math_wall, math_cpu):
+            t, c = time.perf_counter(), time.thread_time()
+            for _ in range(steps):
+                eng.step()
+            wall, cpu = time.perf_counter() - t, time.thread_time() - c
         b = {name: 1e3 * v / steps for name, v in zip(eng.PHASES, eng.phase_s)}
-        b["sampler_math"] = 1e3 * timed.s["sampler_math"] / steps
+        b["sampler_math"] = 1e3 * math_wall["sampler_math"] / steps
         b["sample"] -= b["sampler_math"]
         b["host"] = 1e3 * wall / steps - b["sampler_math"]
         # the same in CPU time of this thread: a shared host's stolen cycles do not count
-        b["host_cpu"] = 1e3 * (cpu - timed.cpu["sampler_math"]) / steps
+        b["host_cpu"] = 1e3 * (cpu - math_cpu["sampler_math"]) / steps
         blocks.append(b)
     res = {k: min(b[k] for b in blocks) for k in blocks[0]}
     gc.unfreeze()
