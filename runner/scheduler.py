@@ -103,10 +103,9 @@ class Scheduler:
         # 1) running requests, oldest first; preempt the newest when blocks run out. This loop
         # visits every running request each step (hundreds when serving), so it reads the
         # request's counters once instead of through its properties (Request.num_tokens,
-        # num_outputs_with_inflight), skips the block manager when the request's blocks already
-        # suffice and when no block became full, and builds the entry inline (`_entry`).
+        # num_outputs_with_inflight) and skips the block manager when the request's blocks
+        # already suffice.
         block_size, max_len = bs.block_size, self.cfg.max_model_len
-        prefix = bs.enable_prefix_caching
         running = self.running
         scheduled = out.scheduled
         num_decodes = 0
@@ -126,8 +125,7 @@ class Scheduler:
                 continue
             if n > budget:
                 n = budget
-            end = start + n
-            if end > len(req.block_ids) * block_size:  # needs blocks
+            if start + n > len(req.block_ids) * block_size:  # needs blocks
                 while not bs.allocate(req, n):
                     victim = running[-1]
                     if victim is req and len(running) == 1 and not scheduled:
@@ -140,13 +138,7 @@ class Scheduler:
                         break
                 if req.status is not Status.RUNNING:
                     continue  # finished or preempted itself; the list shrank, do not advance i
-            req.num_computed_tokens = end
-            sample = end == total
-            if sample:
-                req.num_inflight += 1
-            if prefix and min(known, end) // block_size > req.num_hashed_blocks:
-                bs.register_full_blocks(req, known)  # see _entry
-            scheduled.append(ScheduledRequest(req, start, n, sample, False))
+            scheduled.append(self._entry(req, n, False, known, total))
             num_decodes += n == 1
             budget -= n
             i += 1
@@ -176,7 +168,8 @@ class Scheduler:
                 req.slot = self.free_slots.pop()
             req.status = Status.RUNNING
             self.running.append(req)
-            out.scheduled.append(self._entry(req, n, new=True))
+            known = len(req.prompt_token_ids) + len(req.output_token_ids)
+            out.scheduled.append(self._entry(req, n, True, known, known))  # nothing in flight here
             num_decodes += n == 1
             budget -= n
 
@@ -188,15 +181,18 @@ class Scheduler:
         out.num_decodes = num_decodes
         return out
 
-    def _entry(self, req: Request, n: int, new: bool) -> ScheduledRequest:
+    def _entry(self, req: Request, n: int, new: bool, known: int, total: int) -> ScheduledRequest:
+        """Schedule positions [num_computed_tokens, + n) of `req`, which has `known` tokens on
+        the host and `total` counting those in flight (= req.num_tokens, passed in because the
+        caller has it: this runs for every row of every step)."""
         start = req.num_computed_tokens
-        req.num_computed_tokens += n
-        sample = req.num_computed_tokens == req.num_tokens
+        end = req.num_computed_tokens = start + n
+        sample = end == total
         if sample:
             req.num_inflight += 1
         # Publish completed blocks now: a request admitted later in this same step may share
         # them, which is safe because every layer writes the step's KV before it attends.
-        self.blocks.register_full_blocks(req, len(req.prompt_token_ids) + len(req.output_token_ids))
+        self.blocks.register_full_blocks(req, known)
         return ScheduledRequest(req, start, n, sample, new)
 
     # ---- outputs ---------------------------------------------------------------------------
