@@ -43,13 +43,9 @@ def serve(url_file: str, chunk_ms: float, chunks: int) -> None:
             Path(url_file).write_text(s.base_url)
             await asyncio.Event().wait()
 
-    try:
-        import uvloop
+    from server.main import event_loop_factory
 
-        factory = uvloop.new_event_loop
-    except ImportError:
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as r:
+    with asyncio.Runner(loop_factory=event_loop_factory()) as r:
         r.run(run())
 
 

@@ -7,6 +7,7 @@ import asyncio
 import ipaddress
 import logging
 import signal
+from collections.abc import Callable
 from urllib.parse import urlparse
 
 from aiohttp import web
@@ -103,15 +104,18 @@ async def run_server(args: argparse.Namespace) -> None:
         await engine.close()
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when it is installed (an optional speed-up), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def serve(args: argparse.Namespace) -> int:
     env = Env.read()
     logging.basicConfig(level=(args.log_level or env.log_level).upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:  # uvloop is an optional speed-up
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as r:
+    with asyncio.Runner(loop_factory=event_loop_factory()) as r:
         r.run(run_server(args))
     return 0
