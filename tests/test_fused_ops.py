@@ -426,6 +426,73 @@ def test_model_with_split_k_into_norm(monkeypatch):
         torch.testing.assert_close(got_cap[layer].float(), want_cap[layer].float(), rtol=0, atol=3e-2)
 
 
+@torch.no_grad()
+def _run_one_row(model, cfg: ModelConfig, dtype: torch.dtype, steps: int = 4):
+    """One sequence: a 7-token prefill, then one-row decode steps (M = 1, where the fused norm
+    applies); every step's logits and every layer's output of each decode step."""
+    seqs = _Paged(16, 4)
+    kv = allocate_kv_cache(cfg, 16, 4, DEVICE, dtype)
+    toks = torch.randint(3, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(8)).tolist()
+    logits, caps = [], []
+    for step in range(steps + 1):
+        ids, pos, meta = seqs.step([(0, toks)])
+        hidden, cap = model(ids, pos, kv, meta, capture_layers=tuple(range(cfg.num_layers + 1)))
+        out = model.compute_logits(hidden)
+        logits.append(out)
+        if step:
+            caps.append(cap)
+        toks = [int(out[-1].argmax())]
+    return logits, caps
+
+
+@torch.no_grad()
+def test_one_row_steps_with_the_norm_fused_into_the_gemvs(monkeypatch):
+    """fuse_norm on one-row steps: o_proj / down (GEMV) take the residual and qkv / gate_up the
+    NormedInput, so no norm kernel runs inside the layers; logits and every layer's output stay
+    within bf16 tolerance of TorchOps and of TritonOps without the fusion."""
+    import runner.triton_fused_ops as tfo
+    from runner.models.llama import build_random_model
+    from runner.triton_linear import NormedInput
+
+    cfg = ModelConfig.from_dict(_BF16_LLAMA)
+    dtype = torch.bfloat16
+    ref = build_random_model(cfg, DEVICE, dtype, seed=4, attn=TorchPagedAttention(), ops=TORCH_OPS)
+    fused = _with_ops(ref, cfg, TritonOps(fuse_norm=True), TorchPagedAttention(), dtype)
+    plain = _with_ops(ref, cfg, TritonOps(fuse_norm=False), TorchPagedAttention(), dtype)
+    calls = {"residual": 0, "normed": 0, "norm_launches": 0}
+    real_linear, real_norm = tfo.skinny_linear, tfo.rmsnorm
+
+    def spy_linear(x, *a, **k):
+        calls["residual"] += k.get("residual") is not None
+        calls["normed"] += isinstance(x, NormedInput)
+        return real_linear(x, *a, **k)
+
+    def spy_norm(*a, **k):
+        calls["norm_launches"] += 1
+        return real_norm(*a, **k)
+
+    monkeypatch.setattr(tfo, "skinny_linear", spy_linear)
+    monkeypatch.setattr(tfo, "rmsnorm", spy_norm)
+    want, want_caps = _run_one_row(ref, cfg, dtype)
+    got_plain, _ = _run_one_row(plain, cfg, dtype)
+    assert calls == {"residual": 0, "normed": 0, "norm_launches": 5 * (2 * cfg.num_layers + 1)}
+    calls.update(residual=0, normed=0, norm_launches=0)
+    got, got_caps = _run_one_row(fused, cfg, dtype)
+    layers, decode_steps = cfg.num_layers, 4
+    # per decode step: 2 GEMVs take the residual per layer and every GEMM after one of them a
+    # NormedInput (layer 0's qkv reads the embeddings' norm); the norm launches left are layer 0's
+    # input norm and the final norm (the prefill step keeps all)
+    assert calls == {"residual": 2 * layers * decode_steps, "normed": (2 * layers - 1) * decode_steps,
+                     "norm_launches": (2 * layers + 1) + 2 * decode_steps}
+    for a, b, c in zip(got, want, got_plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=3e-2)
+        torch.testing.assert_close(a, c, rtol=0, atol=3e-2)
+    for cap, ref_cap in zip(got_caps, want_caps):
+        assert sorted(cap) == list(range(layers + 1))
+        for layer in ref_cap:
+            torch.testing.assert_close(cap[layer].float(), ref_cap[layer].float(), rtol=0, atol=3e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA, reason="CUDA graphs need a CUDA device")
 @torch.no_grad()
