@@ -408,6 +408,10 @@ class ModelRunner:
         return self.constraint.window_ids(self.sampler.sample(window, batch), batch.counters)
 
     def _sample_free(self, final_h: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.all_greedy and not batch.any_penalty and batch.bias_vals is None:
+            # nothing changes the logits: argmax over the model-dtype ones (the same ids) saves
+            # writing and reading the [N, V] fp32 copy (H200, batch 64: ~50 us of a 3.2 ms step)
+            return self.model.greedy_ids(final_h)
         return self.sampler(self.model.compute_logits(final_h), batch, self.slots)
 
     @torch.inference_mode()

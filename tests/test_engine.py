@@ -114,7 +114,8 @@ def test_logits_and_hidden_states_match(family_model):
     assert toks == ref.logits[0, len(prompt) - 1 :].argmax(-1).tolist()
     # and the runner's logits equal HF's for a fresh single forward
     eng2 = make_engine(path)
-    eng2.add_request("l", seq, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    # sampled, not greedy: an all-greedy step takes argmax without the fp32 logits (greedy_ids)
+    eng2.add_request("l", seq, SamplingParams(temperature=1.0, seed=0, max_tokens=1, ignore_eos=True))
     captured = {}
     orig = eng2.runner.model.compute_logits
 
@@ -142,6 +143,26 @@ def test_async_scheduling_gives_identical_tokens(llama_path):
     b = run_staggered(make_engine(llama_path, async_scheduling=True), prompts, SAMPLED)
     assert a == b
     assert [len(x) for x in a] == [s.max_tokens for s in SAMPLED]
+
+
+def test_all_greedy_steps_skip_the_fp32_logits_unless_something_changes_them(llama_path):
+    """Steps whose rows are all greedy with no penalty or bias take argmax of the model-dtype
+    logits (greedy_ids); a repetition penalty or a min_tokens EOS ban brings back the fp32
+    logits and the sampler. Tokens: tests above (greedy == transformers)."""
+    eng = make_engine(llama_path)
+    model = eng.runner.model
+    calls = {"logits": 0, "greedy": 0}
+    logits, greedy = model.compute_logits, model.greedy_ids
+    model.compute_logits = lambda *a: calls.__setitem__("logits", calls["logits"] + 1) or logits(*a)
+    model.greedy_ids = lambda *a: calls.__setitem__("greedy", calls["greedy"] + 1) or greedy(*a)
+    prompt = prompts_of([6], 512, seed=3)
+    run_staggered(eng, prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert calls == {"logits": 0, "greedy": 5}
+    for sp in (SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=5, ignore_eos=True),
+               SamplingParams(temperature=0.0, min_tokens=3, max_tokens=5)):
+        calls.update(logits=0, greedy=0)
+        run_staggered(eng, prompt, sp)
+        assert calls["logits"] >= 3 and calls["greedy"] <= 2, (sp, calls)
 
 
 @pytest.mark.parametrize("async_sched", [False, True])

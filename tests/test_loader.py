@@ -172,3 +172,18 @@ def test_padded_head_gives_the_same_logits(which, llama_dir, tied_dir):
     torch.testing.assert_close(model.compute_logits(hidden, (5, 17)), ref.compute_logits(hidden)[:, 5:17], rtol=0, atol=1e-6)
     ids = torch.tensor([0, 3, v - 1])
     torch.testing.assert_close(model.embed_tokens(ids), ref.embed_tokens(ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("which", ["llama", "tied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_greedy_ids_are_the_argmax_of_the_logits(which, dtype, llama_dir, tied_dir):
+    """greedy_ids (the runner's path for all-greedy rows: no fp32 copy of the logits) picks what
+    argmax over compute_logits picks, with the head padded or not; on a tie (all-zero hidden
+    rows: every logit 0) both pick the first index."""
+    folder = llama_dir if which == "llama" else tied_dir
+    model = _load(folder, dtype)
+    hidden = torch.cat([torch.randn(5, model.cfg.hidden_size), torch.zeros(2, model.cfg.hidden_size)]).to(dtype)
+    want = model.compute_logits(hidden).argmax(-1)
+    assert want[-1] == 0 and torch.equal(model.greedy_ids(hidden), want)
+    model.pad_lm_head(multiple=model.cfg.vocab_size + 37)
+    assert torch.equal(model.greedy_ids(hidden), want)

@@ -306,6 +306,14 @@ class LlamaForCausalLM(nn.Module):
             return torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)
         return F.linear(hidden, self.lm_head_weight).float()
 
+    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N] int64: the ids compute_logits(hidden).argmax(-1) gives, without its fp32
+        copy of the logits. The same ids: the upcast to fp32 is exact, and argmax returns the
+        first index of the maximum either way."""
+        if self.lm_head_padded is not None:
+            return F.linear(hidden, self.lm_head_padded)[:, : self.cfg.vocab_size].argmax(dim=-1)
+        return F.linear(hidden, self.lm_head_weight).argmax(dim=-1)
+
     def reset_buffers(self, device: torch.device | str) -> None:
         """Compute the non-parameter state (RoPE tables) on `device`; needed after meta init."""
         self.rotary.reset(device)
