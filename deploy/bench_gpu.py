@@ -73,7 +73,8 @@ ORPHEUS_3B = {
 }
 BATCHES = [1, 8, 32, 64, 128, 256]
 # RunnerConfig kernel options of every engine this run builds (--skinny-linear, --pdl, ...)
-KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "attention_prefetch": True, "split_k": True}
+KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "attention_prefetch": True, "split_k": True,
+           "fuse_norm": True}
 PROMPT, NEW = 100, 500
 
 
@@ -278,11 +279,13 @@ def skip_op(model, name: str) -> None:
     instead of its result), so that step time minus this variant's step time is what that op
     costs on the step's critical path, PDL overlap included. Tokens become meaningless; shapes,
     the graphs and every other kernel stay as they are. `name` is one of SKIPPABLE."""
+    from runner.triton_linear import NormedInput
+
     ops, attn, cfg = model.ops, model.attn, model.cfg
     weight_shapes = {"qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size),
                      "o": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
                      "down": (cfg.hidden_size, cfg.intermediate_size)}  # nn.Linear [N, K]
-    if name == "norm":
+    if name == "norm":  # with fuse_norm, one-row steps have no norm launch: the GEMMs' share stays
         def add_rmsnorm(x, residual, weight, eps):
             return residual, residual
         ops.add_rmsnorm = add_rmsnorm
@@ -293,15 +296,17 @@ def skip_op(model, name: str) -> None:
     elif name in ("qkv", "o", "down"):
         linear = ops.linear
 
-        def skipped_linear(x, lin, into_norm=False, _shape=weight_shapes[name]):
+        def skipped_linear(x, lin, into_norm=False, residual=None, _shape=weight_shapes[name]):
             if tuple(lin.weight.shape) == _shape:
-                return torch.empty(x.shape[0], _shape[0], dtype=x.dtype, device=x.device)
-            return linear(x, lin, into_norm)
+                rows = x.x if isinstance(x, NormedInput) else x
+                return torch.empty(rows.shape[0], _shape[0], dtype=rows.dtype, device=rows.device)
+            return linear(x, lin, into_norm, residual)
         ops.linear = skipped_linear
     elif name == "gate_up":
-        def mlp(x, gate_up, down, into_norm=False):
-            act = torch.empty(x.shape[0], cfg.intermediate_size, dtype=x.dtype, device=x.device)
-            return ops.linear(act, down, into_norm)
+        def mlp(x, gate_up, down, into_norm=False, residual=None):
+            rows = x.x if isinstance(x, NormedInput) else x
+            act = torch.empty(rows.shape[0], cfg.intermediate_size, dtype=rows.dtype, device=rows.device)
+            return ops.linear(act, down, into_norm, residual)
         ops.mlp = mlp
     else:
         raise ValueError(f"skip={name}: one of {SKIPPABLE}")
@@ -333,7 +338,8 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     `swept` takes TUNED from this run's gemm sweep (`swept`, its "tuned" rows); `skip=OP`
     times the step without one per-layer op (skip_op: its critical-path cost); `attn:NAME=INT`
     sets a constant of runner/triton_attention.py (e.g. PREFETCH_MIN_SPLITS); `attn_splits=N`
-    fixes the decode attention's split count at every batch size."""
+    fixes the decode attention's split count at every batch size; `fp32_greedy` takes greedy ids
+    as argmax over the fp32 logits copy (the path before greedy_ids, s12 and earlier)."""
     from bench_gemm import load_tuned_rows
 
     from runner import triton_attention, triton_linear
@@ -359,9 +365,11 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     try:
         for spec in variants.split(";"):
             reset()
-            skips, attn_splits = [], None
+            skips, attn_splits, fp32_greedy = [], None, False
             for kv in filter(None, (x.strip() for x in spec.split(","))):
-                if kv.startswith("tile:"):
+                if kv == "fp32_greedy":
+                    fp32_greedy = True
+                elif kv.startswith("tile:"):
                     key, max_m, tile = parse_tile_override(kv)
                     triton_linear.TUNED[key] = tuple((mm, tile if mm == max_m else t) for mm, t in triton_linear.TUNED[key])
                 elif kv.startswith("split:"):
@@ -389,6 +397,8 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
                 skip_op(model, name)
             if attn_splits is not None:
                 model.attn.num_splits = attn_splits  # the one backend every layer shares
+            if fp32_greedy:
+                model.greedy_ids = lambda h, m=model: m.compute_logits(h).argmax(dim=-1)
             res = run_engine(model, batches, graphs=True, async_sched=True, sampling=greedy)
             key = spec if spec not in out else f"{spec} #{sum(k.split(' #')[0] == spec for k in out) + 1}"
             out[key] = {B: r["step_ms"] for B, r in res.items()}
@@ -1007,6 +1017,7 @@ def main() -> int:
     ap.add_argument("--rope-in-attention", type=int, default=1, help="0: RoPE + KV write in their own launch (A/B)")
     ap.add_argument("--attn-tiles", default="", help="attn section: 'bn,warps,stages;...' at the automatic split only")
     ap.add_argument("--split-k", type=int, default=1, help="0: o_proj / down never as split-K partials (A/B)")
+    ap.add_argument("--fuse-norm", type=int, default=1, help="0: one-row steps keep their RMSNorm launches (A/B)")
     ap.add_argument("--prefill-warm-up", type=int, default=1,
                     help="0: Engine.warm_up skips warm_up_eager_prefill (A/B of the first_use section; run each in its own process)")
     ap.add_argument("--variants", default="default;rope_in_attention=0",
@@ -1020,7 +1031,8 @@ def main() -> int:
     secs = set(args.sections.split(","))
     batches = [int(b) for b in args.batches.split(",")]
     KERNELS.update(skinny_linear=bool(args.skinny_linear), pdl=bool(args.pdl),
-                   rope_in_attention=bool(args.rope_in_attention), split_k=bool(args.split_k))
+                   rope_in_attention=bool(args.rope_in_attention), split_k=bool(args.split_k),
+                   fuse_norm=bool(args.fuse_norm))
     if not args.prefill_warm_up:
         from runner.engine import Engine
 
