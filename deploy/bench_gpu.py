@@ -73,8 +73,7 @@ ORPHEUS_3B = {
 }
 BATCHES = [1, 8, 32, 64, 128, 256]
 # RunnerConfig kernel options of every engine this run builds (--skinny-linear, --pdl, ...)
-KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "attention_prefetch": True, "split_k": True,
-           "fuse_norm": True}
+KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "attention_prefetch": True, "split_k": True}
 PROMPT, NEW = 100, 500
 
 
@@ -279,13 +278,11 @@ def skip_op(model, name: str) -> None:
     instead of its result), so that step time minus this variant's step time is what that op
     costs on the step's critical path, PDL overlap included. Tokens become meaningless; shapes,
     the graphs and every other kernel stay as they are. `name` is one of SKIPPABLE."""
-    from runner.triton_linear import NormedInput
-
     ops, attn, cfg = model.ops, model.attn, model.cfg
     weight_shapes = {"qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size),
                      "o": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
                      "down": (cfg.hidden_size, cfg.intermediate_size)}  # nn.Linear [N, K]
-    if name == "norm":  # with fuse_norm, one-row steps have no norm launch: the GEMMs' share stays
+    if name == "norm":
         def add_rmsnorm(x, residual, weight, eps):
             return residual, residual
         ops.add_rmsnorm = add_rmsnorm
@@ -296,17 +293,15 @@ def skip_op(model, name: str) -> None:
     elif name in ("qkv", "o", "down"):
         linear = ops.linear
 
-        def skipped_linear(x, lin, into_norm=False, residual=None, _shape=weight_shapes[name]):
+        def skipped_linear(x, lin, into_norm=False, _shape=weight_shapes[name]):
             if tuple(lin.weight.shape) == _shape:
-                rows = x.x if isinstance(x, NormedInput) else x
-                return torch.empty(rows.shape[0], _shape[0], dtype=rows.dtype, device=rows.device)
-            return linear(x, lin, into_norm, residual)
+                return torch.empty(x.shape[0], _shape[0], dtype=x.dtype, device=x.device)
+            return linear(x, lin, into_norm)
         ops.linear = skipped_linear
     elif name == "gate_up":
-        def mlp(x, gate_up, down, into_norm=False, residual=None):
-            rows = x.x if isinstance(x, NormedInput) else x
-            act = torch.empty(rows.shape[0], cfg.intermediate_size, dtype=rows.dtype, device=rows.device)
-            return ops.linear(act, down, into_norm, residual)
+        def mlp(x, gate_up, down, into_norm=False):
+            act = torch.empty(x.shape[0], cfg.intermediate_size, dtype=x.dtype, device=x.device)
+            return ops.linear(act, down, into_norm)
         ops.mlp = mlp
     else:
         raise ValueError(f"skip={name}: one of {SKIPPABLE}")
@@ -1017,7 +1012,6 @@ def main() -> int:
     ap.add_argument("--rope-in-attention", type=int, default=1, help="0: RoPE + KV write in their own launch (A/B)")
     ap.add_argument("--attn-tiles", default="", help="attn section: 'bn,warps,stages;...' at the automatic split only")
     ap.add_argument("--split-k", type=int, default=1, help="0: o_proj / down never as split-K partials (A/B)")
-    ap.add_argument("--fuse-norm", type=int, default=1, help="0: one-row steps keep their RMSNorm launches (A/B)")
     ap.add_argument("--prefill-warm-up", type=int, default=1,
                     help="0: Engine.warm_up skips warm_up_eager_prefill (A/B of the first_use section; run each in its own process)")
     ap.add_argument("--variants", default="default;rope_in_attention=0",
@@ -1031,8 +1025,7 @@ def main() -> int:
     secs = set(args.sections.split(","))
     batches = [int(b) for b in args.batches.split(",")]
     KERNELS.update(skinny_linear=bool(args.skinny_linear), pdl=bool(args.pdl),
-                   rope_in_attention=bool(args.rope_in_attention), split_k=bool(args.split_k),
-                   fuse_norm=bool(args.fuse_norm))
+                   rope_in_attention=bool(args.rope_in_attention), split_k=bool(args.split_k))
     if not args.prefill_warm_up:
         from runner.engine import Engine
 

@@ -192,10 +192,6 @@ class RunnerConfig:
     # rows) issued before the PDL wait (runner/triton_attention.py PREFETCH_MIN_SPLITS)
     attention_prefetch: bool = True
     split_k: bool = True  # o_proj / down of 2..64 rows as split-K partials summed by the add + RMSNorm
-    # one-row steps: o_proj / down (GEMV) add the residual and write the norm's row statistic in
-    # pieces, and qkv / gate_up apply the RMSNorm as they load their input: no norm launches
-    # (runner/triton_linear.py Summed / NormedInput)
-    fuse_norm: bool = True
     # also capture pure-decode graphs that keep every layer's output, so a decode step with a
     # hidden-state request replays a graph instead of running eagerly (host-bound: every stream
     # of the batch waits). Memory: (layers + 1) x max_num_seqs x hidden x dtype in the graph pool

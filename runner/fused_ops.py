@@ -14,7 +14,7 @@ Contract shared by both (shapes: T tokens, hidden H, heads Hq/Hkv, head_dim D, i
 * rmsnorm(x [..., N], w [N], eps) -> [..., N]        normalise in fp32, cast to x.dtype, * w
 * add_rmsnorm(x, residual, w, eps) -> (normed, new_residual)
       new_residual = x + residual in the model dtype (a fresh tensor: inputs are never modified),
-      normed = rmsnorm(new_residual); TritonOps may return normed as a `NormedInput` (below)
+      normed = rmsnorm(new_residual)
 * rope(q [T, Hq, D], k [T, Hkv, D], cos, sin [P, D] fp32, positions [T]) -> (q', k')
       rotate-half RoPE with the tables cast to q.dtype first (transformers' order). MAY WORK IN
       PLACE: callers must treat the q/k they passed as consumed. q/k may be strided views
@@ -23,18 +23,13 @@ Contract shared by both (shapes: T tokens, hidden H, heads Hq/Hkv, head_dim D, i
       rope, then the rotated k and v written to their flat slots of kv_cache
       [2, NB, BS, Hkv, D] (same contract as runner.attention.write_kv).
 * silu_and_mul(gate_up [T, 2I]) -> [T, I]            silu(gate) * up, gate = first half
-* linear(x [T, K], lin: nn.Linear [N, K], into_norm=False, residual=None) -> [T, N]   x @ W^T + b
-      into_norm=True: the result only feeds add_rmsnorm (as its x, with `residual` as its
-      residual when given), residual_sum or materialize. TritonOps may return it as split-K
-      `Partials` (runner/triton_linear.py) that those sum, or, given the residual, as `Summed`
-      (x @ W^T + b + residual already formed, with the norm's row statistic in pieces), for
-      which add_rmsnorm returns a `NormedInput`: the normed rows left for the next linear / mlp
-      to compute as they load them (or materialize)
-* mlp(x [T, H], gate_up [2I, H], down [H, I], into_norm=False, residual=None) -> [T, H]
-      linear(silu_and_mul(linear(x, gate_up)), down, into_norm, residual); TritonOps may fold
-      the SiLU*mul into the gate_up GEMM (runner/triton_linear.py)
-* materialize(h) -> h as a tensor (identity unless h is Partials or a NormedInput)
-* residual_sum(h, residual) -> the tensor h + residual (a layer's output), h from into_norm
+* linear(x [T, K], lin: nn.Linear [N, K], into_norm=False) -> [T, N]   x @ W^T + b
+      into_norm=True: the result only feeds add_rmsnorm (as its x) or materialize, and
+      TritonOps may return it as split-K `Partials` (runner/triton_linear.py) that those two sum
+* mlp(x [T, H], gate_up [2I, H], down [H, I], into_norm=False) -> [T, H]
+      linear(silu_and_mul(linear(x, gate_up)), down, into_norm); TritonOps may fold the
+      SiLU*mul into the gate_up GEMM (runner/triton_linear.py)
+* materialize(h) -> h as a tensor (identity unless h is Partials)
 
 None of them reads a tensor value on the host, so a decode step stays CUDA-graph capturable.
 """
@@ -102,33 +97,26 @@ class TorchOps:
         gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
         return F.silu(gate) * up
 
-    def linear(self, x: torch.Tensor, lin: torch.nn.Linear, into_norm: bool = False,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, lin: torch.nn.Linear, into_norm: bool = False) -> torch.Tensor:
         return F.linear(x, lin.weight, lin.bias)
 
     def mlp(self, x: torch.Tensor, gate_up: torch.nn.Linear, down: torch.nn.Linear,
-            into_norm: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+            into_norm: bool = False) -> torch.Tensor:
         return self.linear(self.silu_and_mul(self.linear(x, gate_up)), down)
 
     def materialize(self, h: torch.Tensor) -> torch.Tensor:
         return h
 
-    def residual_sum(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return h + residual
 
-
-def make_ops(device: torch.device | str, skinny_linear: bool = True, pdl: bool = True, split_k: bool = True,
-             fuse_norm: bool = True):
+def make_ops(device: torch.device | str, skinny_linear: bool = True, pdl: bool = True, split_k: bool = True):
     """Fused Triton kernels on CUDA, plain torch elsewhere (chosen once, at construction).
 
     On CUDA: `skinny_linear` runs decode-sized 16-bit GEMMs in Triton (runner/triton_linear.py),
-    `split_k` lets o_proj / down hand split-K partials to the add + RMSNorm, `fuse_norm` lets
-    their one-row GEMV add the residual and the next GEMM apply the RMSNorm (no norm launch),
-    `pdl` launches the kernels with programmatic dependent launch where the GPU has it."""
+    `split_k` lets o_proj / down hand split-K partials to the add + RMSNorm, `pdl` launches the
+    kernels with programmatic dependent launch where the GPU has it."""
     if torch.device(device).type == "cuda":
         from runner.triton_fused_ops import TritonOps  # needs triton, present with CUDA torch
         from runner.triton_pdl import pdl_available
 
-        return TritonOps(pdl=pdl and pdl_available(device), skinny_linear=skinny_linear, split_k=split_k,
-                         fuse_norm=fuse_norm)
+        return TritonOps(pdl=pdl and pdl_available(device), skinny_linear=skinny_linear, split_k=split_k)
     return TorchOps()

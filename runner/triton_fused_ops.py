@@ -33,9 +33,7 @@ from runner.triton_linear import (
     GATED,
     PLAIN,
     LinearTile,
-    NormedInput,
     Partials,
-    Summed,
     materialize,
     silu_mul,
     skinny_linear,
@@ -386,18 +384,14 @@ class TritonOps:
     where `pdl_available`). `skinny_linear`: 16-bit GEMMs of M <= 64 rows (decode) run in
     runner/triton_linear.py where its tile table says so (gate_up with the SiLU*mul fused in);
     otherwise F.linear (cuBLAS). `split_k`: a `linear(..., into_norm=True)` (o_proj, down) may
-    return split-K `Partials` where SPLIT_TUNED says so; `add_rmsnorm` sums them. `fuse_norm`:
-    where such a GEMM is the one-row GEMV it adds the residual itself (`Summed`), and
-    `add_rmsnorm` hands the next GEMM a `NormedInput` that it normalises as it loads (no norm
-    launch). All fixed at construction; the route per call from the GEMM's shape and M.
+    return split-K `Partials` where SPLIT_TUNED says so; `add_rmsnorm` sums them. All fixed at
+    construction; the tile (or none) per call from the GEMM's shape and M.
     """
 
-    def __init__(self, pdl: bool = False, skinny_linear: bool = True, split_k: bool = True,
-                 fuse_norm: bool = True) -> None:
+    def __init__(self, pdl: bool = False, skinny_linear: bool = True, split_k: bool = True) -> None:
         self.pdl = pdl
         self.skinny = skinny_linear
         self.split_k = skinny_linear and split_k
-        self.fuse_norm = skinny_linear and fuse_norm
 
     @staticmethod
     def _skinny_dtypes(x: torch.Tensor, lin: torch.nn.Linear) -> bool:
@@ -415,10 +409,8 @@ class TritonOps:
         return rmsnorm(x, weight, eps, pdl=self.pdl)
 
     def add_rmsnorm(
-        self, x: torch.Tensor | Partials | Summed, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor | NormedInput, torch.Tensor]:
-        if isinstance(x, Summed):  # the GEMV added the residual: the consuming GEMM norms
-            return NormedInput(x.summed, x.sumsq, weight, eps), x.summed
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return rmsnorm(x, weight, eps, residual=residual, pdl=self.pdl)
 
     def rope(
@@ -442,44 +434,25 @@ class TritonOps:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(gate_up, pdl=self.pdl)
 
-    def _skinny_input(self, x: torch.Tensor | NormedInput) -> torch.Tensor | NormedInput:
-        """x for a skinny GEMM: a NormedInput stays lazy unless its norm weight is in another dtype."""
-        if isinstance(x, NormedInput) and x.weight.dtype != x.x.dtype:
-            return self.materialize(x)
-        return x
-
-    def linear(self, x: torch.Tensor | NormedInput, lin: torch.nn.Linear, into_norm: bool = False,
-               residual: torch.Tensor | None = None) -> torch.Tensor | Partials | Summed:
-        rows = x.x if isinstance(x, NormedInput) else x
-        if into_norm and self.split_k and lin.bias is None and self._skinny_dtypes(rows, lin):
-            split = split_tile_for(*lin.weight.shape, rows.shape[0])
+    def linear(self, x: torch.Tensor, lin: torch.nn.Linear, into_norm: bool = False) -> torch.Tensor | Partials:
+        if into_norm and self.split_k and lin.bias is None and self._skinny_dtypes(x, lin):
+            split = split_tile_for(*lin.weight.shape, x.shape[0])
             if split is not None:
-                parts = skinny_linear(self._skinny_input(x), lin.weight, None, split[0], split_k=split[1],
-                                      pdl=self.pdl)
-                return Partials(parts, rows.dtype)
-        tile = self._tile(PLAIN, rows, lin)
+                parts = skinny_linear(x, lin.weight, None, split[0], split_k=split[1], pdl=self.pdl)
+                return Partials(parts, x.dtype)
+        tile = self._tile(PLAIN, x, lin)
         if tile is None:
-            return F.linear(self.materialize(x), lin.weight, lin.bias)
-        add = into_norm and residual is not None and self.fuse_norm and tile.block_m == 1
-        return skinny_linear(self._skinny_input(x), lin.weight, lin.bias, tile, pdl=self.pdl,
-                             residual=residual if add else None)
+            return F.linear(x, lin.weight, lin.bias)
+        return skinny_linear(x, lin.weight, lin.bias, tile, pdl=self.pdl)
 
-    def mlp(self, x: torch.Tensor | NormedInput, gate_up: torch.nn.Linear, down: torch.nn.Linear,
-            into_norm: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor | Partials | Summed:
-        rows = x.x if isinstance(x, NormedInput) else x
-        tile = self._tile(GATED, rows, gate_up) if gate_up.bias is None else None
+    def mlp(self, x: torch.Tensor, gate_up: torch.nn.Linear, down: torch.nn.Linear,
+            into_norm: bool = False) -> torch.Tensor | Partials:
+        tile = self._tile(GATED, x, gate_up) if gate_up.bias is None else None
         if tile is None:
             act = self.silu_and_mul(self.linear(x, gate_up))
         else:  # gate_up with the SiLU*mul epilogue: [T, I] straight from the GEMM
-            act = skinny_linear(self._skinny_input(x), gate_up.weight, None, tile, gated=True, pdl=self.pdl)
-        return self.linear(act, down, into_norm, residual)
+            act = skinny_linear(x, gate_up.weight, None, tile, gated=True, pdl=self.pdl)
+        return self.linear(act, down, into_norm)
 
-    def materialize(self, h: torch.Tensor | Partials | NormedInput) -> torch.Tensor:
-        if isinstance(h, NormedInput):  # the norm kernel (its own sum of squares)
-            return rmsnorm(h.x, h.weight, h.eps, pdl=self.pdl)
+    def materialize(self, h: torch.Tensor | Partials) -> torch.Tensor:
         return materialize(h)
-
-    def residual_sum(self, h: torch.Tensor | Partials | Summed, residual: torch.Tensor) -> torch.Tensor:
-        if isinstance(h, Summed):
-            return h.summed  # the GEMV formed it: bit for bit the sum add_rmsnorm would
-        return materialize(h) + residual

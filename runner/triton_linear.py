@@ -27,19 +27,16 @@ gate and the up half and writes silu(gate) * up [M, I], rounded where the separa
 SiLU*mul kernel round (runner/triton_fused_ops.py), so the result is bit for bit that pair's;
 the SiLU*mul launch and the [M, 2I] round trip disappear.
 
-RMSNorm across the GEMV boundary (`residual=`, `NormedInput`; TritonOps' `fuse_norm`): at M = 1
-the GEMV that feeds the add + RMSNorm (o_proj, down) adds the residual stream in its epilogue
-and writes, next to that sum, each program's fp32 sum of squares of its columns (`Summed`); the
-GEMM that consumes the normed rows (qkv, gate_up) sums those P partials once after its PDL wait
-and normalises each x slice as it loads it, with the norm kernel's roundings. The norm's launch
-and its round trip through memory go; what can differ from the norm kernel is the fp32 order
-of the sum of squares (the same freedom runner/triton_fused_ops.py documents).
-
 Tried on the H200 and dropped (deploy/RESULTS.md, s5): the RMSNorm as a prologue (every
-program recomputes the row statistics from x: slower than the norm kernel), SiLU*mul as down's prologue
+program recomputes the row statistics: slower than the norm kernel), SiLU*mul as down's prologue
 (the gated epilogue does it once per element), an add + RMSNorm epilogue run by the last
 program to finish (the gpu-scope ticket costs more than the norm's own launch), and L2
-prefetch of the weights before the PDL wait (slower at every size).
+prefetch of the weights before the PDL wait (slower at every size). s13: the RMSNorm across
+the GEMV boundary at M = 1 (o_proj / down adding the residual and writing per-program sums of
+squares, qkv / gate_up normalising x as they load it, with the norm kernel's roundings): batch 1
+2.397 / 2.405 ms against 2.158 / 2.161 without. Normalising the A tiles of gate_up's MMA loop cost
+~9 us per layer; with only qkv (GEMV) fused, 2.177; with gate_up as a GEMV, 2.238 against 2.284 for
+that GEMV unfused, both slower than the MMA tile unfused.
 """
 
 from __future__ import annotations
@@ -80,26 +77,6 @@ def silu_mul(g, u):
     return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
 
 
-@triton.jit
-def _row_rstd(nss_ptr, rows, m_mask, M, num_parts, K, eps, NORM_PARTS: tl.constexpr):
-    """RMSNorm's 1/sqrt(mean(x^2) + eps) of `rows` [BM], from the producer's partial sums of
-    squares nss [num_parts, M] fp32 (summed here in one fixed order)."""
-    offs_p = tl.arange(0, NORM_PARTS)
-    mask = (offs_p < num_parts)[:, None] & m_mask[None, :]
-    parts = tl.load(nss_ptr + offs_p[:, None] * M + rows[None, :], mask=mask, other=0.0)  # [NP, BM]
-    return tl.math.rsqrt(tl.sum(parts, axis=0) / K + eps)
-
-
-@triton.jit
-def _normed(a, g, rstd):
-    """rmsnorm of an x tile a [BM, BK] (model dtype) with weights g [BK] and rstd [BM], rounded
-    where runner/triton_fused_ops._rmsnorm_kernel rounds: x * rstd to the model dtype, then the
-    product with the weight (exact in fp32 for 16-bit inputs) once more."""
-    dt = a.dtype
-    n = (a.to(tl.float32) * rstd[:, None]).to(dt)
-    return (g.to(tl.float32)[None, :] * n.to(tl.float32)).to(dt)
-
-
 # M varies per eager step: not specialising on it (== 1, % 16) keeps one variant per tile (N: so
 # that it is never a constexpr, whatever its value).
 @triton.jit(do_not_specialize=["M", "N"])
@@ -115,12 +92,6 @@ def _skinny_linear_kernel(
     stride_wn,
     stride_om,
     k_split,  # SPLIT_K: K range of one split (a multiple of BLOCK_K)
-    res_ptr,  # ADD_RESIDUAL: residual stream [M, N] contiguous, added to out
-    ss_ptr,  # ADD_RESIDUAL: fp32 [num programs along N, M], each program's sum of squares of out
-    nss_ptr,  # NORM_PARTS: fp32 [num_parts, M], the producer's ss: x is normed as it is loaded
-    g_ptr,  # NORM_PARTS: RMSNorm weight [K]
-    num_parts,
-    eps,
     GATED: tl.constexpr,  # out = silu(x @ Wgate^T) * (x @ Wup^T)
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -128,8 +99,6 @@ def _skinny_linear_kernel(
     BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr,
     SPLIT_K: tl.constexpr,  # > 1 (MMA mode, plain, no bias): out is fp32 partials [SPLIT_K, M, N]
-    ADD_RESIDUAL: tl.constexpr = False,  # GEMV mode, plain: out = x @ W^T (+ b) + residual, and ss
-    NORM_PARTS: tl.constexpr = 0,  # > 0 (power of two >= num_parts): x := rmsnorm(x) * g
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -149,10 +118,6 @@ def _skinny_linear_kernel(
         if GATED:
             u_next = tl.load(w_ptrs + up_shift, mask=n_mask[:, None], other=0.0)
         pdl_enter(USE_GDC)
-        if ADD_RESIDUAL:  # issued now, consumed after the loop
-            res = tl.load(res_ptr + offs_n, mask=n_mask, other=0.0)
-        if NORM_PARTS > 0:
-            rstd = _row_rstd(nss_ptr, rows, m_mask, M, num_parts, K, eps, NORM_PARTS)  # [1]
         acc = tl.zeros([BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -160,10 +125,7 @@ def _skinny_linear_kernel(
             nxt = n_mask[:, None] & (k0 + BLOCK_K < K)
             w = w_next
             w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=nxt, other=0.0)
-            a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)  # [1, BK]
-            if NORM_PARTS > 0:
-                a = _normed(a, tl.load(g_ptr + k0 + offs_k), rstd)
-            a = a.to(tl.float32)
+            a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0).to(tl.float32)  # [1, BK]
             acc += tl.sum(w.to(tl.float32) * a, axis=1)
             if GATED:
                 wu = u_next
@@ -175,12 +137,6 @@ def _skinny_linear_kernel(
             y = silu_mul(acc.to(dt), acc_u.to(dt))  # the GEMM's outputs rounded first
         else:
             y = acc.to(dt)
-        if ADD_RESIDUAL:
-            # add_rmsnorm's sum (fp32, rounded once to the model dtype), and this program's
-            # share of its sum of squares (M == 1: one value per program)
-            y = (y.to(tl.float32) + res.to(tl.float32)).to(dt)
-            yf = tl.where(n_mask, y.to(tl.float32), 0.0)
-            tl.store(ss_ptr + pid_n, tl.sum(yf * yf, axis=0))
         tl.store(out_ptr + offs_n, y, mask=n_mask)
     else:
         # MMA. Split s (SPLIT_K > 1) sums the K range [s * k_split, (s + 1) * k_split) into its
@@ -190,14 +146,10 @@ def _skinny_linear_kernel(
         k_lo = tl.program_id(2) * k_split
         x_ptrs += k_lo
         w_ptrs += k_lo
-        if NORM_PARTS > 0:
-            rstd = _row_rstd(nss_ptr, rows, m_mask, M, num_parts, K, eps, NORM_PARTS)  # [BM]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, k_split, BLOCK_K):
             a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)  # [BM, BK]
-            if NORM_PARTS > 0:
-                a = _normed(a, tl.load(g_ptr + k_lo + k0 + offs_k), rstd)
             w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)  # [BN, BK]
             acc = tl.dot(a, tl.trans(w), acc)
             if GATED:
@@ -218,31 +170,8 @@ def _skinny_linear_kernel(
             tl.store(out_ptrs, y, mask=m_mask[:, None] & n_mask[None, :])
 
 
-class Summed(NamedTuple):
-    """A GEMV's output with the residual stream already added (`skinny_linear(..., residual=)`),
-    for the add + RMSNorm that would have added it: `summed` [M, N] is out + residual in the
-    model dtype (the new residual stream, rounded as add_rmsnorm rounds it) and `sumsq` [P, M]
-    fp32 holds, per program of the GEMV (P of them along N), the sum of squares of its columns
-    of each row: the norm's statistic in pieces, which the consuming GEMM finishes
-    (`NormedInput`)."""
-
-    summed: torch.Tensor
-    sumsq: torch.Tensor
-
-
-class NormedInput(NamedTuple):
-    """rmsnorm(x) * weight, not computed yet: the GEMM that takes it as its x (`skinny_linear`)
-    sums `sumsq` per row and normalises each x slice as it loads it; `materialize` runs the
-    norm kernel instead."""
-
-    x: torch.Tensor  # [M, K] model dtype (a Summed's summed)
-    sumsq: torch.Tensor  # [P, M] fp32 (its sumsq)
-    weight: torch.Tensor  # [K], the model dtype
-    eps: float
-
-
 def skinny_linear(
-    x: torch.Tensor | NormedInput,  # [M, K]; NormedInput: rmsnorm(x) * weight is the input
+    x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]; gated: [2I, K] (gate | up)
     bias: torch.Tensor | None,
     tile: LinearTile,
@@ -250,17 +179,11 @@ def skinny_linear(
     gated: bool = False,  # out [M, I] = silu(x @ gate^T) * (x @ up^T), the MLP's activation
     pdl: bool = False,
     split_k: int = 1,  # > 1: fp32 partials [split_k, M, N] instead of out (plain, no bias, MMA)
-    residual: torch.Tensor | None = None,  # [M, N], GEMV tile, plain: returns Summed
-) -> torch.Tensor | Summed:
+) -> torch.Tensor:
     """One launch: out [M, N] (gated: [M, I]) in x's dtype.
 
     Reads only shapes and strides on the host, so it can be captured in a CUDA graph (after one
     eager call per shape has compiled it)."""
-    norm = None
-    if isinstance(x, NormedInput):
-        norm, x = x, x.x
-        assert norm.weight.shape == (x.shape[1],) and norm.weight.dtype == x.dtype and norm.weight.is_contiguous()
-        assert norm.sumsq.dtype == torch.float32 and norm.sumsq.shape[1] == x.shape[0] and norm.sumsq.is_contiguous()
     m = x.shape[0]
     n, k = weight.shape
     assert x.dim() == 2 and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, x.stride(), weight.stride())
@@ -269,32 +192,23 @@ def skinny_linear(
     if gated:
         assert n % 2 == 0 and bias is None, "gated: weight rows gate | up, no bias"
         n //= 2
-    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split_k)
-    sumsq = None
     if split_k > 1:
         assert not gated and bias is None and tile.block_m > 1, "split-K: plain GEMM, no bias, MMA tile"
         assert k % (split_k * tile.block_k) == 0, (k, split_k, tile)
         out = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32)
     else:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if residual is not None:
-        assert tile.block_m == 1 and not gated and split_k == 1, "residual: plain GEMV"
-        assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.is_contiguous(), residual.shape
-        sumsq = torch.empty(grid[0], m, device=x.device, dtype=torch.float32)
-    if m:
-        _skinny_linear_kernel[grid](
-            x, weight, bias if bias is not None else weight, out,
-            m, n, k, x.stride(0), weight.stride(0), out.stride(-2), k // split_k,
-            residual if residual is not None else out, sumsq if sumsq is not None else out,
-            norm.sumsq if norm else out, norm.weight if norm else weight,
-            norm.sumsq.shape[0] if norm else 0, norm.eps if norm else 0.0,
-            GATED=gated, HAS_BIAS=bias is not None,
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_GDC=pdl, SPLIT_K=split_k,
-            ADD_RESIDUAL=residual is not None,
-            NORM_PARTS=triton.next_power_of_2(norm.sumsq.shape[0]) if norm else 0,
-            num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
-        )  # fmt: skip
-    return out if sumsq is None else Summed(out, sumsq)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split_k)
+    _skinny_linear_kernel[grid](
+        x, weight, bias if bias is not None else weight, out,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(-2), k // split_k,
+        GATED=gated, HAS_BIAS=bias is not None,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_GDC=pdl, SPLIT_K=split_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
+    )  # fmt: skip
+    return out
 
 
 class Partials(NamedTuple):

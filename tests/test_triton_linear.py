@@ -9,10 +9,7 @@ What is checked:
 * a row's result does not depend on M or on the other rows (so graph padding cannot move it);
 * the tile choice only changes at graph bucket sizes (eager M and its padded bucket agree);
 * TritonOps' linear / mlp equal TorchOps' for every route they take (fp32 and large M stay
-  with cuBLAS);
-* the fused RMSNorm across the GEMV boundary: the residual epilogue is bit for bit the add, its
-  partial sums of squares sum to the row's; a NormedInput is bit for bit the norm kernel then the
-  GEMM wherever the sum of squares is exact (so only its summation order may differ).
+  with cuBLAS).
 """
 
 from __future__ import annotations
@@ -38,8 +35,6 @@ from runner.triton_linear import (  # noqa: E402
     SPLIT_TUNED,
     TUNED,
     LinearTile,
-    NormedInput,
-    Summed,
     _skinny_linear_kernel,
     skinny_linear,
     split_tile_for,
@@ -173,65 +168,6 @@ def test_split_k_partials_sum_to_the_gemm(m, split):
         torch.testing.assert_close(one[:, 0], parts[:, -1], atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_residual_epilogue_adds_and_writes_sums_of_squares(bias):
-    """GEMV with `residual`: summed is bit for bit (GEMV output + residual) rounded once, like
-    add_rmsnorm's sum; sumsq [P, 1] holds each program's share of the row's sum of squares."""
-    tile = LinearTile(1, 32, 64, 4, 1)  # N = 48: two programs, the second half masked
-    x, w, b = _inputs(1, seed=31)
-    b = b if bias else None
-    r = _rand(1, N, seed=34)
-    got = skinny_linear(x, w, b, tile, residual=r)
-    assert isinstance(got, Summed) and got.sumsq.shape == (2, 1) and got.sumsq.dtype == torch.float32
-    plain = skinny_linear(x, w, b, tile)
-    assert torch.equal(got.summed, (plain.float() + r.float()).to(torch.bfloat16))
-    sq = got.summed.float() ** 2
-    torch.testing.assert_close(got.sumsq[:, 0], torch.stack([sq[0, :32].sum(), sq[0, 32:].sum()]), rtol=1e-6, atol=0)
-    empty = skinny_linear(x[:0], w, b, tile, residual=r[:0])
-    assert empty.summed.shape == (0, N) and empty.sumsq.shape == (2, 0)
-
-
-def _exact_rows(m: int, seed: int) -> torch.Tensor:
-    """[M, K] bf16 with multiples of 1/4 in [-2, 2]: every partial sum of squares is exact in
-    fp32, whatever the order, so the norm's rstd cannot depend on how it was summed."""
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randint(-8, 9, (m, K), generator=g).float() / 4).to(DEVICE, torch.bfloat16)
-
-
-def _pieces(x: torch.Tensor, cuts: tuple[int, ...]) -> torch.Tensor:
-    """Sums of squares of x's rows over the column ranges between `cuts`: [P, M] fp32."""
-    bounds = (0, *cuts, x.shape[1])
-    xf = x.float() ** 2
-    return torch.stack([xf[:, a:b].sum(1) for a, b in zip(bounds, bounds[1:])]).contiguous()
-
-
-@pytest.mark.parametrize("m,tile,gated", [(1, GEMV, False), (1, GEMV, True), (1, MMA, False), (5, MMA, True),
-                                          (21, LinearTile(32, 16, 128, 4, 3), False)],
-                         ids=["m1-gemv", "m1-gemv-gated", "m1-mma", "m5-mma-gated", "m21-bm32"])
-def test_normed_input_equals_norm_kernel_then_gemm(m, tile, gated):
-    from runner.triton_fused_ops import rmsnorm
-
-    x = _exact_rows(m, seed=40 + m)
-    g = _rand(K, seed=41, scale=0.3) + 1
-    w = _rand(2 * N if gated else N, K, seed=42, scale=0.05)
-    lazy = NormedInput(x, _pieces(x, (40, 41, 100)), g.to(torch.bfloat16), 1e-5)
-    got = skinny_linear(lazy, w, None, tile, gated=gated)
-    want = skinny_linear(rmsnorm(x, g.to(torch.bfloat16), 1e-5), w, None, tile, gated=gated)
-    assert torch.equal(got, want)
-
-
-def test_normed_input_split_k_partials_equal_the_normed_gemm():
-    from runner.triton_fused_ops import rmsnorm
-
-    x = _exact_rows(6, seed=50)
-    g = (_rand(K, seed=51, scale=0.3) + 1).to(torch.bfloat16)
-    _, w, _ = _inputs(6, seed=52)
-    tile = LinearTile(16, 32, 32, 4, 2)
-    got = skinny_linear(NormedInput(x, _pieces(x, (64,)), g, 1e-6), w, None, tile, split_k=2)
-    want = skinny_linear(rmsnorm(x, g, 1e-6), w, None, tile, split_k=2)
-    assert torch.equal(got, want)
-
-
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     from runner import triton_linear as m
@@ -239,18 +175,13 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
     ptr = "*bf16"
     sig = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, out_ptr=ptr, M="i32", N="i32", K="i32", stride_xm="i32",
-               stride_wn="i32", stride_om="i32", k_split="i32", res_ptr=ptr, ss_ptr="*fp32", nss_ptr="*fp32",
-               g_ptr=ptr, num_parts="i32", eps="fp32")
+               stride_wn="i32", stride_om="i32", k_split="i32")
     for tile in (m.LinearTile(1, 16, 1024, 4, 1), m.LinearTile(16, 32, 256, 4, 4), m.LinearTile(64, 64, 128, 8, 4)):
-        gemv = tile.block_m == 1
-        for gated, bias, split, add, norm in ((False, False, 1, False, 0), (False, True, 1, False, 0),
-                                              (True, False, 1, False, 0), (False, False, 4, False, 0),
-                                              (False, True, 1, True, 0), (False, False, 1, False, 512),
-                                              (True, False, 1, False, 512)):
-            if (split > 1 and gemv) or (add and not gemv):
+        for gated, bias, split in ((False, False, 1), (False, True, 1), (True, False, 1), (False, False, 4)):
+            if split > 1 and tile.block_m == 1:
                 continue
             consts = dict(GATED=gated, HAS_BIAS=bias, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                          BLOCK_K=tile.block_k, USE_GDC=True, SPLIT_K=split, ADD_RESIDUAL=add, NORM_PARTS=norm)
+                          BLOCK_K=tile.block_k, USE_GDC=True, SPLIT_K=split)
             sig_ = dict(sig, out_ptr="*fp32") if split > 1 else sig
             compile_sm90(m._skinny_linear_kernel, sig_, consts, num_warps=tile.num_warps,
                          num_stages=tile.num_stages, launch_pdl=True)

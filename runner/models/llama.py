@@ -9,8 +9,7 @@ The elementwise work (norms, residual adds, RoPE, SiLU*mul, KV write) goes throu
 object fixed at construction (runner/fused_ops.py): plain torch on CPU, fused Triton kernels on
 CUDA. Residual adds are folded into the next RMSNorm ("residual stream"): each layer takes and
 returns (sublayer output, residual) and `add_rmsnorm` forms their sum, which is the same value
-transformers' `h = h + sublayer(norm(h))` produces. The sublayers' last GEMMs get the residual
-too: TritonOps may add it there instead, and hand the norm on to the next GEMM.
+transformers' `h = h + sublayer(norm(h))` produces.
 
 The forward pass never syncs with the host (no .item()/.tolist(), no branching on tensor
 values): decode steps are meant to be captured in a CUDA graph. Python-level variants
@@ -126,12 +125,10 @@ class Attention(nn.Module):
         self._rotary = (rotary,)
 
     def forward(
-        self, x, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, residual: torch.Tensor
-    ):
-        """x: the normed rows [T, H] (or the ops' lazy form of them); returns the o_proj output
-        in a form the next add_rmsnorm with `residual` takes (ops.linear's into_norm)."""
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
         qkv = self.ops.linear(x, self.qkv_proj)  # [T, q_size + 2*kv_size]
-        t = qkv.shape[0]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         # Strided views into qkv (row stride q_size + 2*kv_size); the ops handle the strides.
         q = q.view(t, self.num_heads, self.head_dim)
@@ -150,9 +147,8 @@ class Attention(nn.Module):
         else:
             q, k = self.ops.rope(q, k, rot.cos, rot.sin, positions)
             out = self.attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
-        # into_norm: the only consumer is the add + RMSNorm (may come back as split-K partials,
-        # or with the residual already added)
-        return self.ops.linear(out.reshape(t, self.q_size), self.o_proj, into_norm=True, residual=residual)
+        # into_norm: the only consumer is the add + RMSNorm (may come back as split-K partials)
+        return self.ops.linear(out.reshape(t, self.q_size), self.o_proj, into_norm=True)
 
 
 def o_proj_has_bias(cfg: ModelConfig) -> bool:
@@ -167,11 +163,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.ops = ops
 
-    def forward(self, x, residual: torch.Tensor):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [T, H] -> [T, 2I] -> [T, I] -> [T, H]; the ops may fuse SiLU*mul into the gate_up GEMM
-        # into_norm: consumed by the next add + RMSNorm with `residual` (may come back as split-K
-        # partials, or with the residual already added)
-        return self.ops.mlp(x, self.gate_up_proj, self.down_proj, into_norm=True, residual=residual)
+        # into_norm: consumed by the next add + RMSNorm (may come back as split-K partials)
+        return self.ops.mlp(x, self.gate_up_proj, self.down_proj, into_norm=True)
 
 
 class DecoderLayer(nn.Module):
@@ -192,8 +187,8 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, residual); their sum is the layer's output. The MLP
-        output may be in a lazy form (ops.linear's into_norm): ops.add_rmsnorm and
-        ops.residual_sum take it.
+        output may be split-K partials (ops.linear's into_norm): ops.add_rmsnorm and
+        ops.materialize take it.
 
         Same values as transformers' `h = h + attn(norm(h)); h = h + mlp(norm(h))`: each add is
         done (in the model dtype) by the add_rmsnorm that consumes it.
@@ -205,9 +200,9 @@ class DecoderLayer(nn.Module):
             x = ops.rmsnorm(h, ln1.weight, ln1.eps)
         else:
             x, residual = ops.add_rmsnorm(h, residual, ln1.weight, ln1.eps)
-        h = self.self_attn(x, positions, kv_cache, meta, residual)
+        h = self.self_attn(x, positions, kv_cache, meta)
         x, residual = ops.add_rmsnorm(h, residual, ln2.weight, ln2.eps)
-        return self.mlp(x, residual), residual
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -281,12 +276,10 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, positions, kv_caches[i], meta)
             if i + 1 < n and (i + 1) in capture_layers:
-                # The layer's output is only formed inside the next add_rmsnorm (or the GEMV that
-                # took the residual); materialise it (one extra add, only when asked and only
-                # where not formed yet; bit-identical to the fused sum).
-                captured[i + 1] = self.ops.residual_sum(h, residual)
+                # The layer's output is only formed inside the next add_rmsnorm; materialise it
+                # (one extra add, only when asked; bit-identical to the fused sum).
+                captured[i + 1] = self.ops.materialize(h) + residual
         h, _ = self.ops.add_rmsnorm(h, residual, self.norm.weight, self.norm.eps)
-        h = self.ops.materialize(h)
         if n in capture_layers:
             captured[n] = h
         return h, captured
