@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from runner.ipc import EngineStats
+from server.gc_tuning import GC_PAUSES
 
 _LATENCY_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 
@@ -73,6 +74,7 @@ class Metrics:
         self.audio_seconds = Counter("omnistream_audio_seconds", "Seconds of audio sent", registry=r)
         self._engine = _EngineCollector()
         r.register(self._engine)
+        r.register(GC_PAUSES)  # process-wide; observed once serve installs its gc callback
 
     def set_engine(self, stats: EngineStats | None, healthy: bool) -> None:
         self._engine.snapshot = stats

@@ -19,6 +19,7 @@ import asyncio
 import base64
 import json
 import os
+import re
 import signal
 import struct
 import time
@@ -533,6 +534,12 @@ async def test_bench_level_against_the_server(server: ServerProc):
         assert s.audio_s > 0 and round(s.audio_s * SAMPLE_RATE * 2) % FRAME_BYTES == 0
     table = render([lv], {"date": "today"})
     assert "| 2 | 0.4 |" in table and "Largest N" in table and "starts spread evenly over 0.4 s" in table
+    # the front end settled its heap at start-up (server/gc_tuning.py) and watches its collections
+    async with aiohttp.ClientSession() as http:
+        async with http.get(server.base_url + "/metrics") as r:
+            text = await r.text()
+    full = re.search(r'omnistream_gc_pause_seconds_count\{generation="2"\} (\S+)', text)
+    assert full and float(full.group(1)) >= 1, "the settling full collection was not observed"
 
 
 # ---- engine death (last: it restarts the engine) -------------------------------------------------

@@ -1,0 +1,73 @@
+"""The front end's garbage collector: start-up heap frozen, thresholds for bursts, pauses measured.
+
+Why: the front end is one event loop serving every stream, so a collection pauses all of them.
+When hundreds of sessions start together each allocates a few hundred container objects
+(handlers, tasks, queues, buffers) that live until its utterance ends. With Python's default
+thresholds (700, 10, 10) a 400-session burst runs ~100 collections, and once the start-up heap
+is frozen (runner.engine_proc.freeze_startup_heap) the oldest generation holds only what was
+promoted since, so the rule that holds a full collection back until the objects promoted since
+the last one reach a quarter of its survivors holds little back: full collections over all the
+burst's live objects come every hundred young ones. On the 2-core dev box, two bursts
+of 400 and 440 sessions on the instant fake engine (deploy/bench_frontend.py) spent 210-295 ms
+in collections with the longest pause 73-88 ms at (700, 10, 10), and 90-94 ms with the longest
+15 ms at FRONT_END_GC_THRESHOLDS (deploy/RESULTS.md, s13).
+
+What is given up: cyclic garbage waits longer for a collection (reference counting frees
+everything else at once). The oldest generation is still collected, every 100 collections of
+the middle one; `omnistream_gc_pause_seconds` on /metrics shows what the collector costs.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Iterator
+
+from prometheus_client import Histogram
+from prometheus_client.core import Metric
+
+from runner.engine_proc import freeze_startup_heap
+
+# gc.set_threshold: allocations (net of frees) between young collections, young collections per
+# middle one, middle collections per full one
+FRONT_END_GC_THRESHOLDS = (10_000, 20, 100)
+
+
+def settle_heap(thresholds: tuple[int, int, int] = FRONT_END_GC_THRESHOLDS) -> None:
+    """Once the front end is ready: freeze the start-up heap and set the burst thresholds."""
+    freeze_startup_heap()
+    gc.set_threshold(*thresholds)
+
+
+class GcPauses:
+    """Histogram of this process's collection pauses by generation, fed by a gc callback
+    (`install`, once per process) and exported by every app's /metrics (a registered collector)."""
+
+    def __init__(self) -> None:
+        self.hist = Histogram(
+            "omnistream_gc_pause_seconds",
+            "Garbage-collection pauses of the front end's process (every stream waits)",
+            ["generation"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+            registry=None,
+        )
+        self._children = [self.hist.labels(generation=str(g)) for g in range(3)]
+        self._started = 0.0
+        self.installed = False
+
+    def install(self) -> None:
+        if not self.installed:
+            gc.callbacks.append(self._on_gc)
+            self.installed = True
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self._children[info["generation"]].observe(time.perf_counter() - self._started)
+
+    def collect(self) -> Iterator[Metric]:
+        return self.hist.collect()
+
+
+GC_PAUSES = GcPauses()
