@@ -8,10 +8,9 @@ WebSocket sessions together. Per level it reports the client's TTFA, the server'
 segment queued -> first audio byte sent, from the /metrics histogram, so bucket bounds) and the
 server's garbage-collection pauses during the level (count and total, from /metrics). The server
 settles its heap as `serve` does (server/gc_tuning.py); `--gc-thresholds 700,10,10` runs it with
-Python's default thresholds instead. With a
-real engine these milliseconds come on top of the engine's time to first audio: on the H200 the
-client's TTFA exceeded the engine's by 30-100 ms in bursts of 400-440 and by ~7 ms when the
-same sessions started over 2 s (deploy/RESULTS.md, s12).
+Python's default thresholds instead. With a real engine these milliseconds come on top of the
+engine's time to first audio: on the H200 the client's TTFA exceeded the engine's by 30-100 ms in
+bursts of 400-440 and by ~7 ms when the same sessions started over 2 s (deploy/RESULTS.md, s12).
 
     python deploy/bench_frontend.py --streams 1,100,400
 """
