@@ -250,14 +250,18 @@ def _largest_block_k(k: int, cap: int) -> int | None:
 # cuBLAS is faster alone: launched with PDL it lets the split attention kernel after it start
 # and load its K/V under the GEMV's tail (runner/triton_attention.py PREFETCH_MIN_SPLITS), and
 # the pair is faster: engine batch 1 2.162 / 2.164 ms against 2.199 / 2.241 with cuBLAS
-# (s11-run2; 2.232 as the GEMV without the prefetch).
+# (s11-run2; 2.232 as the GEMV without the prefetch). The M = 1 rows were re-measured in the
+# engine (s13-run7..9, `--sections variants`, batch 1, alternated on fresh models): GEMVs of 4
+# rows per program (twice the programs of 8) and gate_up's MMA tile with 4 stages instead of 5
+# took the step from 2.136-2.140 ms to 2.088-2.089 (o_proj + down at 4 rows: 2.103-2.106;
+# + gate_up: 2.094-2.103; + qkv: 2.088-2.089); 2 rows per program or 2 warps lost (2.109-2.113).
 TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
-    (PLAIN, 5120, 3072): ((1, LinearTile(1, 8, 1024, 4, 1)), (16, None), (32, None), (64, None)),
-    (PLAIN, 3072, 3072): ((1, LinearTile(1, 8, 1024, 4, 1)), (16, LinearTile(16, 32, 128, 4, 5)), (32, None), (64, None)),
+    (PLAIN, 5120, 3072): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, None), (32, None), (64, None)),
+    (PLAIN, 3072, 3072): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, LinearTile(16, 32, 128, 4, 5)), (32, None), (64, None)),
     (PLAIN, 16384, 3072): ((1, None), (16, None), (32, None), (64, None)),
-    (GATED, 16384, 3072): ((1, LinearTile(16, 64, 128, 4, 5)), (16, LinearTile(16, 64, 128, 4, 5)),
+    (GATED, 16384, 3072): ((1, LinearTile(16, 64, 128, 4, 4)), (16, LinearTile(16, 64, 128, 4, 5)),
                            (32, LinearTile(32, 64, 128, 4, 5)), (64, LinearTile(64, 64, 64, 4, 5))),
-    (PLAIN, 3072, 8192): ((1, LinearTile(1, 8, 1024, 4, 1)), (16, None), (32, None), (64, None)),
+    (PLAIN, 3072, 8192): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, None), (32, None), (64, None)),
 }
 
 

@@ -62,7 +62,8 @@ def _inputs(m: int, seed: int = 0):
     return _rand(m, K, seed=seed), _rand(N, K, seed=seed + 1, scale=0.05), _rand(N, seed=seed + 2)
 
 
-CASES = [(1, GEMV), (1, MMA), (5, MMA), (16, MMA), (21, LinearTile(32, 16, 128, 4, 3))]
+GEMV4 = LinearTile(1, 4, 64, 4, 1)  # 4 rows per program, as the tuned table's M = 1 GEMVs
+CASES = [(1, GEMV), (1, GEMV4), (1, MMA), (5, MMA), (16, MMA), (21, LinearTile(32, 16, 128, 4, 3))]
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
@@ -76,8 +77,8 @@ def test_matches_torch(m, tile, bias):
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("m,tile", [(1, GEMV), (1, MMA), (6, MMA), (21, LinearTile(32, 16, 128, 4, 3))],
-                         ids=["m1-gemv", "m1-mma", "m6-mma", "m21-bm32"])
+@pytest.mark.parametrize("m,tile", [(1, GEMV), (1, GEMV4), (1, MMA), (6, MMA), (21, LinearTile(32, 16, 128, 4, 3))],
+                         ids=["m1-gemv", "m1-gemv4", "m1-mma", "m6-mma", "m21-bm32"])
 def test_gated_epilogue_equals_gemm_then_silu_mul(m, tile):
     x = _rand(m, K, seed=11)
     w = _rand(2 * N, K, seed=12, scale=0.05)  # gate | up, I = N
@@ -176,7 +177,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
     ptr = "*bf16"
     sig = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, out_ptr=ptr, M="i32", N="i32", K="i32", stride_xm="i32",
                stride_wn="i32", stride_om="i32", k_split="i32")
-    for tile in (m.LinearTile(1, 16, 1024, 4, 1), m.LinearTile(16, 32, 256, 4, 4), m.LinearTile(64, 64, 128, 8, 4)):
+    for tile in (m.LinearTile(1, 16, 1024, 4, 1), m.LinearTile(1, 4, 1024, 4, 1), m.LinearTile(16, 32, 256, 4, 4),
+                 m.LinearTile(64, 64, 128, 8, 4)):
         for gated, bias, split in ((False, False, 1), (False, True, 1), (True, False, 1), (False, False, 4)):
             if split > 1 and tile.block_m == 1:
                 continue
