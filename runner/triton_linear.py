@@ -272,9 +272,11 @@ TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
 # M from 16 to 64 (o_proj M = 16: 7.2 vs 9.4 us; down M = 16 / 32 / 64: 15.1 / 16.1 / 16.9 vs
 # 18.7 / 18.9 / 18.7), but the engine step (s6-run5/6, the same run twice, ms with and without)
 # only gains at batch 8 (2.646 vs 2.706) and 64 (3.180 vs 3.206, down only), and loses at 16
-# (2.756 vs 2.650) and 32 (2.970 vs 2.920); so only those buckets split.
+# (2.756 vs 2.650) and 32 (2.970 vs 2.920); so only those buckets split. o_proj at M = 64 in 2
+# splits of 64 x 64 x 128 tiles (s13-run12/13, alternated in the engine): batch 64 3.076 / 3.082 /
+# 3.084 ms against 3.104 / 3.096 / 3.101 with cuBLAS (s9's 4-split tile had lost).
 SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...]] = {
-    (3072, 3072): ((8, LinearTile(16, 64, 64, 4, 4), 8),),
+    (3072, 3072): ((8, LinearTile(16, 64, 64, 4, 4), 8), (32, None, 1), (64, LinearTile(64, 64, 128, 4, 4), 2)),
     (3072, 8192): ((8, LinearTile(16, 32, 128, 4, 4), 4), (32, None, 1), (64, LinearTile(64, 128, 128, 4, 4), 4)),
 }
 
