@@ -38,17 +38,16 @@ _GC = re.compile(r'omnistream_gc_pause_seconds_(count|sum)\{generation="\d"\} (\
 
 def serve(url_file: str, chunk_ms: float, chunks: int, gc_thresholds: tuple[int, int, int]) -> None:
     """The app on the fake engine until killed (uvloop when installed, heap settled: as `serve` runs)."""
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    sys.path.insert(0, str(ROOT / "tests"))
     import server.main  # noqa: F401  (the real front end's modules, in the heap that gets frozen)
     from fake_engine import FakeEngine, serve as serve_app
 
-    from server.gc_tuning import GC_PAUSES, settle_heap
+    from server.gc_tuning import settle_heap
 
     async def run() -> None:
         eng = FakeEngine(steps=chunks, samples_per_step=2048, audio_from_step=0, step_delay=chunk_ms / 1e3,
                          first_delay=0.001)
         async with serve_app(eng, max_concurrent_requests=8192) as s:
-            GC_PAUSES.install()
             settle_heap(gc_thresholds)
             Path(url_file).write_text(s.base_url)
             await asyncio.Event().wait()

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -261,18 +262,30 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def log_slow_gc(logger: logging.Logger, threshold_s: float = 0.02) -> None:
-    """Log every garbage collection that pauses the loop for more than threshold_s."""
+def on_gc_pause(handler: Callable[[int, float, int], None]) -> Callable[[str, dict], None]:
+    """Call handler(generation, seconds paused, objects collected) after every garbage
+    collection of this process; returns the gc callback (to remove it from gc.callbacks)."""
     started = [0.0]
 
     def on_gc(phase: str, info: dict) -> None:
         if phase == "start":
             started[0] = time.perf_counter()
-        elif (dt := time.perf_counter() - started[0]) > threshold_s:
-            logger.warning("garbage collection of generation %d paused the engine %.1f ms (%d collected)",
-                           info["generation"], dt * 1e3, info["collected"])
+        else:
+            handler(info["generation"], time.perf_counter() - started[0], info["collected"])
 
     gc.callbacks.append(on_gc)
+    return on_gc
+
+
+def log_slow_gc(logger: logging.Logger, threshold_s: float = 0.02) -> None:
+    """Log every garbage collection that pauses the loop for more than threshold_s."""
+
+    def slow(generation: int, dt: float, collected: int) -> None:
+        if dt > threshold_s:
+            logger.warning("garbage collection of generation %d paused the engine %.1f ms (%d collected)",
+                           generation, dt * 1e3, collected)
+
+    on_gc_pause(slow)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,13 +20,12 @@ the middle one; `omnistream_gc_pause_seconds` on /metrics shows what the collect
 from __future__ import annotations
 
 import gc
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import Histogram
 from prometheus_client.core import Metric
 
-from runner.engine_proc import freeze_startup_heap
+from runner.engine_proc import freeze_startup_heap, on_gc_pause
 
 # gc.set_threshold: allocations (net of frees) between young collections, young collections per
 # middle one, middle collections per full one
@@ -34,7 +33,9 @@ FRONT_END_GC_THRESHOLDS = (10_000, 20, 100)
 
 
 def settle_heap(thresholds: tuple[int, int, int] = FRONT_END_GC_THRESHOLDS) -> None:
-    """Once the front end is ready: freeze the start-up heap and set the burst thresholds."""
+    """Once the front end is ready: watch its collections (GC_PAUSES; first, so the settling
+    full collection is the first observation), freeze the start-up heap, set the thresholds."""
+    GC_PAUSES.install()
     freeze_startup_heap()
     gc.set_threshold(*thresholds)
 
@@ -52,19 +53,11 @@ class GcPauses:
             registry=None,
         )
         self._children = [self.hist.labels(generation=str(g)) for g in range(3)]
-        self._started = 0.0
-        self.installed = False
+        self.callback: Callable[[str, dict], None] | None = None  # the gc callback, once installed
 
     def install(self) -> None:
-        if not self.installed:
-            gc.callbacks.append(self._on_gc)
-            self.installed = True
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self._children[info["generation"]].observe(time.perf_counter() - self._started)
+        if self.callback is None:
+            self.callback = on_gc_pause(lambda generation, dt, _: self._children[generation].observe(dt))
 
     def collect(self) -> Iterator[Metric]:
         return self.hist.collect()

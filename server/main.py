@@ -14,7 +14,7 @@ from aiohttp import web
 
 from runner.config import Env
 from runner.engine_proc import EngineProcArgs
-from server.gc_tuning import GC_PAUSES, settle_heap
+from server.gc_tuning import settle_heap
 
 log = logging.getLogger("omnistream")
 
@@ -89,7 +89,6 @@ async def run_server(args: argparse.Namespace) -> None:
             await gateway.start()
         # as in the engine process: full collections over the start-up heap would stall every
         # stream's event loop for ~100+ ms; and thresholds for session bursts (server/gc_tuning.py)
-        GC_PAUSES.install()  # first: the settling full collection is the first observation
         settle_heap()
         port = site._server.sockets[0].getsockname()[1] if site._server else args.port  # the real port for --port 0
         print(f"omnistream ready on http://{args.host}:{port} (zmq: {args.zmq_endpoint}, model: {model_path})", flush=True)

@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from server.gc_tuning import FRONT_END_GC_THRESHOLDS, GcPauses, settle_heap
+from server.gc_tuning import FRONT_END_GC_THRESHOLDS, GC_PAUSES, GcPauses, settle_heap
 from server.metrics import Metrics
 
 
@@ -21,6 +21,7 @@ def gc_state():
 def test_settle_heap_freezes_the_heap_and_sets_the_thresholds(gc_state):
     settle_heap()
     assert gc.get_threshold() == FRONT_END_GC_THRESHOLDS and gc.get_freeze_count() > 0
+    assert gc.callbacks.count(GC_PAUSES.callback) == 1  # the front end's pauses are watched
     settle_heap((1234, 5, 6))
     assert gc.get_threshold() == (1234, 5, 6)
 
@@ -29,12 +30,12 @@ def test_pauses_are_observed_per_generation_and_exported():
     pauses = GcPauses()
     pauses.install()
     pauses.install()  # idempotent: one callback
+    assert gc.callbacks.count(pauses.callback) == 1
     try:
         gc.collect(1)
         gc.collect(2)
     finally:
-        gc.callbacks.remove(pauses._on_gc)
-    assert pauses._on_gc not in gc.callbacks
+        gc.callbacks.remove(pauses.callback)
     samples = {(s.name, s.labels.get("generation")): s.value for m in pauses.collect() for s in m.samples}
     assert samples[("omnistream_gc_pause_seconds_count", "1")] == 1
     assert samples[("omnistream_gc_pause_seconds_count", "2")] == 1
