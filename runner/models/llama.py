@@ -290,22 +290,26 @@ class LlamaForCausalLM(nn.Module):
         rows of the weight are independent dot products)."""
         if span is not None:
             return F.linear(hidden, self.lm_head_weight[span[0] : span[1]]).float()
+        logits = self._vocab_logits(hidden)
         if self.lm_head_padded is not None:
             # Row stride V always: `.float()` keeps a one-row view's padded stride V' (torch
             # counts a [1, V] slice of [1, V'] as contiguous), so one sampled row would reach
             # the sampling kernels with another row stride than several (a Triton
             # specialisation compiled mid-serving on the H200, s9).
-            logits = F.linear(hidden, self.lm_head_padded)[:, : self.cfg.vocab_size]
             return torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)
-        return F.linear(hidden, self.lm_head_weight).float()
+        return logits.float()
 
     def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N] int64: the ids compute_logits(hidden).argmax(-1) gives, without its fp32
         copy of the logits. The same ids: the upcast to fp32 is exact, and argmax returns the
         first index of the maximum either way."""
+        return self._vocab_logits(hidden).argmax(dim=-1)
+
+    def _vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, V] in the model dtype; with a padded head, a view of the [N, V'] product."""
         if self.lm_head_padded is not None:
-            return F.linear(hidden, self.lm_head_padded)[:, : self.cfg.vocab_size].argmax(dim=-1)
-        return F.linear(hidden, self.lm_head_weight).argmax(dim=-1)
+            return F.linear(hidden, self.lm_head_padded)[:, : self.cfg.vocab_size]
+        return F.linear(hidden, self.lm_head_weight)
 
     def reset_buffers(self, device: torch.device | str) -> None:
         """Compute the non-parameter state (RoPE tables) on `device`; needed after meta init."""
