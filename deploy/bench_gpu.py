@@ -73,8 +73,7 @@ ORPHEUS_3B = {
 }
 BATCHES = [1, 8, 32, 64, 128, 256]
 # RunnerConfig kernel options of every engine this run builds (--skinny-linear, --pdl, ...)
-KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "attention_prefetch": True, "split_k": True,
-           "split_o_proj": True}
+KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "attention_prefetch": True, "split_k": True}
 PROMPT, NEW = 100, 500
 
 
@@ -299,10 +298,6 @@ def skip_op(model, name: str) -> None:
                 return torch.empty(x.shape[0], _shape[0], dtype=x.dtype, device=x.device)
             return linear(x, lin, into_norm)
         ops.linear = skipped_linear
-        if name == "o":  # o_proj over the attention's unmerged splits (batch 1)
-            def skipped_split_o_proj(splits, lin, tile):
-                return torch.empty(splits.acc.shape[0], cfg.hidden_size, dtype=splits.dtype, device=splits.acc.device)
-            ops.split_o_proj = skipped_split_o_proj
     elif name == "gate_up":
         def mlp(x, gate_up, down, into_norm=False):
             act = torch.empty(x.shape[0], cfg.intermediate_size, dtype=x.dtype, device=x.device)
@@ -339,18 +334,15 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     times the step without one per-layer op (skip_op: its critical-path cost); `attn:NAME=INT`
     sets a constant of runner/triton_attention.py (e.g. PREFETCH_MIN_SPLITS); `attn_splits=N`
     fixes the decode attention's split count at every batch size; `fp32_greedy` takes greedy ids
-    as argmax over the fp32 logits copy (the path before greedy_ids, s12 and earlier);
-    `otile=BN/HEADS/WARPS` sets the Orpheus o_proj's row of runner/triton_split_o_proj.py TUNED
-    (o_proj merging the batch-1 attention splits; `split_o_proj=0`: the separate merge launch)."""
+    as argmax over the fp32 logits copy (the path before greedy_ids, s12 and earlier)."""
     from bench_gemm import load_tuned_rows
 
-    from runner import triton_attention, triton_linear, triton_split_o_proj
+    from runner import triton_attention, triton_linear
     from runner.sampling_params import SamplingParams
 
     base = dict(KERNELS)
     base_tuned = dict(triton_linear.TUNED)
     base_split = dict(triton_linear.SPLIT_TUNED)
-    base_otile = dict(triton_split_o_proj.TUNED)
     base_attn = {"PREFETCH_MIN_SPLITS": triton_attention.PREFETCH_MIN_SPLITS}
 
     def reset() -> None:  # every variant starts from the run's options, and the run ends there
@@ -362,8 +354,6 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
         triton_linear.TUNED.update(base_tuned)
         triton_linear.SPLIT_TUNED.clear()
         triton_linear.SPLIT_TUNED.update(base_split)
-        triton_split_o_proj.TUNED.clear()
-        triton_split_o_proj.TUNED.update(base_otile)
 
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     out = {}
@@ -380,10 +370,6 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
                 elif kv.startswith("split:"):
                     key, rows = parse_split_override(kv)
                     triton_linear.SPLIT_TUNED[key] = rows
-                elif kv.startswith("otile="):
-                    bn, heads, warps = map(int, kv.removeprefix("otile=").split("/"))
-                    o_key = (ORPHEUS_3B["hidden_size"], ORPHEUS_3B["num_attention_heads"], ORPHEUS_3B["head_dim"])
-                    triton_split_o_proj.TUNED[o_key] = ((1, triton_split_o_proj.SplitOTile(bn, heads, warps)),)
                 elif kv == "swept":
                     if swept is None:
                         raise ValueError("variant 'swept' needs the gemm section in the same run")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -101,23 +100,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     flat = kv_cache.view(2, nb * bs, hkv, d)
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
-
-
-class AttentionSplits(NamedTuple):
-    """A split (flash-decoding) decode attention left unmerged, for a consumer that merges the
-    splits itself: the o_proj GEMV at batch 1 (runner/triton_split_o_proj.py), which saves the
-    merge launch. Split s of sequence b covers its key tiles [s * tps, min((s + 1) * tps,
-    n_tiles)), n_tiles = cdiv(min(seq_len, max_blocks * block_size), block_n), tps =
-    cdiv(n_tiles, S); a split past the last tile is empty and holds (m = -1e30, l = 0, acc = 0)."""
-
-    acc: torch.Tensor  # [B, Hq, S, D] fp32, unnormalised
-    m: torch.Tensor  # [B, Hq, S] fp32, running max (log2 domain)
-    l: torch.Tensor  # [B, Hq, S] fp32, running sum of exp2
-    seq_lens: torch.Tensor  # [B] int32
-    max_blocks: int  # the block table's width in the attention launch
-    block_size: int  # cache block size, tokens
-    block_n: int  # the attention's tile length, tokens
-    dtype: torch.dtype  # the merged output's dtype (q's)
 
 
 class TorchPagedAttention:

@@ -30,10 +30,6 @@ Contract shared by both (shapes: T tokens, hidden H, heads Hq/Hkv, head_dim D, i
       linear(silu_and_mul(linear(x, gate_up)), down, into_norm); TritonOps may fold the
       SiLU*mul into the gate_up GEMM (runner/triton_linear.py)
 * materialize(h) -> h as a tensor (identity unless h is Partials)
-* split_o_proj_tile(m, o_proj, num_heads, head_dim) -> tile or None
-      not None: a split decode attention of m rows may leave its partials unmerged
-      (runner.attention.AttentionSplits), and split_o_proj(splits, o_proj, tile) gives o_proj of
-      the merged rows (into_norm: Partials); TorchOps never takes splits
 
 None of them reads a tensor value on the host, so a decode step stays CUDA-graph capturable.
 """
@@ -111,22 +107,16 @@ class TorchOps:
     def materialize(self, h: torch.Tensor) -> torch.Tensor:
         return h
 
-    def split_o_proj_tile(self, m: int, o_proj: torch.nn.Linear, num_heads: int, head_dim: int) -> None:
-        return None  # the torch attention never splits
 
-
-def make_ops(device: torch.device | str, skinny_linear: bool = True, pdl: bool = True, split_k: bool = True,
-             split_o_proj: bool = True):
+def make_ops(device: torch.device | str, skinny_linear: bool = True, pdl: bool = True, split_k: bool = True):
     """Fused Triton kernels on CUDA, plain torch elsewhere (chosen once, at construction).
 
     On CUDA: `skinny_linear` runs decode-sized 16-bit GEMMs in Triton (runner/triton_linear.py),
-    `split_k` lets o_proj / down hand split-K partials to the add + RMSNorm, `split_o_proj` lets
-    o_proj merge a split decode attention itself (runner/triton_split_o_proj.py), `pdl` launches
-    the kernels with programmatic dependent launch where the GPU has it."""
+    `split_k` lets o_proj / down hand split-K partials to the add + RMSNorm, `pdl` launches the
+    kernels with programmatic dependent launch where the GPU has it."""
     if torch.device(device).type == "cuda":
         from runner.triton_fused_ops import TritonOps  # needs triton, present with CUDA torch
         from runner.triton_pdl import pdl_available
 
-        return TritonOps(pdl=pdl and pdl_available(device), skinny_linear=skinny_linear, split_k=split_k,
-                         split_o_proj=split_o_proj)
+        return TritonOps(pdl=pdl and pdl_available(device), skinny_linear=skinny_linear, split_k=split_k)
     return TorchOps()

@@ -44,8 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.attention import NO_PLAN_BACKENDS, AttentionMetadata, AttentionSplits, TorchPagedAttention, write_kv
-from runner.triton_rope import rope_rows
+from runner.attention import NO_PLAN_BACKENDS, AttentionMetadata, TorchPagedAttention, write_kv
+from runner.triton_fused_ops import rope_rows
 from runner.triton_pdl import pdl_enter
 
 # Finite "minus infinity" for the running max; see the module docstring. (constexpr: jit
@@ -417,8 +417,7 @@ def paged_decode_attention(
     num_warps: int | None = None,  # None: _NUM_WARPS (bench sweeps pass others)
     num_stages: int | None = None,  # None: _NUM_STAGES
     prefetch: bool = True,  # with `rope`: load all but q/k/v before the PDL wait (prefetches())
-    merge: bool = True,  # False: a split launch returns its partials unmerged (AttentionSplits)
-) -> torch.Tensor | AttentionSplits:  # [B, Hq, D], q's dtype unless `out` is given
+) -> torch.Tensor:  # [B, Hq, D], q's dtype unless `out` is given
     """Attention of one query token per sequence over positions [0, seq_lens[b]) of its paged KV.
 
     The current token's K/V must already be in the cache, unless `rope` is given: then q is not
@@ -430,9 +429,6 @@ def paged_decode_attention(
     (each sequence once in the batch). Reads only tensor shapes on the host (never tensor
     values), so a launch can be captured in a CUDA graph; the Triton kernels must have been
     compiled (one eager call with the same shapes/dtypes) before capture.
-
-    `merge=False`: when the launch is split, the merge launch is left to the consumer, which
-    gets the partials (`AttentionSplits`); unsplit, the output as usual.
     """
     assert q.dim() == 3 and kv_cache.dim() == 5 and kv_cache.shape[0] == 2, (q.shape, kv_cache.shape)
     bsz, hq, d = q.shape
@@ -445,6 +441,12 @@ def paged_decode_attention(
     assert kv_cache.dtype in (torch.bfloat16, torch.float16, torch.float32), kv_cache.dtype
     assert q.device == kv_cache.device == block_tables.device == seq_lens.device
 
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape
+    if bsz == 0:
+        return out
+
     group = hq // hkv
     group_p = max(16, triton.next_power_of_2(group))
     sms = _num_sms(q.device)
@@ -453,22 +455,14 @@ def paged_decode_attention(
     max_blocks = block_tables.shape[1]
     splits = num_splits or choose_num_splits(bsz, hkv, sms)
     dot_prec = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
-    unmerged = splits > 1 and not merge
-    if out is None and not unmerged:
-        out = torch.empty_like(q)
-    assert out is None or out.shape == q.shape
+
     if splits > 1:
         # Fresh scratch each call: under capture it comes from the graph's private pool.
         part_acc = torch.empty(bsz, hq, splits, d, device=q.device, dtype=torch.float32)
         part_m = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
         part_l = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
-        if unmerged:
-            out = part_acc  # never touched (NUM_SPLITS > 1 writes only the partials)
     else:
         part_acc = part_m = part_l = out  # never touched (NUM_SPLITS == 1 branch)
-    result = AttentionSplits(part_acc, part_m, part_l, seq_lens, max_blocks, bs, bn, q.dtype) if unmerged else out
-    if bsz == 0:
-        return result
 
     if rope is not None:
         assert rope.k.shape == (bsz, hkv, d) and rope.v.shape == (bsz, hkv, d), (rope.k.shape, rope.v.shape)
@@ -497,7 +491,7 @@ def paged_decode_attention(
         FUSED_ROPE=rope is not None, ROUND=q.dtype != torch.float32, FOLD_CURRENT=fold,
         PREFETCH=fold and prefetch and prefetches(splits),
     )  # fmt: skip
-    if splits > 1 and not unmerged:
+    if splits > 1:
         _merge_splits_kernel[(bsz, hq)](
             part_acc, part_m, part_l, out,
             out.stride(0), out.stride(1), out.stride(2),
@@ -505,7 +499,7 @@ def paged_decode_attention(
             HEAD_DIM=d, NUM_SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits),
             num_warps=_NUM_WARPS, USE_GDC=pdl, launch_pdl=pdl,
         )  # fmt: skip
-    return result
+    return out
 
 
 class TritonPagedAttention:
@@ -613,15 +607,13 @@ class TritonPagedAttention:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,  # pure decode (meta.pure_decode)
         scale: float,
-        merge: bool = True,  # False: a split launch returns AttentionSplits (the consumer merges)
-    ) -> torch.Tensor | AttentionSplits:  # [B, Hq, D]
+    ) -> torch.Tensor:  # [B, Hq, D]
         """RoPE, KV write and attention of a pure-decode step in one launch (plus the split
         merge): the K/V the RoPE + KV write kernel would write, and its `forward_prewritten_kv`
         output up to the fp32 order of the current token's softmax step."""
         assert meta.pure_decode and q.shape[0] == meta.seq_lens.shape[0], (q.shape, meta.seq_lens.shape)
         rope = DecodeRope(k, v, cos, sin, positions, meta.slot_mapping)
         return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                      num_splits=self.num_splits, pdl=self.pdl, rope=rope, prefetch=self.prefetch,
-                                      merge=merge)
+                                      num_splits=self.num_splits, pdl=self.pdl, rope=rope, prefetch=self.prefetch)
 
     __call__ = forward

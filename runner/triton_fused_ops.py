@@ -11,7 +11,7 @@ materialises a tensor in the model dtype, the kernel rounds to that dtype too (f
 between). A product of two bf16/fp16 values is exact in fp32, so those steps match torch bit for
 bit; what can differ is the fp32 sum-of-squares order in RMSNorm and the exp/rsqrt
 implementations, i.e. occasionally one unit in the last place of the model dtype (and for fp32
-models, a few fp32 ulps). RoPE's products are kept out of FMA contraction (runner/triton_rope.py `_mul`).
+models, a few fp32 ulps). RoPE's products are kept out of FMA contraction (`_mul`).
 
 All launches read only tensor metadata on the host (shapes, strides, dtypes), never values, so
 they can be captured in a CUDA graph once compiled (one eager call per shape/dtype beforehand).
@@ -21,6 +21,8 @@ TRITON_INTERPRET=1 on CPU).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -39,9 +41,6 @@ from runner.triton_linear import (
     tile_for,
 )
 from runner.triton_pdl import pdl_enter
-from runner.triton_rope import rope_pair
-from runner.triton_split_o_proj import SplitOTile, split_o_proj
-from runner.triton_split_o_proj import tile_for as split_o_tile_for
 
 # SiLU*mul: columns per program. 1024 bf16 = 2 KiB per operand: at T=1 and I=8192 that still
 # spreads over 8 programs; at large T the grid is big anyway.
@@ -103,6 +102,64 @@ def _rmsnorm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     out = w.to(tl.float32) * normed.to(tl.float32)  # exact for 16-bit inputs, rounded once below
     tl.store(out_ptr + r * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# Under the interpreter there is no libdevice (and numpy never contracts); on the GPU the
+# products of RoPE go through mul.rn, which ptxas never fuses into an FMA: with plain `*`, LLVM
+# contracts x1*c - r(x2*s) into one fma.rn.bf16 and the result is no longer torch's r(r(x1*c) -
+# r(x2*s)) (one ulp apart now and then, and differently in different kernels).
+_EXACT_MUL = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@triton.jit
+def _mul(a, b):
+    if _EXACT_MUL:
+        return tl.extra.cuda.libdevice.mul_rn(a, b)
+    else:
+        return a * b
+
+
+@triton.jit
+def rope_pair(x1, x2, c, s, ROUND: tl.constexpr):
+    """Rotate-half RoPE of the two halves (x1, x2) of head vectors: (x1*c - x2*s, x2*c + x1*s) in
+    the model dtype. The one definition of RoPE's roundings, shared by the RoPE kernel and the
+    decode attention kernel's fused RoPE (runner/triton_attention.py), so the two agree bit for bit.
+
+    torch computes q*cos + cat(-x2, x1)*sin with every product and the sum rounded to the model
+    dtype (ROUND); (-a)*b rounds to -(a*b), and p + (-q) == p - q exactly. c, s: fp32, already
+    rounded to the model dtype when ROUND.
+    """
+    dt = x1.dtype
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    if ROUND:
+        o1 = _mul(f1, c).to(dt).to(tl.float32) - _mul(f2, s).to(dt).to(tl.float32)
+        o2 = _mul(f2, c).to(dt).to(tl.float32) + _mul(f1, s).to(dt).to(tl.float32)
+    else:
+        o1 = _mul(f1, c) - _mul(f2, s)
+        o2 = _mul(f2, c) + _mul(f1, s)
+    return o1.to(dt), o2.to(dt)
+
+
+@triton.jit
+def rope_rows(
+    rows,  # [R, 1] pointers to dim 0 of each head vector
+    stride_d,
+    offs_d,  # [D] = arange(0, D)
+    mask,  # broadcastable to [R, D]
+    c,  # [1, D] fp32 table row (cat(f, f)), rounded to the model dtype when ROUND
+    s,
+    HEAD_DIM: tl.constexpr,
+    ROUND: tl.constexpr,
+):
+    """RoPE of whole head vectors [R, D] (model dtype), loaded here: rope_pair on the halves,
+    with each half read a second time swapped instead of concatenating two half tiles."""
+    half: tl.constexpr = HEAD_DIM // 2
+    x = tl.load(rows + offs_d[None, :] * stride_d, mask=mask, other=0.0)
+    xs = tl.load(rows + ((offs_d + half) % HEAD_DIM)[None, :] * stride_d, mask=mask, other=0.0)
+    lo, _ = rope_pair(x, xs, c, s, ROUND)  # columns < D/2: x1*c - x2*s
+    _, hi = rope_pair(xs, x, c, s, ROUND)  # columns >= D/2: x2*c + x1*s
+    return tl.where(offs_d[None, :] < half, lo, hi)
 
 
 @triton.jit
@@ -327,18 +384,14 @@ class TritonOps:
     where `pdl_available`). `skinny_linear`: 16-bit GEMMs of M <= 64 rows (decode) run in
     runner/triton_linear.py where its tile table says so (gate_up with the SiLU*mul fused in);
     otherwise F.linear (cuBLAS). `split_k`: a `linear(..., into_norm=True)` (o_proj, down) may
-    return split-K `Partials` where SPLIT_TUNED says so; `add_rmsnorm` sums them. `split_o_proj`:
-    o_proj merges a split decode attention's partials itself where runner/triton_split_o_proj.py's
-    table says so (batch 1), as `Partials` over head slices. All fixed at construction; the tile
-    (or none) per call from the GEMM's shape and M.
+    return split-K `Partials` where SPLIT_TUNED says so; `add_rmsnorm` sums them. All fixed at
+    construction; the tile (or none) per call from the GEMM's shape and M.
     """
 
-    def __init__(self, pdl: bool = False, skinny_linear: bool = True, split_k: bool = True,
-                 split_o_proj: bool = True) -> None:
+    def __init__(self, pdl: bool = False, skinny_linear: bool = True, split_k: bool = True) -> None:
         self.pdl = pdl
         self.skinny = skinny_linear
         self.split_k = skinny_linear and split_k
-        self.split_o_proj_on = self.split_k and split_o_proj
 
     @staticmethod
     def _skinny_dtypes(x: torch.Tensor, lin: torch.nn.Linear) -> bool:
@@ -403,13 +456,3 @@ class TritonOps:
 
     def materialize(self, h: torch.Tensor | Partials) -> torch.Tensor:
         return materialize(h)
-
-    def split_o_proj_tile(self, m: int, o_proj: torch.nn.Linear, num_heads: int, head_dim: int) -> SplitOTile | None:
-        """The tile with which o_proj of m rows merges the attention's splits itself, or None
-        (the attention merges; then `linear`). From shapes and dtypes only."""
-        if not self.split_o_proj_on or o_proj.bias is not None or o_proj.weight.dtype not in _SKINNY_DTYPES:
-            return None
-        return split_o_tile_for(o_proj.weight.shape[0], num_heads, head_dim, m)
-
-    def split_o_proj(self, splits: AttentionSplits, o_proj: torch.nn.Linear, tile: SplitOTile) -> Partials:
-        return split_o_proj(splits, o_proj.weight, tile, pdl=self.pdl)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.attention import AttentionMetadata, AttentionSplits, make_attention_backend
+from runner.attention import AttentionMetadata, make_attention_backend
 from runner.config import ModelConfig, RopeConfig
 from runner.fused_ops import make_ops, torch_rmsnorm
 
@@ -140,12 +140,7 @@ class Attention(nn.Module):
         rot = self._rotary[0]
         # rope may rotate q/k in place (TritonOps): the pre-RoPE q/k are not used again.
         if self.rope_in_attention and meta.pure_decode and self.attn.decode_rope_fused(t, self.num_kv_heads, x.device):
-            # o_proj may merge a split attention itself (batch 1: no merge launch)
-            o_tile = self.ops.split_o_proj_tile(t, self.o_proj, self.num_heads, self.head_dim)
-            out = self.attn.forward_decode_rope(q, k, v, rot.cos, rot.sin, positions, kv_cache, meta, self.scale,
-                                                merge=o_tile is None)
-            if isinstance(out, AttentionSplits):  # the launch was split and left unmerged
-                return self.ops.split_o_proj(out, self.o_proj, o_tile)
+            out = self.attn.forward_decode_rope(q, k, v, rot.cos, rot.sin, positions, kv_cache, meta, self.scale)
         elif self.fuse_kv_write:
             q, k = self.ops.rope_write_kv(q, k, v, rot.cos, rot.sin, positions, kv_cache, meta.slot_mapping)
             out = self.attn.forward_prewritten_kv(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
