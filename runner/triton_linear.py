@@ -17,7 +17,7 @@ Two modes, picked by the tile:
 
 Each output element is one program's dot product over K in a fixed order, so a row's result
 depends on neither M nor the other rows (graph padding cannot change it). The one exception to
-"one program per output" is opt-in: `split_k=S` (o_proj / down up to 64 rows, table
+"one program per output" is opt-in: `split_k=S` (o_proj / down between 2 and 64 rows, table
 `SPLIT_TUNED`) writes S fp32 partials over consecutive K ranges, each again a fixed-order dot
 product independent of the other rows, and leaves the sum (in split order, no atomics) to the
 add + RMSNorm that consumes them (`Partials`, `materialize`).
@@ -98,7 +98,7 @@ def _skinny_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr,
-    SPLIT_K: tl.constexpr,  # > 1 (plain, no bias): out is fp32 partials [SPLIT_K, M, N]
+    SPLIT_K: tl.constexpr,  # > 1 (MMA mode, plain, no bias): out is fp32 partials [SPLIT_K, M, N]
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -113,20 +113,16 @@ def _skinny_linear_kernel(
     dt = out_ptr.dtype.element_ty
 
     if BLOCK_M == 1:
-        # GEMV over the K range [k_lo, k_lo + k_split) (the whole of K unless split). The first
-        # weight slice is in flight before the wait (weights are never written).
-        k_lo = tl.program_id(2) * k_split
-        x_ptrs += k_lo
-        w_ptrs += k_lo
+        # GEMV: the first weight slice is in flight before the wait (weights are never written).
         w_next = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         if GATED:
             u_next = tl.load(w_ptrs + up_shift, mask=n_mask[:, None], other=0.0)
         pdl_enter(USE_GDC)
         acc = tl.zeros([BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, k_split, BLOCK_K):
-            # the next slice (masked off past the range) is issued before this one is reduced
-            nxt = n_mask[:, None] & (k0 + BLOCK_K < k_split)
+        for k0 in range(0, K, BLOCK_K):
+            # the next slice (masked off past K) is issued before this one is reduced
+            nxt = n_mask[:, None] & (k0 + BLOCK_K < K)
             w = w_next
             w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=nxt, other=0.0)
             a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0).to(tl.float32)  # [1, BK]
@@ -135,16 +131,13 @@ def _skinny_linear_kernel(
                 wu = u_next
                 u_next = tl.load(w_ptrs + up_shift + (k0 + BLOCK_K), mask=nxt, other=0.0)
                 acc_u += tl.sum(wu.to(tl.float32) * a, axis=1)
-        if SPLIT_K > 1:  # fp32 partial of split s: out [S, 1, N]
-            tl.store(out_ptr + tl.program_id(2).to(tl.int64) * N + offs_n, acc, mask=n_mask)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if GATED:
+            y = silu_mul(acc.to(dt), acc_u.to(dt))  # the GEMM's outputs rounded first
         else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            if GATED:
-                y = silu_mul(acc.to(dt), acc_u.to(dt))  # the GEMM's outputs rounded first
-            else:
-                y = acc.to(dt)
-            tl.store(out_ptr + offs_n, y, mask=n_mask)
+            y = acc.to(dt)
+        tl.store(out_ptr + offs_n, y, mask=n_mask)
     else:
         # MMA. Split s (SPLIT_K > 1) sums the K range [s * k_split, (s + 1) * k_split) into its
         # own fp32 partial, which the consumer adds in split order (deterministic, no atomics);
@@ -185,7 +178,7 @@ def skinny_linear(
     *,
     gated: bool = False,  # out [M, I] = silu(x @ gate^T) * (x @ up^T), the MLP's activation
     pdl: bool = False,
-    split_k: int = 1,  # > 1: fp32 partials [split_k, M, N] instead of out (plain, no bias)
+    split_k: int = 1,  # > 1: fp32 partials [split_k, M, N] instead of out (plain, no bias, MMA)
 ) -> torch.Tensor:
     """One launch: out [M, N] (gated: [M, I]) in x's dtype.
 
@@ -200,7 +193,7 @@ def skinny_linear(
         assert n % 2 == 0 and bias is None, "gated: weight rows gate | up, no bias"
         n //= 2
     if split_k > 1:
-        assert not gated and bias is None, "split-K: plain GEMM, no bias"
+        assert not gated and bias is None and tile.block_m > 1, "split-K: plain GEMM, no bias, MMA tile"
         assert k % (split_k * tile.block_k) == 0, (k, split_k, tile)
         out = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32)
     else:
@@ -273,8 +266,8 @@ TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
 
 
 # Split-K GEMMs whose output goes straight into the add + RMSNorm (o_proj, down): (N, K) ->
-# ((max_m, tile or None, splits), ...) in increasing max_m (a row of max_m 1 may take a GEMV
-# tile: split GEMVs); None, or an M past the last row: not split. In the GEMM sweep
+# ((max_m, tile or None, splits), ...) in increasing max_m, only for 1 < M (M = 1 keeps the
+# GEMV, or cuBLAS); None, or an M past the last row: not split. In the GEMM sweep
 # (`bench_gpu.py --sections splitk`, s6-run1) split-K beat cuBLAS / the unsplit tile at every
 # M from 16 to 64 (o_proj M = 16: 7.2 vs 9.4 us; down M = 16 / 32 / 64: 15.1 / 16.1 / 16.9 vs
 # 18.7 / 18.9 / 18.7), but the engine step (s6-run5/6, the same run twice, ms with and without)
@@ -283,17 +276,15 @@ TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
 # splits of 64 x 64 x 128 tiles (s13-run12/13, alternated in the engine): batch 64 3.076 / 3.082 /
 # 3.084 ms against 3.104 / 3.096 / 3.101 with cuBLAS (s9's 4-split tile had lost).
 SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...]] = {
-    (3072, 3072): ((1, None, 1), (8, LinearTile(16, 64, 64, 4, 4), 8), (32, None, 1),
-                   (64, LinearTile(64, 64, 128, 4, 4), 2)),
-    (3072, 8192): ((1, None, 1), (8, LinearTile(16, 32, 128, 4, 4), 4), (32, None, 1),
-                   (64, LinearTile(64, 128, 128, 4, 4), 4)),
+    (3072, 3072): ((8, LinearTile(16, 64, 64, 4, 4), 8), (32, None, 1), (64, LinearTile(64, 64, 128, 4, 4), 2)),
+    (3072, 8192): ((8, LinearTile(16, 32, 128, 4, 4), 4), (32, None, 1), (64, LinearTile(64, 128, 128, 4, 4), 4)),
 }
 
 
 def split_tile_for(n: int, k: int, m: int) -> tuple[LinearTile, int] | None:
     """(tile, splits) for a plain GEMM [n, k] of m rows whose consumer sums partials, or None.
     Thresholds at graph bucket sizes, like tile_for."""
-    if m < 1:
+    if m <= 1:
         return None
     for max_m, tile, splits in SPLIT_TUNED.get((n, k), ()):
         if m <= max_m:
