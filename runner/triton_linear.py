@@ -27,6 +27,17 @@ gate and the up half and writes silu(gate) * up [M, I], rounded where the separa
 SiLU*mul kernel round (runner/triton_fused_ops.py), so the result is bit for bit that pair's;
 the SiLU*mul launch and the [M, 2I] round trip disappear.
 
+PDL trigger placement (`LinearTile.late_trigger`, MMA tiles): a kernel normally lets the next
+one launch right after its own wait, so the next kernel's programs start while this one streams
+its weights and issue their pre-wait loads (a GEMV's first weight slice) into the same memory
+queues. After the MMA tiles that is a loss: gate_up streams 100 MB and the down GEMV behind it
+puts its first slices (6 MB at batch 1) in its way. With `late_trigger` every program triggers
+after its stores, so the next kernel launches as this one drains. H200, alternated on fresh
+models (s14-run6/7): batch 1 2.064-2.087 ms against 2.109-2.113, batch 8 2.539-2.552 against
+2.637-2.663, batch 64 3.085-3.095 against 3.101-3.114, batch 32 the same; GEMVs triggering late
+lost (batch 1 2.182: the attention's early loads under qkv's tail need the early launch), and so
+did the split merge (2.122: o_proj's first slices then no longer load under it), s14-run5.
+
 Tried on the H200 and dropped (deploy/RESULTS.md, s5): the RMSNorm as a prologue (every
 program recomputes the row statistics: slower than the norm kernel), SiLU*mul as down's prologue
 (the gated epilogue does it once per element), an add + RMSNorm epilogue run by the last
@@ -36,7 +47,8 @@ the GEMV boundary at M = 1 (o_proj / down adding the residual and writing per-pr
 squares, qkv / gate_up normalising x as they load it, with the norm kernel's roundings): batch 1
 2.397 / 2.405 ms against 2.158 / 2.161 without. Normalising the A tiles of gate_up's MMA loop cost
 ~9 us per layer; with only qkv (GEMV) fused, 2.177; with gate_up as a GEMV, 2.238 against 2.284 for
-that GEMV unfused, both slower than the MMA tile unfused.
+that GEMV unfused, both slower than the MMA tile unfused. s14: o_proj and down at M = 1 as split
+GEMVs (fp32 partials for the norm, 2 to 8 splits): batch 1 2.136-2.243 ms against 2.107-2.110.
 """
 
 from __future__ import annotations
@@ -48,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.triton_pdl import pdl_enter
+from runner.triton_pdl import pdl_enter, pdl_trigger, pdl_wait
 
 PLAIN, GATED = 0, 1  # tile-table kinds: out = x @ W^T, or the gated gate_up (out [M, I])
 KIND_NAMES = {PLAIN: "plain", GATED: "gated"}
@@ -64,6 +76,9 @@ class LinearTile:
     block_k: int  # must divide K
     num_warps: int = 4
     num_stages: int = 3  # MMA mode's pipeline depth (GEMV mode double-buffers by hand)
+    # MMA mode: let the next kernel launch (PDL) only after this one's stores instead of right
+    # after its wait, so the next kernel's early loads do not compete with this one's stream
+    late_trigger: bool = False
 
 
 @triton.jit
@@ -99,6 +114,7 @@ def _skinny_linear_kernel(
     BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr,
     SPLIT_K: tl.constexpr,  # > 1 (MMA mode, plain, no bias): out is fp32 partials [SPLIT_K, M, N]
+    LATE_TRIGGER: tl.constexpr,  # MMA mode: the next kernel launches after the stores, not after the wait
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -142,7 +158,9 @@ def _skinny_linear_kernel(
         # MMA. Split s (SPLIT_K > 1) sums the K range [s * k_split, (s + 1) * k_split) into its
         # own fp32 partial, which the consumer adds in split order (deterministic, no atomics);
         # unsplit, k_split == K. One K loop for both, so both round the same way.
-        pdl_enter(USE_GDC)
+        pdl_wait(USE_GDC)
+        if not LATE_TRIGGER:
+            pdl_trigger(USE_GDC)
         k_lo = tl.program_id(2) * k_split
         x_ptrs += k_lo
         w_ptrs += k_lo
@@ -168,6 +186,8 @@ def _skinny_linear_kernel(
                 y = acc.to(dt)
             out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
             tl.store(out_ptrs, y, mask=m_mask[:, None] & n_mask[None, :])
+        if LATE_TRIGGER:
+            pdl_trigger(USE_GDC)
 
 
 def skinny_linear(
@@ -189,6 +209,7 @@ def skinny_linear(
     assert x.dim() == 2 and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, x.stride(), weight.stride())
     assert x.shape[1] == k and k % tile.block_k == 0, (x.shape, weight.shape, tile)
     assert tile.block_m > 1 or m <= 1, (m, tile)
+    assert tile.block_m > 1 or not tile.late_trigger, "late_trigger: MMA tiles only"
     if gated:
         assert n % 2 == 0 and bias is None, "gated: weight rows gate | up, no bias"
         n //= 2
@@ -206,6 +227,7 @@ def skinny_linear(
         m, n, k, x.stride(0), weight.stride(0), out.stride(-2), k // split_k,
         GATED=gated, HAS_BIAS=bias is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_GDC=pdl, SPLIT_K=split_k,
+        LATE_TRIGGER=bool(tile.late_trigger),
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
@@ -255,12 +277,13 @@ def _largest_block_k(k: int, cap: int) -> int | None:
 # rows per program (twice the programs of 8) and gate_up's MMA tile with 4 stages instead of 5
 # took the step from 2.136-2.140 ms to 2.088-2.089 (o_proj + down at 4 rows: 2.103-2.106;
 # + gate_up: 2.094-2.103; + qkv: 2.088-2.089); 2 rows per program or 2 warps lost (2.109-2.113).
+# The gated MMA tiles trigger the next launch late (module docstring; s14-run6/7).
 TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
     (PLAIN, 5120, 3072): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, None), (32, None), (64, None)),
     (PLAIN, 3072, 3072): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, LinearTile(16, 32, 128, 4, 5)), (32, None), (64, None)),
     (PLAIN, 16384, 3072): ((1, None), (16, None), (32, None), (64, None)),
-    (GATED, 16384, 3072): ((1, LinearTile(16, 64, 128, 4, 4)), (16, LinearTile(16, 64, 128, 4, 5)),
-                           (32, LinearTile(32, 64, 128, 4, 5)), (64, LinearTile(64, 64, 64, 4, 5))),
+    (GATED, 16384, 3072): ((1, LinearTile(16, 64, 128, 4, 4, True)), (16, LinearTile(16, 64, 128, 4, 5, True)),
+                           (32, LinearTile(32, 64, 128, 4, 5, True)), (64, LinearTile(64, 64, 64, 4, 5, True))),
     (PLAIN, 3072, 8192): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, None), (32, None), (64, None)),
 }
 
@@ -274,10 +297,13 @@ TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
 # only gains at batch 8 (2.646 vs 2.706) and 64 (3.180 vs 3.206, down only), and loses at 16
 # (2.756 vs 2.650) and 32 (2.970 vs 2.920); so only those buckets split. o_proj at M = 64 in 2
 # splits of 64 x 64 x 128 tiles (s13-run12/13, alternated in the engine): batch 64 3.076 / 3.082 /
-# 3.084 ms against 3.104 / 3.096 / 3.101 with cuBLAS (s9's 4-split tile had lost).
+# 3.084 ms against 3.104 / 3.096 / 3.101 with cuBLAS (s9's 4-split tile had lost). The M <= 8 rows
+# trigger the next launch late (with the gated tiles: batch 8 2.539-2.552 ms against 2.637-2.663,
+# s14-run6/7); the M = 64 rows do not (all MMA tiles late, s14-run5: batch 64 3.115 against
+# 3.104-3.117, where only gate_up late gave 3.085).
 SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...]] = {
-    (3072, 3072): ((8, LinearTile(16, 64, 64, 4, 4), 8), (32, None, 1), (64, LinearTile(64, 64, 128, 4, 4), 2)),
-    (3072, 8192): ((8, LinearTile(16, 32, 128, 4, 4), 4), (32, None, 1), (64, LinearTile(64, 128, 128, 4, 4), 4)),
+    (3072, 3072): ((8, LinearTile(16, 64, 64, 4, 4, True), 8), (32, None, 1), (64, LinearTile(64, 64, 128, 4, 4), 2)),
+    (3072, 8192): ((8, LinearTile(16, 32, 128, 4, 4, True), 4), (32, None, 1), (64, LinearTile(64, 128, 128, 4, 4), 4)),
 }
 
 

@@ -12,6 +12,11 @@ it does so unconditionally. Then a kernel's completion implies its predecessor's
 down the chain, so reading a tensor written two or more kernels back is safe too. Weights are
 never written by a kernel, so a GEMM may load them before the wait (runner/triton_linear.py).
 
+`pdl_enter` is the usual form (wait, then trigger the next launch at once); a kernel may call
+`pdl_wait` and `pdl_trigger` apart to let the next kernel launch later (runner/triton_linear.py
+`LinearTile.late_trigger`): where the trigger sits only moves when the next kernel's programs
+start, never what they may read.
+
 Chosen once, at construction (`pdl_available`): CUDA capability >= 9 and not the Triton
 interpreter (which has no `griddepcontrol`). Launches carry the flag as `launch_pdl=...` and
 the kernels as a `USE_GDC` constexpr, always the same value.
@@ -34,8 +39,23 @@ def pdl_available(device: torch.device | str) -> bool:
 
 
 @triton.jit
-def pdl_enter(USE_GDC: tl.constexpr):
-    """Wait for the previous kernel's memory, then let the next kernel launch (no-op off PDL)."""
+def pdl_wait(USE_GDC: tl.constexpr):
+    """Wait for the previous kernel's memory (no-op off PDL)."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_trigger(USE_GDC: tl.constexpr):
+    """Let the next kernel launch once every program of this one has called it or exited (no-op
+    off PDL). Its placement only moves when the next kernel's programs start; they still wait
+    for this kernel's completion before reading what it writes."""
+    if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_enter(USE_GDC: tl.constexpr):
+    """Wait for the previous kernel's memory, then let the next kernel launch (no-op off PDL)."""
+    pdl_wait(USE_GDC)
+    pdl_trigger(USE_GDC)

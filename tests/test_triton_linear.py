@@ -169,6 +169,19 @@ def test_split_k_partials_sum_to_the_gemm(m, split):
         torch.testing.assert_close(one[:, 0], parts[:, -1], atol=1e-6, rtol=1e-6)
 
 
+def test_late_trigger_only_on_mma_tiles():
+    """A GEMV must trigger right after its wait (the split attention after qkv prefetches under
+    its tail), so a GEMV tile with late_trigger is refused; an MMA tile with it computes what the
+    same tile without it computes (the trigger orders launches, not values)."""
+    x, w, _ = _inputs(1)
+    with pytest.raises(AssertionError, match="late_trigger"):
+        skinny_linear(x, w, None, LinearTile(1, 16, 64, 4, 1, late_trigger=True))
+    x, w, b = _inputs(5)
+    late = skinny_linear(x, w, b, LinearTile(16, 32, 64, 4, 2, late_trigger=True))
+    assert torch.equal(late, skinny_linear(x, w, b, LinearTile(16, 32, 64, 4, 2)))
+    assert all(t.late_trigger for _, t in TUNED[(GATED, 16384, 3072)])
+
+
 @pytest.mark.parametrize("m", [64, 40])
 def test_tuned_split_rows_sum_to_the_gemm(m):
     """Every SPLIT_TUNED tile with its split count (at a K it divides) against the fp32 GEMM:
@@ -198,7 +211,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
             if split > 1 and tile.block_m == 1:
                 continue
             consts = dict(GATED=gated, HAS_BIAS=bias, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                          BLOCK_K=tile.block_k, USE_GDC=True, SPLIT_K=split)
+                          BLOCK_K=tile.block_k, USE_GDC=True, SPLIT_K=split,
+                          LATE_TRIGGER=tile.block_m > 1 and gated)
             sig_ = dict(sig, out_ptr="*fp32") if split > 1 else sig
             compile_sm90(m._skinny_linear_kernel, sig_, consts, num_warps=tile.num_warps,
                          num_stages=tile.num_stages, launch_pdl=True)
