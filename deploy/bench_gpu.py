@@ -259,14 +259,21 @@ def render_critical_path(chain: dict, batch: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parse_tile(fields: list[int]) -> "LinearTile":
+    """bm, bn, bk, warps, stages[, late_trigger 0/1] -> LinearTile (late_trigger as the bool it is)."""
+    from runner.triton_linear import LinearTile
+
+    return LinearTile(*fields[:5], *(bool(f) for f in fields[5:]))
+
+
 def parse_tile_override(item: str) -> tuple[tuple[int, int, int], int, "LinearTile | None"]:
-    """'tile:KIND:N:K:MAX_M=bm/bn/bk/warps/stages' (or '=none': cuBLAS) -> the TUNED key, the
-    row's max_m and its tile; KIND is plain or gated."""
-    from runner.triton_linear import GATED, PLAIN, LinearTile
+    """'tile:KIND:N:K:MAX_M=bm/bn/bk/warps/stages[/late]' (or '=none': cuBLAS) -> the TUNED key,
+    the row's max_m and its tile; KIND is plain or gated."""
+    from runner.triton_linear import GATED, PLAIN
 
     lhs, rhs = item.removeprefix("tile:").split("=")
     kind, n, k, max_m = lhs.split(":")
-    tile = None if rhs == "none" else LinearTile(*map(int, rhs.split("/")))
+    tile = None if rhs == "none" else parse_tile([int(f) for f in rhs.split("/")])
     return ({"plain": PLAIN, "gated": GATED}[kind], int(n), int(k)), int(max_m), tile
 
 
@@ -308,10 +315,8 @@ def skip_op(model, name: str) -> None:
 
 
 def parse_split_override(item: str) -> tuple[tuple[int, int], tuple]:
-    """'split:N:K=MAX_M:bm/bn/bk/warps/stages/splits+MAX_M:none+...' -> the SPLIT_TUNED key and
-    its rows (all of them, in increasing MAX_M; 'none': not split up to that M)."""
-    from runner.triton_linear import LinearTile
-
+    """'split:N:K=MAX_M:bm/bn/bk/warps/stages[/late]/splits+MAX_M:none+...' -> the SPLIT_TUNED key
+    and its rows (all of them, in increasing MAX_M; 'none': not split up to that M)."""
     lhs, rhs = item.removeprefix("split:").split("=")
     n, k = map(int, lhs.split(":"))
     rows = []
@@ -321,7 +326,7 @@ def parse_split_override(item: str) -> tuple[tuple[int, int], tuple]:
             rows.append((int(max_m), None, 1))
         else:
             *t, splits = map(int, spec.split("/"))
-            rows.append((int(max_m), LinearTile(*t), splits))
+            rows.append((int(max_m), parse_tile(t), splits))
     return (n, k), tuple(rows)
 
 

@@ -227,7 +227,7 @@ def skinny_linear(
         m, n, k, x.stride(0), weight.stride(0), out.stride(-2), k // split_k,
         GATED=gated, HAS_BIAS=bias is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_GDC=pdl, SPLIT_K=split_k,
-        LATE_TRIGGER=bool(tile.late_trigger),
+        LATE_TRIGGER=tile.late_trigger,
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
@@ -298,9 +298,8 @@ TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
 # (2.756 vs 2.650) and 32 (2.970 vs 2.920); so only those buckets split. o_proj at M = 64 in 2
 # splits of 64 x 64 x 128 tiles (s13-run12/13, alternated in the engine): batch 64 3.076 / 3.082 /
 # 3.084 ms against 3.104 / 3.096 / 3.101 with cuBLAS (s9's 4-split tile had lost). The M <= 8 rows
-# trigger the next launch late (with the gated tiles: batch 8 2.539-2.552 ms against 2.637-2.663,
-# s14-run6/7); the M = 64 rows do not (all MMA tiles late, s14-run5: batch 64 3.115 against
-# 3.104-3.117, where only gate_up late gave 3.085).
+# trigger the next launch late (module docstring); the M = 64 rows do not (every MMA tile late:
+# batch 64 3.115 ms against 3.104-3.117, s14-run5).
 SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...]] = {
     (3072, 3072): ((8, LinearTile(16, 64, 64, 4, 4, True), 8), (32, None, 1), (64, LinearTile(64, 64, 128, 4, 4), 2)),
     (3072, 8192): ((8, LinearTile(16, 32, 128, 4, 4, True), 4), (32, None, 1), (64, LinearTile(64, 128, 128, 4, 4), 4)),
