@@ -73,9 +73,7 @@ ORPHEUS_3B = {
 }
 BATCHES = [1, 8, 32, 64, 128, 256]
 # RunnerConfig kernel options of every engine this run builds (--skinny-linear, --pdl, ...)
-CACHE = {"block_size": 16}  # KV cache block size (tokens) of the engine sections; variants override it
-KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "attention_prefetch": True, "split_k": True,
-           "kv_head_major": False}
+KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "attention_prefetch": True, "split_k": True}
 PROMPT, NEW = 100, 500
 
 
@@ -107,8 +105,7 @@ def engine_config(max_seqs: int, graphs: bool, async_sched: bool) -> EngineConfi
     m = ModelConfig.from_dict(ORPHEUS_3B, "orpheus-3b-random")
     return EngineConfig(
         model=m,
-        cache=CacheConfig(block_size=CACHE["block_size"],
-                          num_blocks=max_seqs * ((PROMPT + NEW) // CACHE["block_size"] + 2) + 64),
+        cache=CacheConfig(block_size=16, num_blocks=max_seqs * ((PROMPT + NEW) // 16 + 2) + 64),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=8192, max_model_len=2048,
                                   async_scheduling=async_sched),
         runner=RunnerConfig(device="cuda", dtype="bfloat16", cuda_graphs=graphs, max_graph_batch_size=max_seqs,
@@ -339,8 +336,7 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     overrides and tile-table rows, e.g. "default;rope_in_attention=0;tile:plain:3072:3072:1=1/8/1024/4/1";
     `split:N:K=...` replaces a SPLIT_TUNED entry (parse_split_override);
     `swept` takes TUNED from this run's gemm sweep (`swept`, its "tuned" rows); `skip=OP`
-    times the step without one per-layer op (skip_op: its critical-path cost); `block_size=N`
-    sets the KV cache block size; `kv_head_major=1` the head-major cache; `attn:NAME=INT`
+    times the step without one per-layer op (skip_op: its critical-path cost); `attn:NAME=INT`
     sets a constant of runner/triton_attention.py (e.g. PREFETCH_MIN_SPLITS); `attn_splits=N`
     fixes the decode attention's split count at every batch size; `fp32_greedy` takes greedy ids
     as argmax over the fp32 logits copy (the path before greedy_ids, s12 and earlier)."""
@@ -350,17 +346,15 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     from runner.sampling_params import SamplingParams
 
     base = dict(KERNELS)
-    base_block = CACHE["block_size"]
     base_tuned = dict(triton_linear.TUNED)
     base_split = dict(triton_linear.SPLIT_TUNED)
-    base_attn = {"PREFETCH_MIN_SPLITS": triton_attention.PREFETCH_MIN_SPLITS, "HEADS_FIRST": triton_attention.HEADS_FIRST}
+    base_attn = {"PREFETCH_MIN_SPLITS": triton_attention.PREFETCH_MIN_SPLITS}
 
     def reset() -> None:  # every variant starts from the run's options, and the run ends there
         for name, value in base_attn.items():
             setattr(triton_attention, name, value)
         KERNELS.clear()
         KERNELS.update(base)
-        CACHE["block_size"] = base_block
         triton_linear.TUNED.clear()
         triton_linear.TUNED.update(base_tuned)
         triton_linear.SPLIT_TUNED.clear()
@@ -393,8 +387,6 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
                     if name not in base_attn:
                         raise ValueError(f"attn:{name}: not one of {sorted(base_attn)}")
                     setattr(triton_attention, name, int(value))
-                elif kv.startswith("block_size="):
-                    CACHE["block_size"] = int(kv.removeprefix("block_size="))
                 elif kv.startswith("attn_splits="):
                     attn_splits = int(kv.removeprefix("attn_splits="))
                 elif kv != "default":
@@ -421,83 +413,65 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
 ATTN_TILES = [(64, 4, 3), (32, 4, 3), (32, 4, 4), (16, 4, 4), (64, 4, 2), (64, 8, 3), (128, 4, 2), (128, 8, 3)]
 
 
-def run_attn_sweep(batches=(1, 64), ctxs=(135, 350, 600), layers: int = 28, max_model_len: int = 2048,
-                   tiles=ATTN_TILES, all_splits: bool = True, layouts=("tok16",), orders=(0,)) -> dict:
+def run_attn_sweep(batches=(1, 64), ctxs=(135, 350, 600), layers: int = 28, table_width: int = 128,
+                   tiles=ATTN_TILES, all_splits: bool = True) -> dict:
     """Decode attention kernel alone (runner/triton_attention.py), Orpheus heads (24/8, D 128,
-    bf16), every sequence at `ctx` tokens with scrambled block tables, one cache per layer (a
-    graph of `layers` launches, so KV comes from HBM as in a step), block tables as wide as the
-    engine's graphs (max_model_len / block size; the split count follows the width): us per
-    launch and TB/s of live KV bytes, per (block_n, warps, stages, splits) variant, each also
-    with the fused RoPE + KV write.
-
-    `layouts`: cache layouts, "tokBS" (the engine's [2, NB, BS, Hkv, D]: a token's KV heads
-    adjacent) or "headBS" (stored [2, NB, Hkv, BS, D], one head's block contiguous, passed as the
-    permuted view, which the kernel addresses through its strides), BS the block size in tokens.
-    `orders`: triton_attention.HEADS_FIRST values (program order of the grid)."""
+    bf16, block 16), every sequence at `ctx` tokens with scrambled block tables, one cache per
+    layer (a graph of `layers` launches, so KV comes from HBM as in a step), block tables as wide
+    as the engine's graphs (max_model_len 2048 / block 16; the split count follows the width):
+    us per launch and TB/s of live KV bytes, per (block_n, warps, stages, splits) variant, each
+    also with the fused RoPE + KV write."""
     from bench_gemm import _time_graph
 
-    from runner import triton_attention
     from runner.models.llama import RotaryEmbedding
     from runner.triton_attention import DecodeRope, paged_decode_attention
 
-    hq, hkv, d = 24, 8, 128
+    hq, hkv, d, bs = 24, 8, 128, 16
     rot = RotaryEmbedding(d, 2048, RopeConfig(theta=ORPHEUS_3B["rope_theta"]))
     cos, sin = rot.cos.cuda(), rot.sin.cuda()
-    base_order = triton_attention.HEADS_FIRST
     out = {}
-    try:
-        for B in batches:
-            for ctx in ctxs:
-                res = {}
-                for layout in layouts:
-                    head_major, bs = layout.startswith("head"), int(layout.removeprefix("head").removeprefix("tok"))
-                    nblk = -(-ctx // bs)
-                    g = torch.Generator().manual_seed(ctx)
-                    caches, tables = [], []
-                    for _ in range(layers):
-                        if head_major:
-                            c = torch.randn(2, B * nblk + 1, hkv, bs, d, device="cuda", dtype=torch.bfloat16)
-                            caches.append(c.permute(0, 1, 3, 2, 4))
-                        else:
-                            caches.append(torch.randn(2, B * nblk + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16))
-                        t = torch.zeros(B, max(nblk, max_model_len // bs), dtype=torch.int32)  # graph tables are full width
-                        t[:, :nblk] = (torch.randperm(B * nblk, generator=g) + 1).view(B, nblk)
-                        tables.append(t.cuda())
-                    seq_lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-                    q = torch.randn(B, hq, d, device="cuda", dtype=torch.bfloat16)
-                    kvbytes = B * ctx * hkv * d * 2 * 2
-                    pos = seq_lens.long() - 1
-                    slots = tables[0][:, nblk - 1].long() * bs + (ctx - 1) % bs
-                    k = torch.randn(B, hkv, d, device="cuda", dtype=torch.bfloat16)
-                    v = torch.randn_like(k)
-                    splits_opts = [None] if not all_splits else [None, 1, 2, 4, 8, 16] if B * hkv < 132 else [None, 2]
-                    for order in orders:
-                        triton_attention.HEADS_FIRST = order
-                        for bn, w, st in tiles:
-                            for sp in splits_opts:
-                                for fused in (False, True):
-                                    rope = DecodeRope(k, v, cos, sin, pos, slots) if fused else None
+    for B in batches:
+        for ctx in ctxs:
+            nblk = -(-ctx // bs)
+            g = torch.Generator().manual_seed(ctx)
+            caches, tables = [], []
+            for _ in range(layers):
+                caches.append(torch.randn(2, B * nblk + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16))
+                t = torch.zeros(B, max(nblk, table_width), dtype=torch.int32)  # graph tables are full width
+                t[:, :nblk] = (torch.randperm(B * nblk, generator=g) + 1).view(B, nblk)
+                tables.append(t.cuda())
+            seq_lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+            q = torch.randn(B, hq, d, device="cuda", dtype=torch.bfloat16)
+            kvbytes = B * ctx * hkv * d * 2 * 2
+            pos = seq_lens.long() - 1
+            slots = tables[0][:, -1].long() * bs + (ctx - 1) % bs
+            k = torch.randn(B, hkv, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            splits_opts = [None] if not all_splits else [None, 1, 2, 4, 8, 16] if B * hkv < 132 else [None, 2]
+            res = {}
+            for bn, w, st in tiles:
+                for sp in splits_opts:
+                    for fused in (False, True):
+                        rope = DecodeRope(k, v, cos, sin, pos, slots) if fused else None
 
-                                    def fn(i, bn=bn, w=w, st=st, sp=sp, rope=rope):
-                                        paged_decode_attention(q, caches[i], tables[i], seq_lens, d**-0.5, block_n=bn or None,
-                                                               num_warps=w, num_stages=st, num_splits=sp, rope=rope)
-                                    try:
-                                        us = _time_graph(fn, layers, launches=layers)
-                                    except Exception as e:  # noqa: BLE001 - a variant that does not fit is a result
-                                        log(f"  attn B={B} ctx={ctx} {layout} o{order} {bn},{w},{st} s{sp}: {type(e).__name__}")
-                                        continue
-                                    key = (f"{layout} o{order} " if (layouts, orders) != (("tok16",), (0,)) else "") + \
-                                        f"bn{bn} w{w} st{st} s{sp or 'auto'}" + (" +rope" if fused else "")
-                                    res[key] = {"us": us, "TBps": kvbytes / us / 1e6}
-                    del caches
-                    torch.cuda.empty_cache()
-                best = min((kk for kk in res if "rope" not in kk), key=lambda kk: res[kk]["us"])
-                best_r = min((kk for kk in res if "rope" in kk), key=lambda kk: res[kk]["us"])
-                out[f"B{B}_ctx{ctx}"] = {"kv_bytes": kvbytes, "best": best, "best_rope": best_r, "variants": res}
-                log(f"  attn B={B} ctx={ctx}: " + ", ".join(f"{kk} {vv['us']:.1f}" for kk, vv in res.items())
-                    + f"; best {best}, best with rope {best_r} {res[best_r]['us']:.1f} us")
-    finally:
-        triton_attention.HEADS_FIRST = base_order
+                        def fn(i, bn=bn, w=w, st=st, sp=sp, rope=rope):
+                            paged_decode_attention(q, caches[i], tables[i], seq_lens, d**-0.5, block_n=bn or None,
+                                                   num_warps=w, num_stages=st, num_splits=sp, rope=rope)
+                        try:
+                            us = _time_graph(fn, layers, launches=layers)
+                        except Exception as e:  # noqa: BLE001 - a variant that does not fit is a result
+                            log(f"  attn B={B} ctx={ctx} {bn},{w},{st} s{sp}: {type(e).__name__}")
+                            continue
+                        key = f"bn{bn} w{w} st{st} s{sp or 'auto'}" + (" +rope" if fused else "")
+                        res[key] = {"us": us, "TBps": kvbytes / us / 1e6}
+            best = min((kk for kk in res if "rope" not in kk), key=lambda kk: res[kk]["us"])
+            best_r = min((kk for kk in res if "rope" in kk), key=lambda kk: res[kk]["us"])
+            out[f"B{B}_ctx{ctx}"] = {"kv_bytes": kvbytes, "best": best, "best_rope": best_r, "variants": res}
+            log(f"  attn B={B} ctx={ctx}: " + ", ".join(f"{kk} {vv['us']:.1f}" for kk, vv in res.items()
+                                                      if kk.split(" +")[0] in (best, f"bn{tiles[0][0]} w{tiles[0][1]} st{tiles[0][2]} sauto"))
+                + f"; best {best}, best with rope {best_r} {res[best_r]['us']:.1f} us")
+            del caches
+            torch.cuda.empty_cache()
     return out
 
 
@@ -1042,10 +1016,6 @@ def main() -> int:
     ap.add_argument("--pdl", type=int, default=1, help="0: no programmatic dependent launch (A/B)")
     ap.add_argument("--rope-in-attention", type=int, default=1, help="0: RoPE + KV write in their own launch (A/B)")
     ap.add_argument("--attn-tiles", default="", help="attn section: 'bn,warps,stages;...' at the automatic split only")
-    ap.add_argument("--attn-batches", default="1,64", help="attn section: batch sizes")
-    ap.add_argument("--attn-ctxs", default="135,350,600", help="attn section: context lengths")
-    ap.add_argument("--attn-layouts", default="tok16", help="attn section: cache layouts, tokBS / headBS (run_attn_sweep)")
-    ap.add_argument("--attn-orders", default="0", help="attn section: triton_attention.HEADS_FIRST values")
     ap.add_argument("--split-k", type=int, default=1, help="0: o_proj / down never as split-K partials (A/B)")
     ap.add_argument("--prefill-warm-up", type=int, default=1,
                     help="0: Engine.warm_up skips warm_up_eager_prefill (A/B of the first_use section; run each in its own process)")
@@ -1090,10 +1060,7 @@ def main() -> int:
         log(tuned_literal(res["gemm"]["tuned"]))
     if "attn" in secs:
         tiles = [tuple(int(x) for x in t.split(",")) for t in args.attn_tiles.split(";")] if args.attn_tiles else ATTN_TILES
-        res["attn"] = run_attn_sweep(batches=[int(b) for b in args.attn_batches.split(",")],
-                                     ctxs=[int(c) for c in args.attn_ctxs.split(",")], tiles=tiles,
-                                     all_splits=not args.attn_tiles, layouts=args.attn_layouts.split(","),
-                                     orders=[int(o) for o in args.attn_orders.split(",")])
+        res["attn"] = run_attn_sweep(tiles=tiles, all_splits=not args.attn_tiles)
     if "splitk" in secs:
         from bench_gemm import run_splitk_sweep
 

@@ -62,25 +62,15 @@ class AttentionMetadata:
 
 
 def allocate_kv_cache(
-    cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device | str, dtype: torch.dtype,
-    head_major: bool = False,
+    cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device | str, dtype: torch.dtype
 ) -> list[torch.Tensor]:
     """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
-
-    `head_major`: stored as [2, num_blocks, num_kv_heads, block_size, head_dim] (one KV head's
-    block contiguous) and returned as the permuted view with the shape above, so every reader
-    indexes it the same way and only the strides differ: a decode program (one sequence, one KV
-    head) then reads block_size * head_dim contiguous elements per block instead of one
-    head_dim row per token, every other row belonging to the other heads.
 
     Zero-filled on purpose: the torch backend gathers whole blocks (and block 0 for padded
     block-table entries) and relies on masking; a masked position still multiplies its V by a
     zero probability, so an uninitialised NaN there would poison the output. Every value ever
     written afterwards comes from the model and is finite.
     """
-    if head_major:
-        shape = (2, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
-        return [torch.zeros(shape, device=device, dtype=dtype).permute(0, 1, 3, 2, 4) for _ in range(cfg.num_layers)]
     shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     return [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
 
@@ -106,10 +96,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     Every slot must be a real slot of the cache (no -1 sentinels): padding rows of a captured
     batch must point at a scratch block the allocator never hands out.
     """
-    bs = kv_cache.shape[2]
-    where = (slot_mapping // bs, slot_mapping % bs)  # (block, offset): any cache layout (allocate_kv_cache)
-    kv_cache[0].index_put_(where, k.to(kv_cache.dtype))
-    kv_cache[1].index_put_(where, v.to(kv_cache.dtype))
+    _, nb, bs, hkv, d = kv_cache.shape
+    flat = kv_cache.view(2, nb * bs, hkv, d)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
 class TorchPagedAttention:
@@ -144,20 +134,21 @@ class TorchPagedAttention:
         write_kv(k, v, kv_cache, meta.slot_mapping)
 
         t, hq, d = q.shape
-        bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
+        _, nb, bs, hkv, _ = kv_cache.shape
         group = hq // hkv
         b = meta.seq_lens.shape[0]
         max_q, max_s = meta.max_query_len, meta.max_seq_len
         dev = q.device
 
-        # Gather KV: position s of sequence b is at block block_tables[b, s // bs], offset s % bs.
+        # Gather KV: flat slot of position s of sequence b = block_tables[b, s // bs] * bs + s % bs.
         # Positions >= seq_len read whatever is in the slot (block 0 for padded table entries);
         # the mask hides them.
         pos_k = torch.arange(max_s, device=dev)  # [S]
         blocks = meta.block_tables[:, pos_k // bs].long()  # [B, S]
-        offs = pos_k % bs  # [S]
-        k_pad = kv_cache[0][blocks, offs]  # [B, S, Hkv, D]
-        v_pad = kv_cache[1][blocks, offs]
+        slots = blocks * bs + (pos_k % bs)  # [B, S]
+        flat = kv_cache.view(2, nb * bs, hkv, d)
+        k_pad = flat[0][slots]  # [B, S, Hkv, D]
+        v_pad = flat[1][slots]
 
         # Where each flattened token goes in the padded query batch.
         qsl = meta.query_start_loc.long()

@@ -158,8 +158,7 @@ class ModelRunner:
         self.block_size = cfg.cache.block_size
         self.max_blocks_per_seq = -(-cfg.scheduler.max_model_len // self.block_size)
         # one extra block at index num_blocks: the scratch block padded graph rows write into
-        self.kv_caches = allocate_kv_cache(cfg.model, num_blocks + 1, self.block_size, self.device, self.dtype,
-                                           head_major=cfg.runner.kv_head_major)
+        self.kv_caches = allocate_kv_cache(cfg.model, num_blocks + 1, self.block_size, self.device, self.dtype)
         S = cfg.scheduler.max_num_seqs
         self.sampler = Sampler(self.device, backend=cfg.runner.sampler_backend)
         self.slots = SlotState(S, cfg.model.vocab_size, cfg.scheduler.max_model_len, self.device, backend=self.sampler.backend)

@@ -184,14 +184,9 @@ def _paged_decode_kernel(
     FOLD_CURRENT: tl.constexpr,  # FUSED_ROPE and split: the current token joins after the loop
     # FOLD_CURRENT only: everything but q and this token's k/v is loaded before the PDL wait
     PREFETCH: tl.constexpr,
-    HEADS_FIRST: tl.constexpr = False,  # grid (Hkv, B, S) instead of (B, Hkv, S)
 ):
-    if HEADS_FIRST:  # grid (Hkv, B, S): the KV heads of a sequence run side by side
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
     offs_g = tl.arange(0, GROUP_P)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -381,11 +376,6 @@ def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
 # cost 3.37 against 3.16 ms, and that form was removed.
 PREFETCH_MIN_SPLITS = 32
 
-# Program order of the decode grid: 1 launches (Hkv, B, S), so the programs that run side by
-# side read the same tokens' rows of different KV heads (token-major cache: one token's heads
-# are adjacent in memory); 0 launches (B, Hkv, S). Bench variants override it.
-HEADS_FIRST = 0
-
 
 def prefetches(num_splits: int) -> bool:
     """Whether a fused-RoPE decode launch with `num_splits` splits issues its block-table, first
@@ -487,8 +477,7 @@ def paged_decode_attention(
         rope_args = (q, q, q, q, seq_lens, seq_lens, 0, 0, 0, 0, 0, 0, 1)  # never touched
     stages = num_stages or _NUM_STAGES
     fold = rope is not None and splits > 1
-    heads_first = bool(HEADS_FIRST)
-    _paged_decode_kernel[(hkv, bsz, splits) if heads_first else (bsz, hkv, splits)](
+    _paged_decode_kernel[(bsz, hkv, splits)](
         q, kv_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
         scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
@@ -500,7 +489,7 @@ def paged_decode_attention(
         NUM_SPLITS=splits, DOT_PREC=dot_prec, LOOP_STAGES=stages,
         num_warps=num_warps or _NUM_WARPS, num_stages=stages, USE_GDC=pdl, launch_pdl=pdl,
         FUSED_ROPE=rope is not None, ROUND=q.dtype != torch.float32, FOLD_CURRENT=fold,
-        PREFETCH=fold and prefetch and prefetches(splits), HEADS_FIRST=heads_first,
+        PREFETCH=fold and prefetch and prefetches(splits),
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(bsz, hq)](

@@ -193,8 +193,8 @@ def _rope_kernel(
     cos_ptr,  # [P, D] fp32; only columns [0, D/2) are read (the table is cat(f, f))
     sin_ptr,
     pos_ptr,  # [T] int
-    kv_ptr,  # [2, NB, BS, Hkv, D] (any strides but D's)   written only when WRITE_KV
-    slot_ptr,  # [T] int64 flat slots (block * BS + offset)  read only when WRITE_KV
+    kv_ptr,  # [2, NB*BS, Hkv, D]      written only when WRITE_KV
+    slot_ptr,  # [T] int64 flat slots  read only when WRITE_KV
     stride_qt,
     stride_qh,
     stride_kt,
@@ -204,8 +204,7 @@ def _rope_kernel(
     stride_cos,
     stride_sin,
     stride_kv,  # K -> V distance in the cache (may exceed int32; triton then types it int64)
-    stride_blk,
-    stride_tok,
+    stride_slot,
     stride_kvh,
     max_pos,
     HQ: tl.constexpr,
@@ -217,7 +216,6 @@ def _rope_kernel(
     ROUND: tl.constexpr,
     WRITE_KV: tl.constexpr,
     USE_GDC: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,  # cache block size (tokens)
 ):
     pdl_enter(USE_GDC)
     t = tl.program_id(0).to(tl.int64)  # one program per token: all its q and k heads
@@ -243,8 +241,7 @@ def _rope_kernel(
     if WRITE_KV:
         # The cache write of runner.attention.write_kv, from registers: rotated k, then v.
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        dst = (kv_ptr + (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_tok
-               + offs_hk[:, None] * stride_kvh + offs_d[None, :])
+        dst = kv_ptr + slot * stride_slot + offs_hk[:, None] * stride_kvh + offs_d[None, :]
         ety = kv_ptr.dtype.element_ty
         tl.store(dst, k1.to(ety), mask=k_mask)
         tl.store(dst + HALF, k2.to(ety), mask=k_mask)
@@ -342,23 +339,24 @@ def rope_(
     if write:
         assert v is not None and slot_mapping is not None
         assert v.shape == k.shape and v.stride(2) == 1 and slot_mapping.shape == (t,)
-        _, _, bs, hkv_c, d_c = kv_cache.shape
-        assert (hkv_c, d_c) == (hkv, d) and kv_cache.stride(4) == 1, (kv_cache.shape, kv_cache.stride(), k.shape)
-        kv_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
+        _, nb, bs, hkv_c, d_c = kv_cache.shape
+        assert (hkv_c, d_c) == (hkv, d), (kv_cache.shape, k.shape)
+        flat = kv_cache.view(2, nb * bs, hkv, d)  # needs contiguous blocks, like write_kv
+        assert flat.stride(3) == 1
+        kv_strides = (flat.stride(0), flat.stride(1), flat.stride(2))
         v_strides = (v.stride(0), v.stride(1))
     else:
-        kv_cache, v, slot_mapping, bs = q, q, positions, 1  # never touched (WRITE_KV False)
-        kv_strides, v_strides = (0, 0, 0, 0), (0, 0)
+        flat, v, slot_mapping = q, q, positions  # never touched (WRITE_KV False)
+        kv_strides, v_strides = (0, 0, 0), (0, 0)
     if t:
         half = d // 2
         _rope_kernel[(t,)](
-            q, k, v, cos, sin, positions, kv_cache, slot_mapping,
+            q, k, v, cos, sin, positions, flat, slot_mapping,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), *v_strides,
             cos.stride(0), sin.stride(0), *kv_strides, cos.shape[0],
             HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq), HKV_P=triton.next_power_of_2(hkv),
             HALF=half, HALF_P=triton.next_power_of_2(half),
             ROUND=q.dtype != torch.float32, WRITE_KV=write, num_warps=4, USE_GDC=pdl, launch_pdl=pdl,
-            BLOCK_SIZE=bs,
         )  # fmt: skip
     return q, k
 

@@ -106,6 +106,7 @@ def _skinny_linear_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    k_split,  # SPLIT_K: K range of one split (a multiple of BLOCK_K)
     GATED: tl.constexpr,  # out = silu(x @ Wgate^T) * (x @ Wup^T)
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -154,19 +155,18 @@ def _skinny_linear_kernel(
             y = acc.to(dt)
         tl.store(out_ptr + offs_n, y, mask=n_mask)
     else:
-        # MMA. Split s (SPLIT_K > 1) sums its K range (split_bounds: the K slices
-        # [s * KB // S, (s + 1) * KB // S) of KB = K / BLOCK_K, so S need not divide KB) into its
+        # MMA. Split s (SPLIT_K > 1) sums the K range [s * k_split, (s + 1) * k_split) into its
         # own fp32 partial, which the consumer adds in split order (deterministic, no atomics);
-        # unsplit, the range is all of K. One K loop for both, so both round the same way.
+        # unsplit, k_split == K. One K loop for both, so both round the same way.
         pdl_wait(USE_GDC)
         if not LATE_TRIGGER:
             pdl_trigger(USE_GDC)
-        n_slices = K // BLOCK_K
-        k_lo = (tl.program_id(2) * n_slices // SPLIT_K) * BLOCK_K
-        k_hi = ((tl.program_id(2) + 1) * n_slices // SPLIT_K) * BLOCK_K
+        k_lo = tl.program_id(2) * k_split
+        x_ptrs += k_lo
+        w_ptrs += k_lo
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for k0 in range(0, k_split, BLOCK_K):
             a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)  # [BM, BK]
             w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)  # [BN, BK]
             acc = tl.dot(a, tl.trans(w), acc)
@@ -215,7 +215,7 @@ def skinny_linear(
         n //= 2
     if split_k > 1:
         assert not gated and bias is None and tile.block_m > 1, "split-K: plain GEMM, no bias, MMA tile"
-        assert split_k <= k // tile.block_k, (k, split_k, tile)  # no empty split
+        assert k % (split_k * tile.block_k) == 0, (k, split_k, tile)
         out = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32)
     else:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -224,22 +224,13 @@ def skinny_linear(
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split_k)
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(-2),
+        m, n, k, x.stride(0), weight.stride(0), out.stride(-2), k // split_k,
         GATED=gated, HAS_BIAS=bias is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_GDC=pdl, SPLIT_K=split_k,
         LATE_TRIGGER=tile.late_trigger,
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
-
-
-def split_bounds(k: int, block_k: int, splits: int) -> list[tuple[int, int]]:
-    """The K range [lo, hi) of each split of a split-K launch: K's block_k-wide slices dealt out
-    in order, split s taking slices [s * KB // S, (s + 1) * KB // S) (KB = k / block_k), so the
-    splits differ by at most one slice and S need not divide KB (e.g. 5 or 11 splits, to fill
-    the SMs with a grid that is not a power of two)."""
-    kb = k // block_k
-    return [(s * kb // splits * block_k, (s + 1) * kb // splits * block_k) for s in range(splits)]
 
 
 class Partials(NamedTuple):
@@ -298,8 +289,8 @@ TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
 
 
 # Split-K GEMMs whose output goes straight into the add + RMSNorm (o_proj, down): (N, K) ->
-# ((max_m, tile or None, splits), ...) in increasing max_m; None, or an M past the last row: not
-# split (TUNED's tile, or cuBLAS; M = 1 keeps the GEMV so far). In the GEMM sweep
+# ((max_m, tile or None, splits), ...) in increasing max_m, only for 1 < M (M = 1 keeps the
+# GEMV, or cuBLAS); None, or an M past the last row: not split. In the GEMM sweep
 # (`bench_gpu.py --sections splitk`, s6-run1) split-K beat cuBLAS / the unsplit tile at every
 # M from 16 to 64 (o_proj M = 16: 7.2 vs 9.4 us; down M = 16 / 32 / 64: 15.1 / 16.1 / 16.9 vs
 # 18.7 / 18.9 / 18.7), but the engine step (s6-run5/6, the same run twice, ms with and without)
@@ -310,17 +301,15 @@ TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
 # trigger the next launch late (module docstring); the M = 64 rows do not (every MMA tile late:
 # batch 64 3.115 ms against 3.104-3.117, s14-run5).
 SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...]] = {
-    (3072, 3072): ((1, None, 1), (8, LinearTile(16, 64, 64, 4, 4, True), 8), (32, None, 1),
-                   (64, LinearTile(64, 64, 128, 4, 4), 2)),
-    (3072, 8192): ((1, None, 1), (8, LinearTile(16, 32, 128, 4, 4, True), 4), (32, None, 1),
-                   (64, LinearTile(64, 128, 128, 4, 4), 4)),
+    (3072, 3072): ((8, LinearTile(16, 64, 64, 4, 4, True), 8), (32, None, 1), (64, LinearTile(64, 64, 128, 4, 4), 2)),
+    (3072, 8192): ((8, LinearTile(16, 32, 128, 4, 4, True), 4), (32, None, 1), (64, LinearTile(64, 128, 128, 4, 4), 4)),
 }
 
 
 def split_tile_for(n: int, k: int, m: int) -> tuple[LinearTile, int] | None:
     """(tile, splits) for a plain GEMM [n, k] of m rows whose consumer sums partials, or None.
     Thresholds at graph bucket sizes, like tile_for."""
-    if m < 1:
+    if m <= 1:
         return None
     for max_m, tile, splits in SPLIT_TUNED.get((n, k), ()):
         if m <= max_m:

@@ -145,22 +145,6 @@ def test_async_scheduling_gives_identical_tokens(llama_path):
     assert [len(x) for x in a] == [s.max_tokens for s in SAMPLED]
 
 
-def test_head_major_kv_cache_gives_identical_tokens(llama_path):
-    """RunnerConfig.kv_head_major stores each layer's cache head-major behind the same view:
-    prefill, chunked prefill, decode and prefix-cache hits read and write the same values, so
-    the tokens (sampled ones included) are those of the token-major cache."""
-    from dataclasses import replace
-
-    prompts = prompts_of([5, 9, 14, 21, 9], 512, seed=6)
-    prompts[4] = prompts[3][:16] + prompts[4]  # a prefix-cache hit on r3's blocks
-    ref_engine = make_engine(llama_path)
-    cfg = ref_engine.cfg
-    head = Engine(cfg.with_(runner=replace(cfg.runner, kv_head_major=True)))
-    assert not head.runner.kv_caches[0].is_contiguous() and ref_engine.runner.kv_caches[0].is_contiguous()
-    assert run_staggered(head, prompts, SAMPLED + SAMPLED[:1]) == run_staggered(ref_engine, prompts, SAMPLED + SAMPLED[:1])
-    assert head.blocks.hit_tokens_total > 0
-
-
 def test_all_greedy_steps_skip_the_fp32_logits_unless_something_changes_them(llama_path):
     """Steps whose rows are all greedy with no penalty or bias take argmax of the model-dtype
     logits (greedy_ids); a repetition penalty or a min_tokens EOS ban brings back the fp32

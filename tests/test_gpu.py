@@ -228,25 +228,6 @@ def test_attention_prefetch_keeps_tokens(model_dir):
     assert run_staggered(with_prefetch, prompts, GREEDY) == run_staggered(without, prompts, GREEDY)
 
 
-def test_head_major_kv_cache_keeps_tokens(model_dir, monkeypatch):
-    """bf16, graphs + async, PDL on: the head-major cache (RunnerConfig.kv_head_major) through
-    the CUDA paths that touch it (torch prefill gather and write_kv, the split fused decode
-    kernel; the unsplit one is compared bit for bit in tests/test_triton_attention.py) gives
-    the token-major tokens; so does the decode grid in (Hkv, B) order (HEADS_FIRST)."""
-    from dataclasses import replace
-
-    from runner import triton_attention
-
-    prompts = prompts_of([5, 11, 20, 9, 1, 30], 512, seed=15)
-    ref_engine = cuda_engine(model_dir, "bfloat16")
-    ref = run_staggered(ref_engine, prompts, GREEDY)
-    head = Engine(ref_engine.cfg.with_(runner=replace(ref_engine.cfg.runner, kv_head_major=True)))
-    assert not head.runner.kv_caches[0].is_contiguous()
-    assert run_staggered(head, prompts, GREEDY) == ref
-    monkeypatch.setattr(triton_attention, "HEADS_FIRST", 1)
-    assert run_staggered(cuda_engine(model_dir, "bfloat16"), prompts, GREEDY) == ref
-
-
 def test_split_k_into_norm_keeps_graphs_equal_and_hf_close(model_dir, monkeypatch):
     """o_proj / down as split-K partials summed by the add + RMSNorm (the tile table pointed at
     this tiny model's shapes; the real table only has Orpheus-3B's): graphs + async give the

@@ -166,10 +166,8 @@ def test_greedy_generation_matches_hf_generate(pair):
     assert len(set(out)) > 4, "degenerate tiny model: greedy output barely varies"
 
 
-@pytest.mark.parametrize("head_major", [False, True])
-def test_paged_attention_matches_dense_reference_bf16_and_gqa(head_major):
-    """The backend alone, against a per-sequence dense causal reference (GQA 8 q / 2 kv heads),
-    on either cache layout (allocate_kv_cache: head-major storage behind the same view)."""
+def test_paged_attention_matches_dense_reference_bf16_and_gqa():
+    """The backend alone, against a per-sequence dense causal reference (GQA 8 q / 2 kv heads)."""
     torch.manual_seed(0)
     hq, hkv, d, bs = 8, 2, 16, 4
     cfg = ModelConfig.from_dict(
@@ -185,8 +183,7 @@ def test_paged_attention_matches_dense_reference_bf16_and_gqa(head_major):
     )
     for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         seqs = PagedSequences(32, bs, seed=1)
-        cache = allocate_kv_cache(cfg, 32, bs, "cpu", dtype, head_major=head_major)[0]
-        assert cache.shape == (2, 32, bs, hkv, d) and cache.is_contiguous() != head_major
+        cache = allocate_kv_cache(cfg, 32, bs, "cpu", dtype)[0]
         lens = {0: 9, 1: 1, 2: 14}
         all_k = {s: torch.randn(n + 3, hkv, d, dtype=dtype) for s, n in lens.items()}
         all_v = {s: torch.randn(n + 3, hkv, d, dtype=dtype) for s, n in lens.items()}

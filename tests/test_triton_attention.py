@@ -442,42 +442,6 @@ def test_prefetch_before_the_wait_changes_nothing(lens, splits, monkeypatch):
 
 
 @pytest.mark.parametrize("splits", [1, 2])
-@pytest.mark.parametrize("fused", [False, True])
-def test_grid_order_and_head_major_cache_change_nothing(splits, fused, monkeypatch):
-    """HEADS_FIRST (grid (Hkv, B, S)) and a head-major cache (stored [2, NB, Hkv, BS, D], passed
-    as its permuted [2, NB, BS, Hkv, D] view) only move programs and bytes: output and cache bit
-    for bit those of the default order on the token-major cache."""
-    from runner import triton_attention
-    from runner.triton_attention import DecodeRope
-
-    hq, hkv, d, lens = 4, 2, 32, [7, 300, 17, 0, 33]
-    b = len(lens)
-    _, kv, tables, seq_lens = _make_case(b, hq, hkv, d, lens, torch.bfloat16, poison=True)
-    gen = torch.Generator().manual_seed(9)
-    q, k, v = (torch.randn(b, h, d, generator=gen).to(DEVICE, torch.bfloat16) for h in (hq, hkv, hkv))
-    cos, sin = _rope_tables(512, d)
-    meta = _decode_meta(seq_lens, tables)
-    pos = (seq_lens.long() - 1).clamp(min=0)
-    rope = DecodeRope(k, v, cos, sin, pos, meta.slot_mapping) if fused else None
-    outs, caches = [], []
-    for order, head_major in ((0, False), (1, False), (0, True), (1, True)):
-        monkeypatch.setattr(triton_attention, "HEADS_FIRST", order)
-        if head_major:
-            cache = torch.empty(kv.shape[0], kv.shape[1], hkv, kv.shape[2], d, device=DEVICE, dtype=kv.dtype)
-            cache = cache.permute(0, 1, 3, 2, 4)
-            cache.copy_(kv)
-        else:
-            cache = kv.clone()
-        outs.append(paged_decode_attention(q, cache, tables, seq_lens, d**-0.5, num_splits=splits, rope=rope))
-        caches.append(cache)
-    for out, cache in zip(outs[1:], caches[1:]):
-        assert torch.equal(out, outs[0])
-        assert torch.equal(cache.nan_to_num(7.0), caches[0].nan_to_num(7.0))
-    if not fused:
-        _check(outs[0], _reference(q, kv, tables, seq_lens, d**-0.5), torch.bfloat16)
-
-
-@pytest.mark.parametrize("splits", [1, 2])
 def test_fused_rope_backend_path_and_empty_rows(splits):
     """TritonPagedAttention.forward_decode_rope: the pure-decode path; a seq_len 0 row (graph
     padding) writes nothing and yields zeros, whether the kernel writes first or folds."""
