@@ -339,7 +339,8 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     times the step without one per-layer op (skip_op: its critical-path cost); `attn:NAME=INT`
     sets a constant of runner/triton_attention.py (e.g. PREFETCH_MIN_SPLITS); `attn_splits=N`
     fixes the decode attention's split count at every batch size; `fp32_greedy` takes greedy ids
-    as argmax over the fp32 logits copy (the path before greedy_ids, s12 and earlier)."""
+    as argmax over the fp32 logits copy (the path before greedy_ids, s12 and earlier);
+    `torch_argmax` takes them with torch.argmax instead of runner/triton_argmax.py."""
     from bench_gemm import load_tuned_rows
 
     from runner import triton_attention, triton_linear
@@ -365,10 +366,12 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     try:
         for spec in variants.split(";"):
             reset()
-            skips, attn_splits, fp32_greedy = [], None, False
+            skips, attn_splits, fp32_greedy, torch_argmax = [], None, False, False
             for kv in filter(None, (x.strip() for x in spec.split(","))):
                 if kv == "fp32_greedy":
                     fp32_greedy = True
+                elif kv == "torch_argmax":
+                    torch_argmax = True
                 elif kv.startswith("tile:"):
                     key, max_m, tile = parse_tile_override(kv)
                     triton_linear.TUNED[key] = tuple((mm, tile if mm == max_m else t) for mm, t in triton_linear.TUNED[key])
@@ -399,6 +402,8 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
                 model.attn.num_splits = attn_splits  # the one backend every layer shares
             if fp32_greedy:
                 model.greedy_ids = lambda h, m=model: m.compute_logits(h).argmax(dim=-1)
+            if torch_argmax:  # greedy ids by torch's reduction (before runner/triton_argmax.py, s14 and earlier)
+                model.ops.argmax = lambda x: x.argmax(dim=-1)
             res = run_engine(model, batches, graphs=True, async_sched=True, sampling=greedy)
             key = spec if spec not in out else f"{spec} #{sum(k.split(' #')[0] == spec for k in out) + 1}"
             out[key] = {B: r["step_ms"] for B, r in res.items()}

@@ -30,6 +30,8 @@ Contract shared by both (shapes: T tokens, hidden H, heads Hq/Hkv, head_dim D, i
       linear(silu_and_mul(linear(x, gate_up)), down, into_norm); TritonOps may fold the
       SiLU*mul into the gate_up GEMM (runner/triton_linear.py)
 * materialize(h) -> h as a tensor (identity unless h is Partials)
+* argmax(x [N, V]) -> [N] int64                     torch.argmax(x, dim=-1): greedy ids (first
+      index of the maximum; x may be a column slice of wider logits)
 
 None of them reads a tensor value on the host, so a decode step stays CUDA-graph capturable.
 """
@@ -106,6 +108,9 @@ class TorchOps:
 
     def materialize(self, h: torch.Tensor) -> torch.Tensor:
         return h
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        return x.argmax(dim=-1)
 
 
 def make_ops(device: torch.device | str, skinny_linear: bool = True, pdl: bool = True, split_k: bool = True):

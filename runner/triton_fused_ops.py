@@ -40,6 +40,7 @@ from runner.triton_linear import (
     split_tile_for,
     tile_for,
 )
+from runner.triton_argmax import row_argmax
 from runner.triton_pdl import pdl_enter
 
 # SiLU*mul: columns per program. 1024 bf16 = 2 KiB per operand: at T=1 and I=8192 that still
@@ -456,3 +457,6 @@ class TritonOps:
 
     def materialize(self, h: torch.Tensor | Partials) -> torch.Tensor:
         return materialize(h)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        return row_argmax(x, pdl=self.pdl)

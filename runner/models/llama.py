@@ -302,8 +302,8 @@ class LlamaForCausalLM(nn.Module):
     def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N] int64: the ids compute_logits(hidden).argmax(-1) gives, without its fp32
         copy of the logits. The same ids: the upcast to fp32 is exact, and argmax returns the
-        first index of the maximum either way."""
-        return self._vocab_logits(hidden).argmax(dim=-1)
+        first index of the maximum either way (ops.argmax: runner/triton_argmax.py on CUDA)."""
+        return self.ops.argmax(self._vocab_logits(hidden))
 
     def _vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V] in the model dtype; with a padded head, a view of the [N, V'] product."""
