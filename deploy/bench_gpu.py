@@ -29,6 +29,7 @@ Sections (all by default; pick with --sections):
   attn       the decode attention kernel alone: tile / split sweep at batch 1 and 64, context
              135 / 350 / 600, and the fused-RoPE launch
   variants   greedy decode per kernel variant (--variants), each on a fresh model, same run
+  lm_head    the lm_head GEMM alone at M = 1 and 64: cuBLAS against Triton tiles
 
 --skinny-linear 0 / --pdl 0 turn the decode kernels of runner/triton_linear.py and
 runner/triton_pdl.py off for an A/B run of the engine sections; --tuned FILE replaces the
@@ -477,6 +478,43 @@ def run_attn_sweep(batches=(1, 64), ctxs=(135, 350, 600), layers: int = 28, tabl
                 + f"; best {best}, best with rope {best_r} {res[best_r]['us']:.1f} us")
             del caches
             torch.cuda.empty_cache()
+    return out
+
+
+LM_HEAD_TILES = {1: ["1,4,1024,4,1", "1,8,1024,4,1", "1,16,1024,4,1", "1,8,512,4,1", "1,16,512,4,1", "1,32,512,8,1",
+                     "1,8,2048,4,1", "16,64,128,4,4", "16,128,128,4,4"],
+                 64: ["64,64,64,4,5", "64,128,64,4,4", "64,128,128,4,3", "64,64,128,4,4", "64,256,64,8,3"]}
+
+
+def run_lm_head(tiles=LM_HEAD_TILES, launches: int = 8) -> dict:
+    """The Orpheus lm_head GEMM alone ([M, 3072] x [156940, 3072]^T, bf16) at M = 1 and 64: cuBLAS
+    on the padded weight (the engine's path, LlamaForCausalLM.pad_lm_head) against Triton tiles of
+    runner/triton_linear.py on the unpadded rows; us per launch and TB/s of weight bytes. The
+    weight (0.96 GB) is far above L2, so every launch streams it from HBM."""
+    from bench_gemm import _time_graph
+
+    from runner.triton_linear import skinny_linear
+
+    v, k = ORPHEUS_3B["vocab_size"], 3072
+    vp = -(-v // 64) * 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    padded = torch.randn(vp, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    w = padded[:v]
+    out = {}
+    for m, specs in tiles.items():
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        ref = torch.nn.functional.linear(x, padded)[:, :v].float()
+        res = {"cublas": _time_graph(lambda i: torch.nn.functional.linear(x, padded), 1, launches)}
+        for spec in specs:
+            tile = parse_tile([int(f) for f in spec.split(",")])
+            try:
+                got = skinny_linear(x, w, None, tile).float()
+                assert torch.allclose(got, ref, atol=2e-2, rtol=2e-2), (got - ref).abs().max().item()
+                res[spec] = _time_graph(lambda i, t=tile: skinny_linear(x, w, None, t), 1, launches)
+            except Exception as e:  # noqa: BLE001 - a tile that does not fit is a result
+                log(f"  lm_head M={m} {spec}: {type(e).__name__}: {str(e)[:120]}")
+        out[m] = {kk: {"us": us, "TBps": v * k * 2 / us / 1e6} for kk, us in res.items()}
+        log(f"  lm_head M={m}: " + ", ".join(f"{kk} {r['us']:.1f} us ({r['TBps']:.2f} TB/s)" for kk, r in out[m].items()))
     return out
 
 
@@ -1066,6 +1104,8 @@ def main() -> int:
     if "attn" in secs:
         tiles = [tuple(int(x) for x in t.split(",")) for t in args.attn_tiles.split(";")] if args.attn_tiles else ATTN_TILES
         res["attn"] = run_attn_sweep(tiles=tiles, all_splits=not args.attn_tiles)
+    if "lm_head" in secs:
+        res["lm_head"] = run_lm_head()
     if "splitk" in secs:
         from bench_gemm import run_splitk_sweep
 

@@ -30,6 +30,9 @@ Contract shared by both (shapes: T tokens, hidden H, heads Hq/Hkv, head_dim D, i
       linear(silu_and_mul(linear(x, gate_up)), down, into_norm); TritonOps may fold the
       SiLU*mul into the gate_up GEMM (runner/triton_linear.py)
 * materialize(h) -> h as a tensor (identity unless h is Partials)
+* head(x [N, H], weight [V, H], padded [V', H] | None) -> [N, V]   x @ weight^T, the lm_head
+      (padded: weight's rows as the first V of a wider zero-padded copy, which cuBLAS prefers);
+      may be a column view of a wider product
 * argmax(x [N, V]) -> [N] int64                     torch.argmax(x, dim=-1): greedy ids (first
       index of the maximum; x may be a column slice of wider logits)
 
@@ -51,6 +54,14 @@ def torch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
+
+
+def torch_head(x: torch.Tensor, weight: torch.Tensor, padded: torch.Tensor | None) -> torch.Tensor:
+    """The lm_head by F.linear, on the padded copy of the weight where there is one (its first
+    V columns of the product)."""
+    if padded is not None:
+        return F.linear(x, padded)[:, : weight.shape[0]]
+    return F.linear(x, weight)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -108,6 +119,9 @@ class TorchOps:
 
     def materialize(self, h: torch.Tensor) -> torch.Tensor:
         return h
+
+    def head(self, x: torch.Tensor, weight: torch.Tensor, padded: torch.Tensor | None) -> torch.Tensor:
+        return torch_head(x, weight, padded)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)

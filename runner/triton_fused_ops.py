@@ -29,9 +29,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from runner.fused_ops import torch_head
+from runner.triton_argmax import row_argmax
 from runner.triton_linear import (
     GATED,
     PLAIN,
+    TUNED,
     LinearTile,
     Partials,
     materialize,
@@ -40,7 +43,6 @@ from runner.triton_linear import (
     split_tile_for,
     tile_for,
 )
-from runner.triton_argmax import row_argmax
 from runner.triton_pdl import pdl_enter
 
 # SiLU*mul: columns per program. 1024 bf16 = 2 KiB per operand: at T=1 and I=8192 that still
@@ -457,6 +459,15 @@ class TritonOps:
 
     def materialize(self, h: torch.Tensor | Partials) -> torch.Tensor:
         return materialize(h)
+
+    def head(self, x: torch.Tensor, weight: torch.Tensor, padded: torch.Tensor | None) -> torch.Tensor:
+        # Only a head whose shape the tile table names runs here (default_tile is for the
+        # decoder's GEMMs; a vocabulary-sized GEMM is measured on its own)
+        if self.skinny and x.dtype in _SKINNY_DTYPES and weight.dtype == x.dtype and (PLAIN, *weight.shape) in TUNED:
+            tile = tile_for(PLAIN, *weight.shape, x.shape[0])
+            if tile is not None:
+                return skinny_linear(x, weight, None, tile, pdl=self.pdl)
+        return torch_head(x, weight, padded)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         return row_argmax(x, pdl=self.pdl)

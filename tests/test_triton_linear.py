@@ -169,6 +169,38 @@ def test_split_k_partials_sum_to_the_gemm(m, split):
         torch.testing.assert_close(one[:, 0], parts[:, -1], atol=1e-6, rtol=1e-6)
 
 
+def test_head_runs_here_only_where_the_table_names_its_shape(monkeypatch):
+    """TritonOps.head (the lm_head): F.linear on the padded weight, bit for bit TorchOps', unless
+    TUNED names the head's shape; then the table's tile (a GEMV at M = 1, an MMA tile above),
+    within bf16 tolerance, as an [N, V] result."""
+    import runner.triton_linear as tlin
+
+    v, k = 100, 256
+    padded = torch.zeros(128, k, dtype=torch.bfloat16, device=DEVICE)
+    padded[:v] = _rand(v, k, seed=70, scale=0.05)
+    weight = padded[:v]
+    ops, ref = TritonOps(), TorchOps()
+    calls = []
+    real = tlin.skinny_linear
+
+    def spy(x, w, b, tile, **kw):
+        calls.append(tile)
+        return real(x, w, b, tile, **kw)
+
+    monkeypatch.setattr("runner.triton_fused_ops.skinny_linear", spy)
+    for m in (1, 5):
+        x = _rand(m, k, seed=71 + m)
+        want = ref.head(x, weight, padded)
+        assert want.shape == (m, v) and torch.equal(ops.head(x, weight, padded), want) and not calls
+    monkeypatch.setitem(TUNED, (PLAIN, v, k), ((1, LinearTile(1, 16, 128, 4, 1)), (16, LinearTile(16, 32, 64, 4, 2))))
+    for m in (1, 5):
+        x = _rand(m, k, seed=71 + m)
+        got = ops.head(x, weight, padded)
+        assert got.shape == (m, v) and calls[-1] == TUNED[(PLAIN, v, k)][m > 1][1]
+        torch.testing.assert_close(got.float(), ref.head(x, weight, padded).float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(ops.head(_rand(17, k, seed=9), weight, padded), ref.head(_rand(17, k, seed=9), weight, padded))
+
+
 def test_late_trigger_only_on_mma_tiles():
     """A GEMV must trigger right after its wait (the split attention after qkv prefetches under
     its tail), so a GEMV tile with late_trigger is refused; an MMA tile with it computes what the

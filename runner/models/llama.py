@@ -307,9 +307,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V] in the model dtype; with a padded head, a view of the [N, V'] product."""
-        if self.lm_head_padded is not None:
-            return F.linear(hidden, self.lm_head_padded)[:, : self.cfg.vocab_size]
-        return F.linear(hidden, self.lm_head_weight)
+        return self.ops.head(hidden, self.lm_head_weight, self.lm_head_padded)
 
     def reset_buffers(self, device: torch.device | str) -> None:
         """Compute the non-parameter state (RoPE tables) on `device`; needed after meta init."""
