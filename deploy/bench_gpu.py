@@ -74,8 +74,7 @@ ORPHEUS_3B = {
 }
 BATCHES = [1, 8, 32, 64, 128, 256]
 # RunnerConfig kernel options of every engine this run builds (--skinny-linear, --pdl, ...)
-KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "attention_prefetch": True, "split_k": True,
-           "norm_in_gemv": True}
+KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "attention_prefetch": True, "split_k": True}
 PROMPT, NEW = 100, 500
 
 
@@ -294,11 +293,7 @@ def skip_op(model, name: str) -> None:
     if name == "norm":
         def add_rmsnorm(x, residual, weight, eps):
             return residual, residual
-
-        def add_rmsnorm_linear(x, residual, weight, eps, lin):
-            return ops.linear(residual, lin), residual
         ops.add_rmsnorm = add_rmsnorm
-        ops.add_rmsnorm_linear = add_rmsnorm_linear
     elif name == "attn":
         def no_attention(q, *a, **k):
             return torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -311,11 +306,6 @@ def skip_op(model, name: str) -> None:
                 return torch.empty(x.shape[0], _shape[0], dtype=x.dtype, device=x.device)
             return linear(x, lin, into_norm)
         ops.linear = skipped_linear
-        if name == "qkv":  # the norm before it stays (at batch 1 it shares qkv's launch otherwise)
-            def add_rmsnorm_linear(x, residual, weight, eps, lin):
-                normed, new_residual = ops.add_rmsnorm(x, residual, weight, eps)
-                return skipped_linear(normed, lin), new_residual
-            ops.add_rmsnorm_linear = add_rmsnorm_linear
     elif name == "gate_up":
         def mlp(x, gate_up, down, into_norm=False):
             act = torch.empty(x.shape[0], cfg.intermediate_size, dtype=x.dtype, device=x.device)

@@ -192,7 +192,6 @@ class RunnerConfig:
     # rows) issued before the PDL wait (runner/triton_attention.py PREFETCH_MIN_SPLITS)
     attention_prefetch: bool = True
     split_k: bool = True  # o_proj / down of 2..64 rows as split-K partials summed by the add + RMSNorm
-    norm_in_gemv: bool = True  # batch 1: each layer's input add + RMSNorm inside its qkv GEMV
     # also capture pure-decode graphs that keep every layer's output, so a decode step with a
     # hidden-state request replays a graph instead of running eagerly (host-bound: every stream
     # of the batch waits). Memory: (layers + 1) x max_num_seqs x hidden x dtype in the graph pool

@@ -23,8 +23,6 @@ Contract shared by both (shapes: T tokens, hidden H, heads Hq/Hkv, head_dim D, i
       rope, then the rotated k and v written to their flat slots of kv_cache
       [2, NB, BS, Hkv, D] (same contract as runner.attention.write_kv).
 * silu_and_mul(gate_up [T, 2I]) -> [T, I]            silu(gate) * up, gate = first half
-* add_rmsnorm_linear(x, residual, w, eps, lin) -> (linear(normed, lin), new_residual)
-      add_rmsnorm, then its normed output through `lin` (TritonOps may do both in one launch)
 * linear(x [T, K], lin: nn.Linear [N, K], into_norm=False) -> [T, N]   x @ W^T + b
       into_norm=True: the result only feeds add_rmsnorm (as its x) or materialize, and
       TritonOps may return it as split-K `Partials` (runner/triton_linear.py) that those two sum
@@ -85,12 +83,6 @@ class TorchOps:
         new_residual = x + residual
         return torch_rmsnorm(new_residual, weight, eps), new_residual
 
-    def add_rmsnorm_linear(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, lin: torch.nn.Linear
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        normed, new_residual = self.add_rmsnorm(x, residual, weight, eps)
-        return self.linear(normed, lin), new_residual
-
     def rope(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,18 +127,15 @@ class TorchOps:
         return x.argmax(dim=-1)
 
 
-def make_ops(device: torch.device | str, skinny_linear: bool = True, pdl: bool = True, split_k: bool = True,
-             norm_in_gemv: bool = True):
+def make_ops(device: torch.device | str, skinny_linear: bool = True, pdl: bool = True, split_k: bool = True):
     """Fused Triton kernels on CUDA, plain torch elsewhere (chosen once, at construction).
 
     On CUDA: `skinny_linear` runs decode-sized 16-bit GEMMs in Triton (runner/triton_linear.py),
-    `split_k` lets o_proj / down hand split-K partials to the add + RMSNorm, `norm_in_gemv` does a
-    one-row add + RMSNorm inside the GEMV that consumes it, `pdl` launches the kernels with
-    programmatic dependent launch where the GPU has it."""
+    `split_k` lets o_proj / down hand split-K partials to the add + RMSNorm, `pdl` launches the
+    kernels with programmatic dependent launch where the GPU has it."""
     if torch.device(device).type == "cuda":
         from runner.triton_fused_ops import TritonOps  # needs triton, present with CUDA torch
         from runner.triton_pdl import pdl_available
 
-        return TritonOps(pdl=pdl and pdl_available(device), skinny_linear=skinny_linear, split_k=split_k,
-                         norm_in_gemv=norm_in_gemv)
+        return TritonOps(pdl=pdl and pdl_available(device), skinny_linear=skinny_linear, split_k=split_k)
     return TorchOps()

@@ -38,7 +38,6 @@ from runner.triton_linear import (
     LinearTile,
     Partials,
     materialize,
-    norm_gemv,
     silu_mul,
     skinny_linear,
     split_tile_for,
@@ -392,12 +391,10 @@ class TritonOps:
     construction; the tile (or none) per call from the GEMM's shape and M.
     """
 
-    def __init__(self, pdl: bool = False, skinny_linear: bool = True, split_k: bool = True,
-                 norm_in_gemv: bool = True) -> None:
+    def __init__(self, pdl: bool = False, skinny_linear: bool = True, split_k: bool = True) -> None:
         self.pdl = pdl
         self.skinny = skinny_linear
         self.split_k = skinny_linear and split_k
-        self.norm_in_gemv = skinny_linear and norm_in_gemv
 
     @staticmethod
     def _skinny_dtypes(x: torch.Tensor, lin: torch.nn.Linear) -> bool:
@@ -418,20 +415,6 @@ class TritonOps:
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return rmsnorm(x, weight, eps, residual=residual, pdl=self.pdl)
-
-    def add_rmsnorm_linear(
-        self, x: torch.Tensor | Partials, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-        lin: torch.nn.Linear,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # One row whose GEMM is a GEMV: the add + RMSNorm runs inside it (norm_gemv), one launch
-        # fewer per layer at batch 1 (the qkv GEMV after each layer's MLP output)
-        if self.norm_in_gemv and not isinstance(x, Partials) and x.shape[0] == 1 and self._skinny_dtypes(x, lin):
-            tile = tile_for(PLAIN, *lin.weight.shape, 1)
-            if (tile is not None and tile.block_m == 1 and x.is_contiguous() and residual.is_contiguous()
-                    and weight.dtype == x.dtype == residual.dtype):
-                return norm_gemv(x, residual, weight, eps, lin.weight, lin.bias, tile, pdl=self.pdl)
-        normed, new_residual = self.add_rmsnorm(x, residual, weight, eps)
-        return self.linear(normed, lin), new_residual
 
     def rope(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor

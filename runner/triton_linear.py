@@ -115,14 +115,6 @@ def _skinny_linear_kernel(
     USE_GDC: tl.constexpr,
     SPLIT_K: tl.constexpr,  # > 1 (MMA mode, plain, no bias): out is fp32 partials [SPLIT_K, M, N]
     LATE_TRIGGER: tl.constexpr,  # MMA mode: the next kernel launches after the stores, not after the wait
-    # NORM_IN (GEMV mode, M == 1): x is the previous sublayer's output h [1, K]; the GEMM's
-    # input is rmsnorm(h + residual) * nw, computed here (norm_gemv)
-    res_ptr=None,  # [1, K] residual stream
-    nw_ptr=None,  # [K] RMSNorm weight
-    res_out_ptr=None,  # [1, K] h + residual, written by program 0
-    eps=0.0,
-    NORM_IN: tl.constexpr = False,
-    K_PAD: tl.constexpr = 1,  # NORM_IN: next power of two >= K (the whole row in registers)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -142,19 +134,6 @@ def _skinny_linear_kernel(
         if GATED:
             u_next = tl.load(w_ptrs + up_shift, mask=n_mask[:, None], other=0.0)
         pdl_enter(USE_GDC)
-        if NORM_IN:
-            # The add + RMSNorm kernel's arithmetic (runner/triton_fused_ops.py _rmsnorm_kernel):
-            # x = h + residual rounded to the model dtype, its mean square over the whole row in
-            # fp32 (every program: the row is 2 x K elements, against the K x BLOCK_N weights a
-            # program streams), then per slice normed = round(x * rstd), input = round(nw * normed).
-            kk = tl.arange(0, K_PAD)
-            km = kk < K
-            xs = (tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
-                  + tl.load(res_ptr + kk, mask=km, other=0.0).to(tl.float32)).to(dt)
-            xsf = xs.to(tl.float32)
-            rstd = tl.math.rsqrt(tl.sum(xsf * xsf, axis=0) / K + eps)
-            if pid_n == 0:
-                tl.store(res_out_ptr + kk, xs, mask=km)
         acc = tl.zeros([BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -162,13 +141,7 @@ def _skinny_linear_kernel(
             nxt = n_mask[:, None] & (k0 + BLOCK_K < K)
             w = w_next
             w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=nxt, other=0.0)
-            if NORM_IN:
-                xk = (tl.load(x_ptrs + k0).to(tl.float32) + tl.load(res_ptr + k0 + offs_k[None, :]).to(tl.float32)).to(dt)
-                normed = (xk.to(tl.float32) * rstd).to(dt)
-                nw = tl.load(nw_ptr + k0 + offs_k[None, :]).to(tl.float32)
-                a = (nw * normed.to(tl.float32)).to(dt).to(tl.float32)  # [1, BK]
-            else:
-                a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0).to(tl.float32)  # [1, BK]
+            a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0).to(tl.float32)  # [1, BK]
             acc += tl.sum(w.to(tl.float32) * a, axis=1)
             if GATED:
                 wu = u_next
@@ -258,40 +231,6 @@ def skinny_linear(
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
-
-
-def norm_gemv(
-    h: torch.Tensor,  # [1, K] the previous sublayer's output
-    residual: torch.Tensor,  # [1, K] the residual stream before h is added
-    norm_weight: torch.Tensor,  # [K]
-    eps: float,
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None,
-    tile: LinearTile,  # a GEMV tile (block_m == 1)
-    *,
-    pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(h + residual) * norm_weight @ weight^T + bias, h + residual) for one row, in one
-    launch: the add + RMSNorm inside the GEMV that consumes it, with that kernel's roundings (the
-    mean square's fp32 summation order may differ). Saves the norm launch between a decoder
-    layer's output and the next qkv GEMV at batch 1."""
-    n, k = weight.shape
-    assert tile.block_m == 1 and not tile.late_trigger and k % tile.block_k == 0, tile
-    assert h.shape == residual.shape == (1, k) and norm_weight.shape == (k,), (h.shape, residual.shape)
-    assert h.is_contiguous() and residual.is_contiguous() and norm_weight.is_contiguous() and weight.stride(1) == 1
-    assert h.dtype == residual.dtype == norm_weight.dtype == weight.dtype, (h.dtype, norm_weight.dtype, weight.dtype)
-    out = torch.empty(1, n, device=h.device, dtype=h.dtype)
-    res_out = torch.empty_like(h)
-    _skinny_linear_kernel[(triton.cdiv(n, tile.block_n), 1, 1)](
-        h, weight, bias if bias is not None else weight, out,
-        1, n, k, h.stride(0), weight.stride(0), out.stride(0), k,
-        GATED=False, HAS_BIAS=bias is not None,
-        BLOCK_M=1, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_GDC=pdl, SPLIT_K=1, LATE_TRIGGER=False,
-        res_ptr=residual, nw_ptr=norm_weight, res_out_ptr=res_out, eps=eps, NORM_IN=True,
-        K_PAD=triton.next_power_of_2(k),
-        num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
-    )  # fmt: skip
-    return out, res_out
 
 
 class Partials(NamedTuple):

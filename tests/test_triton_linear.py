@@ -36,7 +36,6 @@ from runner.triton_linear import (  # noqa: E402
     TUNED,
     LinearTile,
     _skinny_linear_kernel,
-    norm_gemv,
     skinny_linear,
     split_tile_for,
     tile_for,
@@ -202,60 +201,6 @@ def test_head_runs_here_only_where_the_table_names_its_shape(monkeypatch):
     assert torch.equal(ops.head(_rand(17, k, seed=9), weight, padded), ref.head(_rand(17, k, seed=9), weight, padded))
 
 
-@pytest.mark.parametrize("k,bias", [(K, False), (K, True), (96, False)])
-def test_norm_gemv_is_the_add_rmsnorm_then_the_gemv(k, bias):
-    """The add + RMSNorm inside the GEMV (one row): the new residual bit for bit the norm
-    kernel's, the output that of the norm kernel followed by the GEMV. The mean square sums in
-    another fp32 order on the GPU, so there the normed input may move by one ulp now and then
-    and the output is held to an ulp; under the interpreter (numpy's sums) it is bit for bit.
-    K = 96: the row padded to 128 in registers."""
-    from runner.triton_fused_ops import rmsnorm
-
-    g = torch.Generator().manual_seed(k + bias)
-    h, res = (torch.randn(1, k, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, torch.bfloat16)
-    w = _rand(N, k, seed=80, scale=0.05)
-    b = _rand(N, seed=81) if bias else None
-    tile = LinearTile(1, 16, 32, 4, 1)
-    out, new_res = norm_gemv(h, res, nw, 1e-5, w, b, tile)
-    normed, ref_res = rmsnorm(h, nw, 1e-5, residual=res)
-    ref = skinny_linear(normed, w, b, tile)
-    assert torch.equal(new_res, ref_res)
-    assert out.shape == ref.shape == (1, N) and out.dtype == torch.bfloat16
-    if _CUDA:
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=1e-3)
-    else:
-        assert torch.equal(out, ref)
-
-
-def test_triton_ops_fuse_the_norm_into_one_row_gemvs_only(monkeypatch):
-    """TritonOps.add_rmsnorm_linear: one row whose GEMM is a GEMV goes through norm_gemv; more
-    rows, split-K partials, or norm_in_gemv=False take the norm kernel then ops.linear. Every
-    route gives TorchOps' result within bf16 tolerance and the same new residual."""
-    import runner.triton_fused_ops as tfo
-    from runner.fused_ops import TorchOps
-    from runner.triton_linear import Partials
-
-    lin = torch.nn.Linear(K, N, bias=False).to(DEVICE, torch.bfloat16)
-    nw = (1 + 0.1 * torch.randn(K, generator=torch.Generator().manual_seed(3))).to(DEVICE, torch.bfloat16)
-    monkeypatch.setitem(TUNED, (PLAIN, N, K), ((1, GEMV), (16, MMA)))
-    calls = []
-    real = tfo.norm_gemv
-    monkeypatch.setattr(tfo, "norm_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    ref = TorchOps()
-    for m, fused_ops, expect in ((1, TritonOps(), [1]), (5, TritonOps(), []), (1, TritonOps(norm_in_gemv=False), [])):
-        calls.clear()
-        h, res = _rand(m, K, seed=90 + m), _rand(m, K, seed=95 + m)
-        y, r = fused_ops.add_rmsnorm_linear(h, res, nw, 1e-5, lin)
-        y_ref, r_ref = ref.add_rmsnorm_linear(h, res, nw, 1e-5, lin)
-        assert calls == expect and torch.equal(r, r_ref)
-        torch.testing.assert_close(y.float(), y_ref.float(), rtol=3e-2, atol=3e-2)
-    parts = Partials(_rand(2, 1, K, seed=7, dtype=torch.float32), torch.bfloat16)
-    calls.clear()
-    TritonOps().add_rmsnorm_linear(parts, _rand(1, K, seed=8), nw, 1e-5, lin)
-    assert calls == []
-
-
 def test_late_trigger_only_on_mma_tiles():
     """A GEMV must trigger right after its wait (the split attention after qkv prefetches under
     its tail), so a GEMV tile with late_trigger is refused; an MMA tile with it computes what the
@@ -303,11 +248,6 @@ _COMPILE_SCRIPT = textwrap.dedent(
             sig_ = dict(sig, out_ptr="*fp32") if split > 1 else sig
             compile_sm90(m._skinny_linear_kernel, sig_, consts, num_warps=tile.num_warps,
                          num_stages=tile.num_stages, launch_pdl=True)
-    # the add + RMSNorm inside the GEMV (norm_gemv), as qkv at batch 1 launches it
-    norm_sig = dict(sig, res_ptr=ptr, nw_ptr=ptr, res_out_ptr=ptr, eps="fp32")
-    compile_sm90(m._skinny_linear_kernel, norm_sig,
-                 dict(GATED=False, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, USE_GDC=True, SPLIT_K=1,
-                      LATE_TRIGGER=False, NORM_IN=True, K_PAD=4096), num_warps=4, num_stages=1, launch_pdl=True)
     print("compiled")
     """
 )

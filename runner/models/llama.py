@@ -125,12 +125,10 @@ class Attention(nn.Module):
         self._rotary = (rotary,)
 
     def forward(
-        self, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """Attention from the fused projection qkv = norm(x) @ qkv_proj ([T, q_size + 2*kv_size];
-        the decoder layer computes it, so the norm and the GEMM may share a launch); returns the
-        o_proj output (may be split-K partials: into_norm)."""
-        t = qkv.shape[0]
+        t = x.shape[0]
+        qkv = self.ops.linear(x, self.qkv_proj)  # [T, q_size + 2*kv_size]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         # Strided views into qkv (row stride q_size + 2*kv_size); the ops handle the strides.
         q = q.view(t, self.num_heads, self.head_dim)
@@ -141,7 +139,7 @@ class Attention(nn.Module):
             k = self.ops.rmsnorm(k, self.k_norm.weight, self.k_norm.eps)
         rot = self._rotary[0]
         # rope may rotate q/k in place (TritonOps): the pre-RoPE q/k are not used again.
-        if self.rope_in_attention and meta.pure_decode and self.attn.decode_rope_fused(t, self.num_kv_heads, qkv.device):
+        if self.rope_in_attention and meta.pure_decode and self.attn.decode_rope_fused(t, self.num_kv_heads, x.device):
             out = self.attn.forward_decode_rope(q, k, v, rot.cos, rot.sin, positions, kv_cache, meta, self.scale)
         elif self.fuse_kv_write:
             q, k = self.ops.rope_write_kv(q, k, v, rot.cos, rot.sin, positions, kv_cache, meta.slot_mapping)
@@ -197,13 +195,12 @@ class DecoderLayer(nn.Module):
         """
         ops = self.ops
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        qkv_proj = self.self_attn.qkv_proj
         if residual is None:  # layer 0 (fixed per layer, not data-dependent)
             residual = h
-            qkv = ops.linear(ops.rmsnorm(h, ln1.weight, ln1.eps), qkv_proj)
+            x = ops.rmsnorm(h, ln1.weight, ln1.eps)
         else:
-            qkv, residual = ops.add_rmsnorm_linear(h, residual, ln1.weight, ln1.eps, qkv_proj)
-        h = self.self_attn(qkv, positions, kv_cache, meta)
+            x, residual = ops.add_rmsnorm(h, residual, ln1.weight, ln1.eps)
+        h = self.self_attn(x, positions, kv_cache, meta)
         x, residual = ops.add_rmsnorm(h, residual, ln2.weight, ln2.eps)
         return self.mlp(x), residual
 
