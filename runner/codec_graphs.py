@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runner.cuda_graphs import no_gc_while_capturing
+
 log = logging.getLogger(__name__)
 
 # (codes (B, W, frame) int64, window start frames (B,) int64, seeds (B,) int64) -> (B, W * spf) int16
@@ -74,19 +76,20 @@ class CodecGraphs:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         # largest first, so the shared pool is sized by the largest graph at once
-        for w in sorted(set(window_lengths), reverse=True):
-            for rows in reversed(self.buckets):
-                codes = torch.zeros(rows, w, frame_width, dtype=torch.int64, device=device)
-                meta = torch.zeros(2, rows, dtype=torch.int64, device=device)
-                with torch.cuda.stream(side):
-                    decode(codes, meta[0], meta[1])  # allocator and lazy-init work outside the capture
-                side.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=side):
-                    pcm = decode(codes, meta[0], meta[1])
-                assert pcm.shape == (rows, w * samples_per_frame)
-                pool = pool or g.pool()
-                self.graphs[(rows, w)] = _Graph(g, codes, meta, pcm)
+        with no_gc_while_capturing():
+            for w in sorted(set(window_lengths), reverse=True):
+                for rows in reversed(self.buckets):
+                    codes = torch.zeros(rows, w, frame_width, dtype=torch.int64, device=device)
+                    meta = torch.zeros(2, rows, dtype=torch.int64, device=device)
+                    with torch.cuda.stream(side):
+                        decode(codes, meta[0], meta[1])  # allocator and lazy-init work outside the capture
+                    side.synchronize()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool, stream=side):
+                        pcm = decode(codes, meta[0], meta[1])
+                    assert pcm.shape == (rows, w * samples_per_frame)
+                    pool = pool or g.pool()
+                    self.graphs[(rows, w)] = _Graph(g, codes, meta, pcm)
         torch.cuda.synchronize(device)
         self.window_lengths = frozenset(window_lengths)
         log.info("captured codec CUDA graphs: windows of %s frames, %s rows", sorted(self.window_lengths), self.buckets)

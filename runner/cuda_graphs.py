@@ -26,13 +26,33 @@ replayed), which every other stream of the batch waits for.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
+from collections.abc import Iterator
 
 import torch
 
 from runner.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def no_gc_while_capturing() -> Iterator[None]:
+    """Collect now, then keep Python's cyclic GC off until the captures are done. A collection
+    during a capture runs the finalizers of whatever garbage it finds (an earlier engine's
+    graphs, events, streams), and a CUDA call from one of those while the stream captures
+    aborts the process (seen on the H200 in tests/test_gpu.py, which builds engine after
+    engine). torch.cuda.graph no longer collects before a capture by itself."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -104,6 +124,10 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first, into one shared memory pool."""
+        with no_gc_while_capturing():
+            self._capture()
+
+    def _capture(self) -> None:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

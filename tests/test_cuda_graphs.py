@@ -1,7 +1,9 @@
-"""Decode graph buckets (runner/cuda_graphs.py): which padded batch sizes are captured. The
-graphs themselves need CUDA (tests/test_gpu.py)."""
+"""Decode graph buckets (runner/cuda_graphs.py): which padded batch sizes are captured, and the
+GC guard around captures. The graphs themselves need CUDA (tests/test_gpu.py)."""
 
 from __future__ import annotations
+
+import pytest
 
 from runner.cuda_graphs import graph_buckets
 
@@ -57,3 +59,26 @@ def test_all_layers_family_buckets_keys_and_forward(tmp_path):
     plain, none = g._forward((4, False, False))
     assert none == {} and torch.equal(plain, hidden)
     assert DecodeGraphs(model, kv, 64, 4, nb - 1, bs, torch.device("cpu")).hidden_buckets == []
+
+
+def test_no_gc_while_capturing_restores_the_collector():
+    """Captures run with the cyclic GC off (a collection's finalizers could make CUDA calls mid
+    capture); it comes back on afterwards, also after an error, and stays off if it was off."""
+    import gc
+
+    from runner.cuda_graphs import no_gc_while_capturing
+
+    assert gc.isenabled()
+    with no_gc_while_capturing():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), no_gc_while_capturing():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_gc_while_capturing():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
