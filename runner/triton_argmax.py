@@ -4,15 +4,15 @@ Why: greedy decoding takes argmax over the vocabulary (Orpheus: 156940 ids) of e
 reduction gives one row to few programs: on the H200 it took 8.6 us at batch 1 and 22 us at batch
 64 (s14-run2 profiles), for 0.3 / 20 MB of logits. Here each row is cut into CHUNK-wide pieces, one
 program each (39 per row), that write their piece's maximum and its first index; a second launch
-picks, per row, the first piece holding the row's maximum. Both are fixed-shape, so the pair is
-captured in the decode graphs like any other launch. Greedy engine step, alternated on fresh
+picks, per row, the first piece holding the row's maximum. Neither reads a value on the host.
+Greedy engine step, alternated on fresh
 models (s15-run2, `bench_gpu.py --variants "default;torch_argmax;..."`): batch 1 2.056-2.068 ms
 against 2.076 with torch's argmax, batch 64 3.058-3.065 against 3.070-3.075.
 
 Result: torch.argmax(x, dim=-1) exactly for rows without NaN: the first index of the maximum (a
 piece keeps its first maximal index, and the second launch takes the first maximal piece, which
-holds the smaller indices). A row with NaN gets some index of the row (torch: the first NaN's);
-the model's logits hold no NaN unless its weights do.
+holds the smaller indices). A row with NaN gets some index of the row, never one past it
+(torch: the first NaN's); the model's logits hold no NaN unless its weights do.
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ def _piece_max_kernel(
     cols = piece * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
     # a piece has at least one real column, so the maximum (and its index) is a real one's,
-    # unless every column is -inf: then index 0 of the piece, a real column too
+    # unless every column is -inf: then index 0 of the piece, a real column too. NaN compares
+    # false either way and may hand the index to a padding column: the clamp keeps it in the row.
     best, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(val_ptr + row * P + piece, best)
-    tl.store(idx_ptr + row * P + piece, piece * CHUNK + at)
+    tl.store(idx_ptr + row * P + piece, tl.minimum(piece * CHUNK + at, V - 1))
 
 
 @triton.jit

@@ -76,6 +76,18 @@ def test_column_slice_fp32_and_edge_rows():
     assert row_argmax(f[:0]).shape == (0,)
 
 
+def test_nan_rows_get_an_index_of_the_row():
+    """NaN logits (broken weights) must not produce an id past the vocabulary, which the next
+    step's embedding would read out of bounds."""
+    v = CHUNK + 10
+    x = torch.full((3, v), float("nan"), dtype=torch.bfloat16)
+    x[1, 5] = 1.0
+    x[2, CHUNK + 3] = float("nan")
+    x[2, : CHUNK + 3] = 0.0
+    got = row_argmax(x.to(DEVICE))
+    assert ((got >= 0) & (got < v)).all(), got
+
+
 def test_triton_ops_argmax_is_the_kernel_pair(monkeypatch):
     import runner.triton_fused_ops as tfo
 
