@@ -21,7 +21,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.triton_interpreter import compile_offline, has_nvidia_backend, interpret_without_cuda, patch_interpreter
+from tests.triton_interpreter import compile_offline, has_nvidia_backend, interpret_without_cuda, interpreted_or_skip
 
 _CUDA = interpret_without_cuda()  # before any runner module with Triton kernels is imported
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
@@ -40,12 +40,7 @@ INTERPRET = not _CUDA
 
 
 if INTERPRET:
-    if type(_rmsnorm_kernel).__name__ != "InterpretedFunction":
-        pytest.skip(
-            "runner.triton_fused_ops was imported before TRITON_INTERPRET=1 was set; run this file on its own on CPU",
-            allow_module_level=True,
-        )
-    patch_interpreter()
+    interpreted_or_skip(_rmsnorm_kernel, "runner.triton_fused_ops")
 
 TORCH_OPS, TRITON_OPS = TorchOps(), TritonOps()
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]

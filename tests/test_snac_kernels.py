@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.triton_interpreter import interpret_without_cuda, patch_interpreter
+from tests.triton_interpreter import interpret_without_cuda, interpreted_or_skip
 
 _CUDA = interpret_without_cuda()  # before runner.snac_kernels is imported
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
@@ -42,12 +42,7 @@ SMALL = sk.Tiles(bm=32, bn=16, bk=16, num_warps=4, num_stages=1)
 
 
 if INTERPRET:
-    if type(sk._rows_gemm_kernel).__name__ != "InterpretedFunction":
-        pytest.skip(
-            "runner.snac_kernels was imported before TRITON_INTERPRET=1 was set; run this file on its own on CPU",
-            allow_module_level=True,
-        )
-    patch_interpreter()
+    interpreted_or_skip(sk._rows_gemm_kernel, "runner.snac_kernels")
 
 
 @pytest.fixture(autouse=True)

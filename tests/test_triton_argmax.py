@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.triton_interpreter import compile_offline, has_nvidia_backend, interpret_without_cuda, patch_interpreter
+from tests.triton_interpreter import compile_offline, has_nvidia_backend, interpret_without_cuda, interpreted_or_skip
 
 _CUDA = interpret_without_cuda()
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
@@ -26,10 +26,7 @@ from runner.triton_fused_ops import TritonOps  # noqa: E402
 
 DEVICE = "cuda" if _CUDA else "cpu"
 if not _CUDA:
-    if type(_piece_max_kernel).__name__ != "InterpretedFunction":
-        pytest.skip("runner.triton_argmax was imported before TRITON_INTERPRET=1; run this file on its own",
-                    allow_module_level=True)
-    patch_interpreter()
+    interpreted_or_skip(_piece_max_kernel, "runner.triton_argmax")
 
 
 def _coarse_rows(n: int, v: int, seed: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 import textwrap
 
-from tests.triton_interpreter import compile_offline, has_nvidia_backend, interpret_without_cuda, patch_interpreter
+from tests.triton_interpreter import compile_offline, has_nvidia_backend, interpret_without_cuda, interpreted_or_skip
 
 _CUDA = interpret_without_cuda()  # before runner.triton_attention is imported
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
@@ -37,13 +37,7 @@ BS = 16  # cache block size of the target deployment
 
 
 if INTERPRET:
-    if type(_paged_decode_kernel).__name__ != "InterpretedFunction":
-        pytest.skip(
-            "runner.triton_attention was imported before TRITON_INTERPRET=1 was set; "
-            "run this file on its own on CPU",
-            allow_module_level=True,
-        )
-    patch_interpreter()
+    interpreted_or_skip(_paged_decode_kernel, "runner.triton_attention")
 
 _TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.triton_interpreter import compile_offline, has_nvidia_backend, interpret_without_cuda, patch_interpreter
+from tests.triton_interpreter import compile_offline, has_nvidia_backend, interpret_without_cuda, interpreted_or_skip
 
 _CUDA = interpret_without_cuda()
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
@@ -43,10 +43,7 @@ from runner.triton_linear import (  # noqa: E402
 
 DEVICE = "cuda" if _CUDA else "cpu"
 if not _CUDA:
-    if type(_skinny_linear_kernel).__name__ != "InterpretedFunction":
-        pytest.skip("runner.triton_linear was imported before TRITON_INTERPRET=1; run this file on its own",
-                    allow_module_level=True)
-    patch_interpreter()
+    interpreted_or_skip(_skinny_linear_kernel, "runner.triton_linear")
 
 GEMV = LinearTile(1, 16, 64, 4, 1)
 MMA = LinearTile(16, 32, 64, 4, 2)

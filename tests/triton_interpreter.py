@@ -29,6 +29,18 @@ def interpret_without_cuda() -> bool:
     return cuda
 
 
+def interpreted_or_skip(kernel, module: str) -> None:
+    """On CPU, at a test module's top: skip the whole module unless `kernel` (a @triton.jit
+    function of runner module `module`) became an interpreted one, i.e. `module` was first
+    imported after interpret_without_cuda() set TRITON_INTERPRET=1; then patch_interpreter()."""
+    import pytest
+
+    if type(kernel).__name__ != "InterpretedFunction":
+        pytest.skip(f"{module} was imported before TRITON_INTERPRET=1 was set; run this file on its own on CPU",
+                    allow_module_level=True)
+    patch_interpreter()
+
+
 def patch_interpreter() -> None:
     import numpy as np
     import triton.language as tl
