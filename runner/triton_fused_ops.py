@@ -397,13 +397,13 @@ class TritonOps:
         self.split_k = skinny_linear and split_k
 
     @staticmethod
-    def _skinny_dtypes(x: torch.Tensor, lin: torch.nn.Linear) -> bool:
-        """x @ lin may run in runner/triton_linear.py at all (16-bit, same dtype on both sides)."""
-        return x.dtype in _SKINNY_DTYPES and lin.weight.dtype == x.dtype
+    def _skinny_dtypes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """x @ weight^T may run in runner/triton_linear.py at all (16-bit, same dtype on both sides)."""
+        return x.dtype in _SKINNY_DTYPES and weight.dtype == x.dtype
 
     def _tile(self, kind: int, x: torch.Tensor, lin: torch.nn.Linear) -> LinearTile | None:
         """The skinny GEMM's tile for x @ lin, or None: cuBLAS (decided from shapes and dtypes)."""
-        if not self.skinny or not self._skinny_dtypes(x, lin):
+        if not self.skinny or not self._skinny_dtypes(x, lin.weight):
             return None
         n, k = lin.weight.shape
         return tile_for(kind, n, k, x.shape[0])
@@ -438,7 +438,7 @@ class TritonOps:
         return silu_and_mul(gate_up, pdl=self.pdl)
 
     def linear(self, x: torch.Tensor, lin: torch.nn.Linear, into_norm: bool = False) -> torch.Tensor | Partials:
-        if into_norm and self.split_k and lin.bias is None and self._skinny_dtypes(x, lin):
+        if into_norm and self.split_k and lin.bias is None and self._skinny_dtypes(x, lin.weight):
             split = split_tile_for(*lin.weight.shape, x.shape[0])
             if split is not None:
                 parts = skinny_linear(x, lin.weight, None, split[0], split_k=split[1], pdl=self.pdl)
@@ -463,7 +463,7 @@ class TritonOps:
     def head(self, x: torch.Tensor, weight: torch.Tensor, padded: torch.Tensor | None) -> torch.Tensor:
         # Only a head whose shape the tile table names runs here (default_tile is for the
         # decoder's GEMMs; a vocabulary-sized GEMM is measured on its own)
-        if self.skinny and x.dtype in _SKINNY_DTYPES and weight.dtype == x.dtype and (PLAIN, *weight.shape) in TUNED:
+        if self.skinny and self._skinny_dtypes(x, weight) and (PLAIN, *weight.shape) in TUNED:
             tile = tile_for(PLAIN, *weight.shape, x.shape[0])
             if tile is not None:
                 return skinny_linear(x, weight, None, tile, pdl=self.pdl)

@@ -170,19 +170,16 @@ def test_head_runs_here_only_where_the_table_names_its_shape(monkeypatch):
     """TritonOps.head (the lm_head): F.linear on the padded weight, bit for bit TorchOps', unless
     TUNED names the head's shape; then the table's tile (a GEMV at M = 1, an MMA tile above),
     within bf16 tolerance, as an [N, V] result."""
-    import runner.triton_linear as tlin
-
     v, k = 100, 256
     padded = torch.zeros(128, k, dtype=torch.bfloat16, device=DEVICE)
     padded[:v] = _rand(v, k, seed=70, scale=0.05)
     weight = padded[:v]
     ops, ref = TritonOps(), TorchOps()
     calls = []
-    real = tlin.skinny_linear
 
     def spy(x, w, b, tile, **kw):
         calls.append(tile)
-        return real(x, w, b, tile, **kw)
+        return skinny_linear(x, w, b, tile, **kw)
 
     monkeypatch.setattr("runner.triton_fused_ops.skinny_linear", spy)
     for m in (1, 5):
