@@ -344,6 +344,7 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     as argmax over the fp32 logits copy (the path before greedy_ids, s12 and earlier);
     `torch_argmax` takes them with torch.argmax instead of runner/triton_argmax.py."""
     from bench_gemm import load_tuned_rows
+    from triton.runtime.errors import OutOfResources
 
     from runner import triton_attention, triton_linear
     from runner.sampling_params import SamplingParams
@@ -406,7 +407,13 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
                 model.greedy_ids = lambda h, m=model: m.compute_logits(h).argmax(dim=-1)
             if torch_argmax:  # greedy ids by torch's reduction (before runner/triton_argmax.py, s14 and earlier)
                 model.ops.argmax = lambda x: x.argmax(dim=-1)
-            res = run_engine(model, batches, graphs=True, async_sched=True, sampling=greedy)
+            try:
+                res = run_engine(model, batches, graphs=True, async_sched=True, sampling=greedy)
+            except OutOfResources as e:  # a tile that does not fit is this variant's result, not the run's end
+                log(f"  variant {spec}: {e}")
+                del model
+                torch.cuda.empty_cache()
+                continue
             key = spec if spec not in out else f"{spec} #{sum(k.split(' #')[0] == spec for k in out) + 1}"
             out[key] = {B: r["step_ms"] for B, r in res.items()}
             log(f"  variant {key}: " + ", ".join(f"B={B} {v:.3f} ms" for B, v in out[key].items()))
