@@ -261,15 +261,14 @@ def render_critical_path(chain: dict, batch: int) -> str:
 
 
 def parse_tile(fields: list[int]) -> "LinearTile":
-    """bm, bn, bk, warps, stages[, late_trigger 0/1[, prewait_k]] -> LinearTile (late_trigger as
-    the bool it is)."""
+    """bm, bn, bk, warps, stages[, late_trigger 0/1] -> LinearTile (late_trigger as the bool it is)."""
     from runner.triton_linear import LinearTile
 
-    return LinearTile(*fields[:5], *(bool(f) for f in fields[5:6]), *fields[6:7])
+    return LinearTile(*fields[:5], *(bool(f) for f in fields[5:]))
 
 
 def parse_tile_override(item: str) -> tuple[tuple[int, int, int], int, "LinearTile | None"]:
-    """'tile:KIND:N:K:MAX_M=bm/bn/bk/warps/stages[/late[/prewait_k]]' (or '=none': cuBLAS) -> the TUNED key,
+    """'tile:KIND:N:K:MAX_M=bm/bn/bk/warps/stages[/late]' (or '=none': cuBLAS) -> the TUNED key,
     the row's max_m and its tile; KIND is plain or gated."""
     from runner.triton_linear import GATED, PLAIN
 
@@ -317,7 +316,7 @@ def skip_op(model, name: str) -> None:
 
 
 def parse_split_override(item: str) -> tuple[tuple[int, int], tuple]:
-    """'split:N:K=MAX_M:bm/bn/bk/warps/stages[/late[/prewait_k]]/splits+MAX_M:none+...' -> the SPLIT_TUNED key
+    """'split:N:K=MAX_M:bm/bn/bk/warps/stages[/late]/splits+MAX_M:none+...' -> the SPLIT_TUNED key
     and its rows (all of them, in increasing MAX_M; 'none': not split up to that M)."""
     lhs, rhs = item.removeprefix("split:").split("=")
     n, k = map(int, lhs.split(":"))

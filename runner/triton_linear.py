@@ -79,10 +79,6 @@ class LinearTile:
     # MMA mode: let the next kernel launch (PDL) only after this one's stores instead of right
     # after its wait, so the next kernel's early loads do not compete with this one's stream
     late_trigger: bool = False
-    # MMA mode: the first `prewait_k` columns of each program's K range of W are loaded before
-    # the PDL wait (weights are never written), so they stream while the kernel before this one
-    # finishes; they are multiplied after the K loop. 0: none; else block_k times a power of two
-    prewait_k: int = 0
 
 
 @triton.jit
@@ -119,7 +115,6 @@ def _skinny_linear_kernel(
     USE_GDC: tl.constexpr,
     SPLIT_K: tl.constexpr,  # > 1 (MMA mode, plain, no bias): out is fp32 partials [SPLIT_K, M, N]
     LATE_TRIGGER: tl.constexpr,  # MMA mode: the next kernel launches after the stores, not after the wait
-    PRE_K: tl.constexpr,  # MMA mode: W[:, k_lo:k_lo + PRE_K] loaded before the wait, used after the loop (0: none)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -163,37 +158,21 @@ def _skinny_linear_kernel(
         # MMA. Split s (SPLIT_K > 1) sums the K range [s * k_split, (s + 1) * k_split) into its
         # own fp32 partial, which the consumer adds in split order (deterministic, no atomics);
         # unsplit, k_split == K. One K loop for both, so both round the same way.
-        k_lo = tl.program_id(2) * k_split
-        x_ptrs += k_lo
-        w_ptrs += k_lo
-        if PRE_K > 0:
-            # The range's first PRE_K weight columns are in flight before the wait, under the
-            # previous kernel's tail. They join the sum after the loop: folded in first, their
-            # x would have to arrive before the loop's pipeline could start.
-            offs_pre = tl.arange(0, PRE_K)
-            w_pre_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + k_lo + offs_pre[None, :]  # [BN, PRE_K]
-            w_pre = tl.load(w_pre_ptrs, mask=n_mask[:, None], other=0.0)
-            if GATED:
-                u_pre = tl.load(w_pre_ptrs + up_shift, mask=n_mask[:, None], other=0.0)
         pdl_wait(USE_GDC)
         if not LATE_TRIGGER:
             pdl_trigger(USE_GDC)
-        if PRE_K > 0:  # issued now, needed only after the loop
-            a_pre = tl.load(x_ptr + rows[:, None] * stride_xm + k_lo + offs_pre[None, :], mask=m_mask[:, None],
-                            other=0.0)  # [BM, PRE_K]
+        k_lo = tl.program_id(2) * k_split
+        x_ptrs += k_lo
+        w_ptrs += k_lo
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(PRE_K, k_split, BLOCK_K):
+        for k0 in range(0, k_split, BLOCK_K):
             a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)  # [BM, BK]
             w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)  # [BN, BK]
             acc = tl.dot(a, tl.trans(w), acc)
             if GATED:
                 wu = tl.load(w_ptrs + up_shift + k0, mask=n_mask[:, None], other=0.0)
                 acc_u = tl.dot(a, tl.trans(wu), acc_u)
-        if PRE_K > 0:
-            acc = tl.dot(a_pre, tl.trans(w_pre), acc)
-            if GATED:
-                acc_u = tl.dot(a_pre, tl.trans(u_pre), acc_u)
         if SPLIT_K > 1:
             part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
             out_ptrs = part + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
@@ -231,11 +210,6 @@ def skinny_linear(
     assert x.shape[1] == k and k % tile.block_k == 0, (x.shape, weight.shape, tile)
     assert tile.block_m > 1 or m <= 1, (m, tile)
     assert tile.block_m > 1 or not tile.late_trigger, "late_trigger: MMA tiles only"
-    if tile.prewait_k:
-        pre = tile.prewait_k // tile.block_k
-        assert tile.block_m > 1 and tile.prewait_k % tile.block_k == 0 and pre & (pre - 1) == 0, \
-            f"prewait_k: MMA tiles only, block_k times a power of two ({tile})"
-        assert k // split_k >= tile.prewait_k, f"prewait_k {tile.prewait_k} past a K range of {k // split_k}"
     if gated:
         assert n % 2 == 0 and bias is None, "gated: weight rows gate | up, no bias"
         n //= 2
@@ -253,7 +227,7 @@ def skinny_linear(
         m, n, k, x.stride(0), weight.stride(0), out.stride(-2), k // split_k,
         GATED=gated, HAS_BIAS=bias is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_GDC=pdl, SPLIT_K=split_k,
-        LATE_TRIGGER=tile.late_trigger, PRE_K=tile.prewait_k,
+        LATE_TRIGGER=tile.late_trigger,
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out

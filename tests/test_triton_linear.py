@@ -60,10 +60,7 @@ def _inputs(m: int, seed: int = 0):
 
 
 GEMV4 = LinearTile(1, 4, 64, 4, 1)  # 4 rows per program, as the tuned table's M = 1 GEMVs
-# MMA with the first weight columns loaded before the PDL wait (64 of K = 128: half the sum after the loop)
-PRE = LinearTile(16, 32, 32, 4, 2, prewait_k=64)
-CASES = [(1, GEMV), (1, GEMV4), (1, MMA), (5, MMA), (16, MMA), (21, LinearTile(32, 16, 128, 4, 3)), (5, PRE),
-         (21, LinearTile(32, 16, 32, 4, 3, prewait_k=32))]
+CASES = [(1, GEMV), (1, GEMV4), (1, MMA), (5, MMA), (16, MMA), (21, LinearTile(32, 16, 128, 4, 3))]
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
@@ -77,8 +74,8 @@ def test_matches_torch(m, tile, bias):
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("m,tile", [(1, GEMV), (1, GEMV4), (1, MMA), (6, MMA), (21, LinearTile(32, 16, 128, 4, 3)),
-                                    (6, PRE)], ids=["m1-gemv", "m1-gemv4", "m1-mma", "m6-mma", "m21-bm32", "m6-prewait"])
+@pytest.mark.parametrize("m,tile", [(1, GEMV), (1, GEMV4), (1, MMA), (6, MMA), (21, LinearTile(32, 16, 128, 4, 3))],
+                         ids=["m1-gemv", "m1-gemv4", "m1-mma", "m6-mma", "m21-bm32"])
 def test_gated_epilogue_equals_gemm_then_silu_mul(m, tile):
     x = _rand(m, K, seed=11)
     w = _rand(2 * N, K, seed=12, scale=0.05)  # gate | up, I = N
@@ -89,7 +86,7 @@ def test_gated_epilogue_equals_gemm_then_silu_mul(m, tile):
     torch.testing.assert_close(gated.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("tile", [GEMV, MMA, PRE], ids=["gemv", "mma", "prewait"])
+@pytest.mark.parametrize("tile", [GEMV, MMA], ids=["gemv", "mma"])
 def test_row_result_independent_of_batch(tile):
     m = 1 if tile.block_m == 1 else 13
     x, w, b = _inputs(m, seed=5)
@@ -211,25 +208,6 @@ def test_late_trigger_only_on_mma_tiles():
     assert all(t.late_trigger for _, t in TUNED[(GATED, 16384, 3072)])
 
 
-@pytest.mark.parametrize("split", [2, 4])
-def test_prewait_columns_join_every_split(split):
-    """prewait_k: each split's first weight columns, loaded before the wait, are multiplied after
-    its loop; every partial is still the GEMM over its K range, also where they are the whole
-    range (4 splits of 32 with prewait_k 32: an empty loop). Tiles that cannot do it are refused."""
-    x, w, _ = _inputs(7, seed=23)
-    ks = K // split
-    parts = skinny_linear(x, w, None, LinearTile(16, 32, 32, 4, 2, prewait_k=32), split_k=split)
-    for s_ in range(split):
-        torch.testing.assert_close(parts[s_], x[:, s_ * ks:(s_ + 1) * ks].float() @ w[:, s_ * ks:(s_ + 1) * ks].float().T,
-                                   atol=1e-3, rtol=1e-3)
-    for bad in (LinearTile(1, 16, 64, 4, 1, prewait_k=64), LinearTile(16, 32, 32, 4, 2, prewait_k=48),
-                LinearTile(16, 32, 32, 4, 2, prewait_k=96)):
-        with pytest.raises(AssertionError, match="prewait_k"):
-            skinny_linear(_rand(bad.block_m, K, seed=1), w, None, bad)
-    with pytest.raises(AssertionError, match="prewait_k 64 past a K range of 32"):
-        skinny_linear(x, w, None, PRE, split_k=4)
-
-
 @pytest.mark.parametrize("m", [64, 40])
 def test_tuned_split_rows_sum_to_the_gemm(m):
     """Every SPLIT_TUNED tile with its split count (at a K it divides) against the fp32 GEMM:
@@ -254,13 +232,13 @@ _COMPILE_SCRIPT = textwrap.dedent(
     sig = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, out_ptr=ptr, M="i32", N="i32", K="i32", stride_xm="i32",
                stride_wn="i32", stride_om="i32", k_split="i32")
     for tile in (m.LinearTile(1, 16, 1024, 4, 1), m.LinearTile(1, 4, 1024, 4, 1), m.LinearTile(16, 32, 256, 4, 4),
-                 m.LinearTile(64, 64, 128, 8, 4), m.LinearTile(64, 64, 64, 4, 5, prewait_k=128)):
+                 m.LinearTile(64, 64, 128, 8, 4)):
         for gated, bias, split in ((False, False, 1), (False, True, 1), (True, False, 1), (False, False, 4)):
             if split > 1 and tile.block_m == 1:
                 continue
             consts = dict(GATED=gated, HAS_BIAS=bias, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
                           BLOCK_K=tile.block_k, USE_GDC=True, SPLIT_K=split,
-                          LATE_TRIGGER=tile.block_m > 1 and gated, PRE_K=tile.prewait_k)
+                          LATE_TRIGGER=tile.block_m > 1 and gated)
             sig_ = dict(sig, out_ptr="*fp32") if split > 1 else sig
             compile_sm90(m._skinny_linear_kernel, sig_, consts, num_warps=tile.num_warps,
                          num_stages=tile.num_stages, launch_pdl=True)
