@@ -30,8 +30,6 @@ Sections (all by default; pick with --sections):
              135 / 350 / 600, and the fused-RoPE launch
   variants   greedy decode per kernel variant (--variants), each on a fresh model, same run
   lm_head    the lm_head GEMM alone at M = 1 and 64: cuBLAS against Triton tiles
-  packed     each decode GEMM alone, nn.Linear weight layout against pack_weight's (contiguous
-             per program), same tile, next to cuBLAS
 
 --skinny-linear 0 / --pdl 0 turn the decode kernels of runner/triton_linear.py and
 runner/triton_pdl.py off for an A/B run of the engine sections; --tuned FILE replaces the
@@ -524,63 +522,6 @@ def run_lm_head(tiles=LM_HEAD_TILES, launches: int = 8) -> dict:
                 log(f"  lm_head M={m} {spec}: {type(e).__name__}: {str(e)[:120]}")
         out[m] = {kk: {"us": us, "TBps": v * k * 2 / us / 1e6} for kk, us in res.items()}
         log(f"  lm_head M={m}: " + ", ".join(f"{kk} {r['us']:.1f} us ({r['TBps']:.2f} TB/s)" for kk, r in out[m].items()))
-    return out
-
-
-# (name, kind, N, K, M, splits, tiles): the decode GEMMs of the Orpheus shape; the first tile of
-# each row is the engine's (TUNED / SPLIT_TUNED), the others alternatives for the packed layout
-PACKED_CASES = [
-    ("gate_up", "gated", 16384, 3072, 64, 1, ["64,64,64,4,5,1", "64,64,128,4,4,1", "64,32,128,4,4,1", "64,128,64,4,3,1"]),
-    ("down", "plain", 3072, 8192, 64, 4, ["64,128,128,4,4", "64,64,128,4,4", "64,64,256,4,3"]),
-    ("o_proj", "plain", 3072, 3072, 64, 2, ["64,64,128,4,4", "64,32,128,4,4"]),
-    ("qkv", "plain", 5120, 3072, 64, 1, ["64,64,128,4,4", "64,32,128,4,4", "64,64,64,4,8"]),
-    ("gate_up", "gated", 16384, 3072, 1, 1, ["16,64,128,4,4,1", "16,32,256,4,4,1"]),
-    ("qkv", "plain", 5120, 3072, 1, 1, ["1,4,1024,4,1"]),
-    ("o_proj", "plain", 3072, 3072, 1, 1, ["1,4,1024,4,1"]),
-    ("down", "plain", 3072, 8192, 1, 1, ["1,4,1024,4,1"]),
-]
-
-
-def run_packed(cases=PACKED_CASES, launches: int = 28) -> dict:
-    """Each decode GEMM alone with its weight in the nn.Linear layout against the same tile on
-    runner/triton_linear.py's pack_weight layout (one contiguous run per program), next to
-    cuBLAS: us per launch and TB/s of weight bytes, weights rotated over enough copies to exceed
-    L2. Same bits either way (checked here too)."""
-    from bench_gemm import _time_graph
-
-    from triton.runtime.errors import OutOfResources
-
-    from runner.triton_linear import pack_weight, skinny_linear
-
-    out = {}
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for name, kind, n, k, m, splits, specs in cases:
-        gated = kind == "gated"
-        nbytes = n * k * 2
-        copies = max(2, -(-3 * 50 * 2**20 // nbytes))
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)]
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
-        res = {"cublas": _time_graph(lambda i: torch.nn.functional.linear(x, ws[i]), copies, launches)}
-        for spec in specs:
-            tile = parse_tile([int(f) for f in spec.split(",")])
-            sp = splits if tile.block_m > 1 else 1
-            try:
-                packed = [pack_weight(w, tile.block_n, tile.block_k) for w in ws]
-                a = skinny_linear(x, ws[0], None, tile, gated=gated, split_k=sp)
-                b = skinny_linear(x, packed[0], None, tile, gated=gated, split_k=sp)
-                assert torch.equal(a, b), "packed layout changed the result"
-                res[spec] = _time_graph(lambda i, t=tile: skinny_linear(x, ws[i], None, t, gated=gated, split_k=sp),
-                                        copies, launches)
-                res[spec + " packed"] = _time_graph(
-                    lambda i, t=tile: skinny_linear(x, packed[i], None, t, gated=gated, split_k=sp), copies, launches)
-                del packed
-            except OutOfResources as e:  # a tile that does not fit is a result
-                log(f"  packed {name} M={m} {spec}: {str(e)[:120]}")
-        key = f"{name} M={m}"
-        out[key] = {kk: {"us": us, "TBps": nbytes / us / 1e6} for kk, us in res.items()}
-        log(f"  packed {key}: " + ", ".join(f"{kk} {r['us']:.1f} ({r['TBps']:.2f})" for kk, r in out[key].items()))
-        del ws
-        torch.cuda.empty_cache()
     return out
 
 
@@ -1172,8 +1113,6 @@ def main() -> int:
         res["attn"] = run_attn_sweep(tiles=tiles, all_splits=not args.attn_tiles)
     if "lm_head" in secs:
         res["lm_head"] = run_lm_head()
-    if "packed" in secs:
-        res["packed"] = run_packed()
     if "splitk" in secs:
         from bench_gemm import run_splitk_sweep
 

@@ -115,7 +115,6 @@ def _skinny_linear_kernel(
     USE_GDC: tl.constexpr,
     SPLIT_K: tl.constexpr,  # > 1 (MMA mode, plain, no bias): out is fp32 partials [SPLIT_K, M, N]
     LATE_TRIGGER: tl.constexpr,  # MMA mode: the next kernel launches after the stores, not after the wait
-    PACKED: tl.constexpr,  # W arranged by pack_weight ([N/BN, K/BK, BN, BK]; stride_wn == K)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -124,14 +123,7 @@ def _skinny_linear_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    if PACKED:
-        # this program's BN rows are one contiguous [K/BK, BN, BK] run: K step k is the BN * BK
-        # elements at k * BN
-        w_ptrs = w_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_wn + tl.arange(0, BLOCK_N)[:, None] * BLOCK_K \
-            + offs_k[None, :]  # [BN, BK]
-    else:
-        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
-    kstep = BLOCK_N if PACKED else 1  # W elements per K column
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
     up_shift = N.to(tl.int64) * stride_wn  # GATED: the up rows of these columns
     dt = out_ptr.dtype.element_ty
@@ -148,12 +140,12 @@ def _skinny_linear_kernel(
             # the next slice (masked off past K) is issued before this one is reduced
             nxt = n_mask[:, None] & (k0 + BLOCK_K < K)
             w = w_next
-            w_next = tl.load(w_ptrs + (k0 + BLOCK_K) * kstep, mask=nxt, other=0.0)
+            w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=nxt, other=0.0)
             a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0).to(tl.float32)  # [1, BK]
             acc += tl.sum(w.to(tl.float32) * a, axis=1)
             if GATED:
                 wu = u_next
-                u_next = tl.load(w_ptrs + up_shift + (k0 + BLOCK_K) * kstep, mask=nxt, other=0.0)
+                u_next = tl.load(w_ptrs + up_shift + (k0 + BLOCK_K), mask=nxt, other=0.0)
                 acc_u += tl.sum(wu.to(tl.float32) * a, axis=1)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -171,15 +163,15 @@ def _skinny_linear_kernel(
             pdl_trigger(USE_GDC)
         k_lo = tl.program_id(2) * k_split
         x_ptrs += k_lo
-        w_ptrs += k_lo * kstep
+        w_ptrs += k_lo
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, k_split, BLOCK_K):
             a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)  # [BM, BK]
-            w = tl.load(w_ptrs + k0 * kstep, mask=n_mask[:, None], other=0.0)  # [BN, BK]
+            w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)  # [BN, BK]
             acc = tl.dot(a, tl.trans(w), acc)
             if GATED:
-                wu = tl.load(w_ptrs + up_shift + k0 * kstep, mask=n_mask[:, None], other=0.0)
+                wu = tl.load(w_ptrs + up_shift + k0, mask=n_mask[:, None], other=0.0)
                 acc_u = tl.dot(a, tl.trans(wu), acc_u)
         if SPLIT_K > 1:
             part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
@@ -208,19 +200,13 @@ def skinny_linear(
     pdl: bool = False,
     split_k: int = 1,  # > 1: fp32 partials [split_k, M, N] instead of out (plain, no bias, MMA)
 ) -> torch.Tensor:
-    """One launch: out [M, N] (gated: [M, I]) in x's dtype. `weight` may be pack_weight's
-    arrangement for this tile ([N/BN, K/BK, BN, BK]).
+    """One launch: out [M, N] (gated: [M, I]) in x's dtype.
 
     Reads only shapes and strides on the host, so it can be captured in a CUDA graph (after one
     eager call per shape has compiled it)."""
     m = x.shape[0]
-    packed = weight.dim() == 4
-    if packed:
-        assert weight.is_contiguous() and weight.shape[2:] == (tile.block_n, tile.block_k), (weight.shape, tile)
-        n, k = weight.shape[0] * tile.block_n, weight.shape[1] * tile.block_k
-    else:
-        n, k = weight.shape
-    assert x.dim() == 2 and x.stride(1) == 1 and weight.stride(-1) == 1, (x.shape, x.stride(), weight.stride())
+    n, k = weight.shape
+    assert x.dim() == 2 and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, x.stride(), weight.stride())
     assert x.shape[1] == k and k % tile.block_k == 0, (x.shape, weight.shape, tile)
     assert tile.block_m > 1 or m <= 1, (m, tile)
     assert tile.block_m > 1 or not tile.late_trigger, "late_trigger: MMA tiles only"
@@ -238,23 +224,13 @@ def skinny_linear(
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split_k)
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
-        m, n, k, x.stride(0), k if packed else weight.stride(0), out.stride(-2), k // split_k,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(-2), k // split_k,
         GATED=gated, HAS_BIAS=bias is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_GDC=pdl, SPLIT_K=split_k,
-        LATE_TRIGGER=tile.late_trigger, PACKED=packed,
+        LATE_TRIGGER=tile.late_trigger,
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
-
-
-def pack_weight(weight: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
-    """W [N, K] as [N/BN, K/BK, BN, BK] blocks: what one program of a (BN, BK) tile reads per K
-    step becomes one contiguous BN * BK run, and its whole share of W one contiguous stream,
-    instead of BN rows read BK elements (128-256 bytes) at a time. Gated weights pack as they
-    are (gate | up): I must be a multiple of BN."""
-    n, k = weight.shape
-    assert n % block_n == 0 and k % block_k == 0, (weight.shape, block_n, block_k)
-    return weight.view(n // block_n, block_n, k // block_k, block_k).permute(0, 2, 1, 3).contiguous()
 
 
 class Partials(NamedTuple):

@@ -36,7 +36,6 @@ from runner.triton_linear import (  # noqa: E402
     TUNED,
     LinearTile,
     _skinny_linear_kernel,
-    pack_weight,
     skinny_linear,
     split_tile_for,
     tile_for,
@@ -209,18 +208,6 @@ def test_late_trigger_only_on_mma_tiles():
     assert all(t.late_trigger for _, t in TUNED[(GATED, 16384, 3072)])
 
 
-@pytest.mark.parametrize("m,tile,gated,split", [(1, GEMV4, False, 1), (1, GEMV, True, 1), (5, MMA, False, 1),
-                                                (21, LinearTile(32, 16, 32, 4, 3), True, 1), (7, MMA, False, 2)],
-                         ids=["gemv", "gemv-gated", "mma", "mma-gated", "split"])
-def test_packed_weight_gives_the_same_bits(m, tile, gated, split):
-    """pack_weight only moves W's elements: every mode reads the same values in the same order."""
-    x, w = _rand(m, K, seed=31), _rand(64, K, seed=32, scale=0.05)
-    packed = pack_weight(w, tile.block_n, tile.block_k)
-    assert packed.shape == (64 // tile.block_n, K // tile.block_k, tile.block_n, tile.block_k)
-    assert torch.equal(skinny_linear(x, packed, None, tile, gated=gated, split_k=split),
-                       skinny_linear(x, w, None, tile, gated=gated, split_k=split))
-
-
 @pytest.mark.parametrize("m", [64, 40])
 def test_tuned_split_rows_sum_to_the_gemm(m):
     """Every SPLIT_TUNED tile with its split count (at a K it divides) against the fp32 GEMM:
@@ -251,7 +238,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
                 continue
             consts = dict(GATED=gated, HAS_BIAS=bias, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
                           BLOCK_K=tile.block_k, USE_GDC=True, SPLIT_K=split,
-                          LATE_TRIGGER=tile.block_m > 1 and gated, PACKED=False)
+                          LATE_TRIGGER=tile.block_m > 1 and gated)
             sig_ = dict(sig, out_ptr="*fp32") if split > 1 else sig
             compile_sm90(m._skinny_linear_kernel, sig_, consts, num_warps=tile.num_warps,
                          num_stages=tile.num_stages, launch_pdl=True)
