@@ -31,9 +31,12 @@ import gc
 import logging
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from runner.attention import AttentionMetadata
+from runner.graph_inputs import staged_capacity, unpack_graph_inputs_torch
+from runner.host_staging import staging_for
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +66,10 @@ def graph_buckets(max_bs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_bs: int, max_blocks: int,
-                 scratch_block: int, block_size: int, device: torch.device, max_decode_rows: int | None = None,
-                 hidden_rows: int = 0):
+                 scratch_block: int, block_size: int, device: torch.device, last_token: torch.Tensor,
+                 max_decode_rows: int | None = None, hidden_rows: int = 0):
+        """last_token: the sampler's persistent [slots] int64 tensor of each slot's latest token
+        (rows whose token is still in flight read it; runner/graph_inputs.py)."""
         self.model = model
         self.kv_caches = kv_caches
         self.max_bs = max_bs
@@ -86,7 +91,19 @@ class DecodeGraphs:
         self.scratch_slot = scratch_block * block_size
         self.scratch_block = scratch_block
         self.block_size = block_size
-        # persistent inputs, sliced per bucket
+        if (scratch_block + 1) * block_size >= 2**31:
+            raise ValueError(f"{scratch_block + 1} KV blocks of {block_size}: cache slots must fit int32 (graph inputs)")
+        # persistent inputs, sliced per bucket; every graph starts by filling them from `staged`
+        # (runner/graph_inputs.py), which one copy per step writes
+        self.staged = torch.zeros(staged_capacity(max_bs, max_blocks), dtype=torch.int32, device=device)
+        self.last_token = last_token
+        if device.type == "cuda":
+            from runner.triton_graph_inputs import unpack_graph_inputs
+
+            self._unpack = unpack_graph_inputs
+        else:
+            self._unpack = unpack_graph_inputs_torch
+        self._staging = staging_for(device) if device.type == "cuda" else None
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_bs,), self.scratch_slot, dtype=torch.int64, device=device)
@@ -113,6 +130,8 @@ class DecodeGraphs:
 
     def _forward(self, key: tuple[int, bool, bool]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         b, pure, all_layers = key
+        self._unpack(self.staged, self.last_token, self.input_ids[:b], self.positions[:b], self.slot_mapping[:b],
+                     self.seq_lens[:b], self.block_tables[:b], self.scratch_slot)
         return self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, pure),
                           self.all_layers if all_layers else ())
 
@@ -159,24 +178,21 @@ class DecodeGraphs:
                 return s
         return None
 
-    def run(self, bucket: int, b: int, ids: torch.Tensor, pos: torch.Tensor, slot_map: torch.Tensor,
-            seq_lens: torch.Tensor, tables: torch.Tensor, pure_decode: bool,
+    def run(self, bucket: int, staged: np.ndarray, pure_decode: bool,
             all_layers: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Fill the persistent buffers (rows [0, b) real, [b, bucket) padding), replay, and
-        return the final hidden states of the real rows ([b, H]) and, with `all_layers` (a
-        bucket from bucket_for(b, True), pure decode only), every layer's output {layer: [b, H]}
-        (else {}): views of the graph's outputs, valid until the next replay. `pure_decode`:
-        every row is a distinct sequence's one new token (else: token rows)."""
+        """Copy `staged` (pack_graph_inputs of b <= bucket rows) to the device, replay (the
+        graph unpacks it: rows [0, b) real, [b, bucket) padding), and return the final hidden
+        states of the real rows ([b, H]) and, with `all_layers` (a bucket from bucket_for(b,
+        True), pure decode only), every layer's output {layer: [b, H]} (else {}): views of the
+        graph's outputs, valid until the next replay. `pure_decode`: every row is a distinct
+        sequence's one new token (else: token rows)."""
         assert pure_decode or not all_layers, "the all-layers graphs serve pure decode only"
+        b = int(staged[0])
+        assert 0 < b <= bucket and staged[1] <= self.max_blocks, (b, bucket, staged[1])
         key = (bucket, pure_decode and bucket in self._pure_buckets, all_layers)
-        self.input_ids[:b].copy_(ids, non_blocking=True)
-        self.positions[:b].copy_(pos, non_blocking=True)
-        self.slot_mapping[:b].copy_(slot_map, non_blocking=True)
-        self.seq_lens[:b].copy_(seq_lens, non_blocking=True)
-        nb = tables.shape[1]
-        self.block_tables[:b, :nb].copy_(tables, non_blocking=True)
-        if bucket > b:  # padding rows: scratch slot, empty sequence
-            self.slot_mapping[b:bucket].fill_(self.scratch_slot)
-            self.seq_lens[b:bucket].zero_()
+        if self._staging is not None:
+            self._staging.copy_into(self.staged, staged)
+        else:
+            self.staged[: staged.size].copy_(torch.from_numpy(staged))
         self.graphs[key].replay()
         return self.hidden[key][:b], {layer: t[:b] for layer, t in self.layers[key].items()}

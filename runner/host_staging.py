@@ -44,9 +44,27 @@ class PinnedStaging:
         if dtype is not None and _TORCH_DTYPE.get(arr.dtype) != dtype:
             arr = arr.astype(_NUMPY_DTYPE[dtype])
         arr = np.ascontiguousarray(arr)
-        n = arr.nbytes
-        if n > self.capacity // 4:  # rare and large: a block of its own
+        if arr.nbytes > self.capacity // 4:  # rare and large: a block of its own
             return torch.from_numpy(arr).pin_memory().to(self.device, non_blocking=True)
+        start, src = self._stage(arr)
+        out = src.to(self.device, non_blocking=True)
+        self._fence(start)
+        return out
+
+    def copy_into(self, dst: torch.Tensor, arr: np.ndarray) -> None:
+        """dst[:arr.size] = arr (dst 1-D, contiguous, of arr's dtype), queued on the current
+        stream: into a buffer whose address must not change (a CUDA graph's input)."""
+        arr = np.ascontiguousarray(arr).reshape(-1)
+        assert dst.dim() == 1 and dst.is_contiguous() and dst.dtype == _TORCH_DTYPE[arr.dtype], (dst.dtype, arr.dtype)
+        assert arr.size <= dst.numel() and arr.nbytes <= self.capacity // 4, (arr.size, dst.numel())
+        start, src = self._stage(arr)
+        dst[: arr.size].copy_(src, non_blocking=True)
+        self._fence(start)
+
+    def _stage(self, arr: np.ndarray) -> tuple[int, torch.Tensor]:
+        """arr copied into the ring: (its region's start, a pinned view of it typed and shaped
+        like arr). The caller queues one copy from the view, then `_fence(start)`."""
+        n = arr.nbytes
         start = -(-self._head // _ALIGN) * _ALIGN
         if start + n > self.capacity:
             start, self._lap = 0, self._lap + 1
@@ -56,13 +74,14 @@ class PinnedStaging:
         while self._fences and (self._fences[0][0] < self._lap - 1 or (self._fences[0][0] < self._lap and self._fences[0][1] < end)):
             self._fences.popleft()[2].synchronize()
         self._np[start:end] = arr.reshape(-1).view(np.uint8)
-        src = self._buf[start:end].view(_TORCH_DTYPE[arr.dtype]).view(arr.shape)
-        out = src.to(self.device, non_blocking=True)
+        self._head = end
+        return start, self._buf[start:end].view(_TORCH_DTYPE[arr.dtype]).view(arr.shape)
+
+    def _fence(self, start: int) -> None:
+        """The region at `start` is free again once the copy just queued from it has run."""
         ev = torch.cuda.Event()
         ev.record()
         self._fences.append((self._lap, start, ev))
-        self._head = end
-        return out
 
 
 _STAGING: dict[torch.device, PinnedStaging] = {}

@@ -24,6 +24,7 @@ import torch
 from runner.attention import AttentionMetadata, allocate_kv_cache
 from runner.config import EngineConfig
 from runner.cuda_graphs import DecodeGraphs
+from runner.graph_inputs import pack_graph_inputs
 from runner.host_staging import staging_for
 from runner.request import Request
 from runner.sampler import Sampler, SamplingBatch, SamplingTable, SlotState
@@ -190,7 +191,7 @@ class ModelRunner:
             rows = max(S, cfg.scheduler.max_num_batched_tokens) if self.token_rows else S
             self.graphs = DecodeGraphs(model, self.kv_caches, min(cfg.runner.max_graph_batch_size, rows),
                                        self.max_blocks_per_seq, num_blocks, self.block_size, self.device,
-                                       max_decode_rows=S, hidden_rows=S if cfg.runner.hidden_state_graphs else 0)
+                                       self.slots.last_token, max_decode_rows=S, hidden_rows=S if cfg.runner.hidden_state_graphs else 0)
             self.graphs.capture()
         # GPU timeline (bench): (start, end) CUDA events per step when enabled
         self.record_timeline = False
@@ -322,12 +323,6 @@ class ModelRunner:
         if self.record_timeline:
             self._t0 = torch.cuda.Event(enable_timing=True)
             self._t0.record()
-        pk = self._to_dev(pack)
-        input_ids, pos_d, slot_d = pk[:T], pk[Ta : Ta + T], pk[2 * Ta : 2 * Ta + T]
-        seq_d, qsl_d = pk[3 * Ta : 3 * Ta + B], pk[3 * Ta + Ba : 3 * Ta + Ba + B + 1]
-        if dev_rows:
-            rs = self._to_dev(np.asarray([dev_rows, dev_slots], dtype=np.int64))
-            input_ids[rs[0]] = self.slots.last_token[rs[1]]
         q_lens = np.diff(qsl)
         # every query chunk short enough to run as per-token decode rows (MAX_TOKEN_ROW_QUERY)
         token_rows = self.token_rows and int(q_lens.max()) <= MAX_TOKEN_ROW_QUERY
@@ -345,14 +340,22 @@ class ModelRunner:
                 # (H200: ~17 ms of host time per eager forward).
                 bucket = self.graphs.bucket_for(T)
         if bucket is not None:
+            # one array, one copy; the graph unpacks it (runner/graph_inputs.py)
+            dev_slot = np.full(T, -1, dtype=np.int64)
+            dev_slot[dev_rows] = dev_slots
             if T == B:  # pure decode
-                final_h, layers = self.graphs.run(bucket, B, input_ids, pos_d, slot_d, seq_d, self._to_dev(tables),
-                                                  True, all_layers=bool(hidden_spans))
-            else:
-                tok_tables = self._to_dev(np.repeat(tables, q_lens, axis=0))
-                final_h, layers = self.graphs.run(bucket, T, input_ids, pos_d, slot_d, pos_d + 1, tok_tables, False)
+                staged = pack_graph_inputs(ids, pos, slot_map, seq_lens, dev_slot, tables)
+            else:  # token rows: each sees its own sequence up to itself
+                staged = pack_graph_inputs(ids, pos, slot_map, pos + 1, dev_slot, np.repeat(tables, q_lens, axis=0))
+            final_h, layers = self.graphs.run(bucket, staged, T == B, all_layers=bool(hidden_spans))
             captured = {layer: layers[layer] for layer in cap}
         else:
+            pk = self._to_dev(pack)
+            input_ids, pos_d, slot_d = pk[:T], pk[Ta : Ta + T], pk[2 * Ta : 2 * Ta + T]
+            seq_d, qsl_d = pk[3 * Ta : 3 * Ta + B], pk[3 * Ta + Ba : 3 * Ta + Ba + B + 1]
+            if dev_rows:
+                rs = self._to_dev(np.asarray([dev_rows, dev_slots], dtype=np.int64))
+                input_ids[rs[0]] = self.slots.last_token[rs[1]]
             nd = sched.num_decodes if T > B else 0  # the scheduler puts one-token rows first
             tok_lens = tok_tables = None
             if token_rows:

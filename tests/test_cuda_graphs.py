@@ -33,8 +33,11 @@ def test_all_layers_family_buckets_keys_and_forward(tmp_path):
     replay: tests/test_gpu.py)."""
     import torch
 
+    import numpy as np
+
     from runner.config import ModelConfig
     from runner.cuda_graphs import DecodeGraphs
+    from runner.graph_inputs import pack_graph_inputs
     from runner.loader import load_model
     from tests.tiny_models import make_tiny_model
 
@@ -42,23 +45,25 @@ def test_all_layers_family_buckets_keys_and_forward(tmp_path):
     model = load_model(cfg, torch.device("cpu"), torch.float32)
     bs, nb = 16, 8
     kv = [torch.zeros(2, nb, bs, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    last_token = torch.tensor([0, 0, 7, 0])
     g = DecodeGraphs(model, kv, max_bs=64, max_blocks=4, scratch_block=nb - 1, block_size=bs,
-                     device=torch.device("cpu"), max_decode_rows=16, hidden_rows=12)
+                     device=torch.device("cpu"), last_token=last_token, max_decode_rows=16, hidden_rows=12)
     assert g.hidden_buckets == [1, 2, 4, 8, 16]
     assert g.bucket_for(5, all_layers=True) == 8 and g.bucket_for(17, all_layers=True) is None
     assert g.bucket_for(17) == 32
     keys = g._keys()
     assert [k for k in keys if k[2]] == [(b, False, True) for b in g.hidden_buckets]  # no fused-RoPE family on CPU
     assert len(keys) == len(set(keys)) == len(g.buckets) + len(g.hidden_buckets)
-    g.input_ids[:4] = torch.tensor([3, 4, 5, 6])
-    g.seq_lens[:4] = 1
-    g.slot_mapping[:4] = torch.arange(4)
-    g.block_tables[:4, 0] = 0
+    # four one-token sequences in block 0; row 2's token is still on the device (last_token[2])
+    staged = pack_graph_inputs(np.array([3, 4, 0, 6]), np.zeros(4), np.arange(4), np.ones(4), np.array([-1, -1, 2, -1]),
+                               np.zeros((4, 1), dtype=np.int32))
+    g.staged[: staged.size] = torch.from_numpy(staged)
     hidden, layers = g._forward((4, False, True))
+    assert g.input_ids[:4].tolist() == [3, 4, 7, 6] and g.seq_lens[:4].tolist() == [1, 1, 1, 1]
     assert sorted(layers) == list(range(cfg.num_layers + 1)) and layers[cfg.num_layers] is hidden
     plain, none = g._forward((4, False, False))
     assert none == {} and torch.equal(plain, hidden)
-    assert DecodeGraphs(model, kv, 64, 4, nb - 1, bs, torch.device("cpu")).hidden_buckets == []
+    assert DecodeGraphs(model, kv, 64, 4, nb - 1, bs, torch.device("cpu"), last_token).hidden_buckets == []
 
 
 def test_no_gc_while_capturing_restores_the_collector():

@@ -51,3 +51,31 @@ def test_copier_refuses_an_output_whose_pinned_row_was_reused():
     assert outs[1].get().sampled == [1, 2, 3]
     with pytest.raises(AssertionError, match="reused"):
         outs[0].get()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_copy_into_a_fixed_buffer_keeps_every_step_intact_while_the_stream_lags():
+    """copy_into (a CUDA graph's input buffer) shares the ring with to_device: each step's
+    contents reach the buffer in stream order, whatever the host writes after queueing them."""
+    dev = torch.device("cuda")
+    st = PinnedStaging(dev, capacity_bytes=4096)
+    dst = torch.zeros(200, dtype=torch.int32, device=dev)
+    rng = np.random.default_rng(1)
+    torch.cuda._sleep(50_000_000)
+    sent, got = [], []
+    for i in range(200):
+        arr = rng.integers(-(2**31), 2**31 - 1, size=int(rng.integers(1, 200))).astype(np.int32)
+        st.copy_into(dst, arr)
+        sent.append(arr.copy())
+        got.append(dst[: arr.size].clone())  # what a replay right after the copy would read
+        arr[:] = 0
+        if i % 4 == 0:
+            st.to_device(rng.integers(0, 9, size=30))  # interleaved with ordinary copies
+    torch.cuda.synchronize()
+    for want, t in zip(sent, got):
+        assert np.array_equal(t.cpu().numpy(), want)
+    with pytest.raises(AssertionError):
+        st.copy_into(dst, np.zeros(201, dtype=np.int32))  # larger than the buffer
+    with pytest.raises(AssertionError):
+        st.copy_into(dst, np.zeros(3, dtype=np.int64))  # dtype differs
