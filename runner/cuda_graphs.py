@@ -1,7 +1,9 @@
 """CUDA graphs for decode steps.
 
 A pure-decode batch of B <= max sequences replays the graph of the smallest captured bucket
->= B. Inputs live in persistent device buffers that the graph reads; padded rows (B..bucket-1)
+>= B. Inputs live in persistent device buffers that the graph reads, and the graph fills them
+itself: its first kernel unpacks the one array the host copied into `staged` for the step
+(runner/graph_inputs.py). Padded rows (B..bucket-1)
 write their K/V into a scratch block that the block manager never hands out, have seq_len 0
 (the decode kernel writes zeros for them) and their logits are ignored.
 
@@ -97,13 +99,17 @@ class DecodeGraphs:
         # (runner/graph_inputs.py), which one copy per step writes
         self.staged = torch.zeros(staged_capacity(max_bs, max_blocks), dtype=torch.int32, device=device)
         self.last_token = last_token
+        # the step's one copy (through the pinned ring on CUDA: non-blocking) and the unpack
+        # every graph starts with (the Triton kernel on CUDA; the torch reference elsewhere)
         if device.type == "cuda":
             from runner.triton_graph_inputs import unpack_graph_inputs
 
+            staging = staging_for(device)
+            self._upload = lambda arr: staging.copy_into(self.staged, arr)
             self._unpack = unpack_graph_inputs
         else:
+            self._upload = lambda arr: self.staged[: arr.size].copy_(torch.from_numpy(arr))
             self._unpack = unpack_graph_inputs_torch
-        self._staging = staging_for(device) if device.type == "cuda" else None
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_bs,), self.scratch_slot, dtype=torch.int64, device=device)
@@ -190,9 +196,6 @@ class DecodeGraphs:
         b = int(staged[0])
         assert 0 < b <= bucket and staged[1] <= self.max_blocks, (b, bucket, staged[1])
         key = (bucket, pure_decode and bucket in self._pure_buckets, all_layers)
-        if self._staging is not None:
-            self._staging.copy_into(self.staged, staged)
-        else:
-            self.staged[: staged.size].copy_(torch.from_numpy(staged))
+        self._upload(staged)
         self.graphs[key].replay()
         return self.hidden[key][:b], {layer: t[:b] for layer, t in self.layers[key].items()}
