@@ -43,10 +43,7 @@ class PinnedStaging:
         Asynchronous: the copy is queued on the current stream."""
         if dtype is not None and _TORCH_DTYPE.get(arr.dtype) != dtype:
             arr = arr.astype(_NUMPY_DTYPE[dtype])
-        arr = np.ascontiguousarray(arr)
-        if arr.nbytes > self.capacity // 4:  # rare and large: a block of its own
-            return torch.from_numpy(arr).pin_memory().to(self.device, non_blocking=True)
-        start, src = self._stage(arr)
+        start, src = self._source(np.ascontiguousarray(arr))
         out = src.to(self.device, non_blocking=True)
         self._fence(start)
         return out
@@ -56,10 +53,18 @@ class PinnedStaging:
         stream: into a buffer whose address must not change (a CUDA graph's input)."""
         arr = np.ascontiguousarray(arr).reshape(-1)
         assert dst.dim() == 1 and dst.is_contiguous() and dst.dtype == _TORCH_DTYPE[arr.dtype], (dst.dtype, arr.dtype)
-        assert arr.size <= dst.numel() and arr.nbytes <= self.capacity // 4, (arr.size, dst.numel())
-        start, src = self._stage(arr)
+        assert arr.size <= dst.numel(), (arr.size, dst.numel())
+        start, src = self._source(arr)
         dst[: arr.size].copy_(src, non_blocking=True)
         self._fence(start)
+
+    def _source(self, arr: np.ndarray) -> tuple[int | None, torch.Tensor]:
+        """(start, src): a pinned tensor holding arr (contiguous) for one copy, in the ring (its
+        region's start), or for a rare large array a pinned block of its own (start None: the
+        caching host allocator keeps it alive until its copy has run)."""
+        if arr.nbytes > self.capacity // 4:
+            return None, torch.from_numpy(arr).pin_memory()
+        return self._stage(arr)
 
     def _stage(self, arr: np.ndarray) -> tuple[int, torch.Tensor]:
         """arr copied into the ring: (its region's start, a pinned view of it typed and shaped
@@ -77,8 +82,11 @@ class PinnedStaging:
         self._head = end
         return start, self._buf[start:end].view(_TORCH_DTYPE[arr.dtype]).view(arr.shape)
 
-    def _fence(self, start: int) -> None:
-        """The region at `start` is free again once the copy just queued from it has run."""
+    def _fence(self, start: int | None) -> None:
+        """The region at `start` is free again once the copy just queued from it has run (None:
+        not in the ring)."""
+        if start is None:
+            return
         ev = torch.cuda.Event()
         ev.record()
         self._fences.append((self._lap, start, ev))

@@ -191,7 +191,8 @@ class ModelRunner:
             rows = max(S, cfg.scheduler.max_num_batched_tokens) if self.token_rows else S
             self.graphs = DecodeGraphs(model, self.kv_caches, min(cfg.runner.max_graph_batch_size, rows),
                                        self.max_blocks_per_seq, num_blocks, self.block_size, self.device,
-                                       self.slots.last_token, max_decode_rows=S, hidden_rows=S if cfg.runner.hidden_state_graphs else 0)
+                                       self.slots.last_token, max_decode_rows=S,
+                                       hidden_rows=S if cfg.runner.hidden_state_graphs else 0)
             self.graphs.capture()
         # GPU timeline (bench): (start, end) CUDA events per step when enabled
         self.record_timeline = False

@@ -340,15 +340,16 @@ class SamplingBatch:
         bp = max(4, b + (-b % 4))  # >= 4: torch cannot reinterpret an empty byte tensor
         # One copy for both: the int64 rows, then the float32 rows, in one byte array (on CUDA
         # every host -> device copy is a copy-engine operation with microseconds of latency on
-        # the step's critical path). 32 * bp bytes of ints keep the floats 16-byte aligned.
-        host = np.zeros((4 * 8 + NUM_FLOAT_PARAMS * 4) * bp, dtype=np.uint8)
-        host_i = host[: 32 * bp].view(np.int64).reshape(4, bp)
-        host_f = host[32 * bp:].view(np.float32).reshape(NUM_FLOAT_PARAMS, bp)
+        # the step's critical path). The ints' 32 * bp bytes keep the floats 16-byte aligned.
+        n_int = 4 * 8 * bp
+        host = np.zeros(n_int + NUM_FLOAT_PARAMS * 4 * bp, dtype=np.uint8)
+        host_i = host[:n_int].view(np.int64).reshape(4, bp)
+        host_f = host[n_int:].view(np.float32).reshape(NUM_FLOAT_PARAMS, bp)
         host_f[:, :b] = floats.T
         host_i[0, :b], host_i[1, :b], host_i[2, :b], host_i[3, :b] = top_k, slots, seeds, counters
         dev = _to_device(host, torch.uint8, device)
-        dev_i = dev[: 32 * bp].view(torch.int64).view(4, bp)[:, :b]
-        dev_f = dev[32 * bp:].view(torch.float32).view(NUM_FLOAT_PARAMS, bp)[:, :b]
+        dev_i = dev[:n_int].view(torch.int64).view(4, bp)[:, :b]
+        dev_f = dev[n_int:].view(torch.float32).view(NUM_FLOAT_PARAMS, bp)[:, :b]
         temp, top_p, min_p, rep, freq, pres = host_f[:, :b]
 
         bias_rows = bias_cols = bias_vals = None

@@ -72,6 +72,12 @@ def test_copy_into_a_fixed_buffer_keeps_every_step_intact_while_the_stream_lags(
         arr[:] = 0
         if i % 4 == 0:
             st.to_device(rng.integers(0, 9, size=30))  # interleaved with ordinary copies
+    big_dst = torch.zeros(2048, dtype=torch.int32, device=dev)
+    big = rng.integers(0, 100, size=2048).astype(np.int32)  # over a quarter of the ring: a pinned block of its own
+    st.copy_into(big_dst, big)
+    sent.append(big.copy())
+    got.append(big_dst.clone())
+    big[:] = 0
     torch.cuda.synchronize()
     for want, t in zip(sent, got):
         assert np.array_equal(t.cpu().numpy(), want)
