@@ -28,8 +28,6 @@ Sections (all by default; pick with --sections):
   splitk     split-K variants of o_proj / down at M = 16..64 against cuBLAS (bench_gemm.py)
   attn       the decode attention kernel alone: tile / split sweep at batch 1 and 64, context
              135 / 350 / 600, and the fused-RoPE launch
-  attn_modes the decode attention kernel alone at 350 tokens, batch 32-256: one item per
-             program against the persistent kernel, fused RoPE, the first tile's L2 prefetch
   variants   greedy decode per kernel variant (--variants), each on a fresh model, same run
   lm_head    the lm_head GEMM alone at M = 1 and 64: cuBLAS against Triton tiles
 
@@ -340,8 +338,7 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     `split:N:K=...` replaces a SPLIT_TUNED entry (parse_split_override);
     `swept` takes TUNED from this run's gemm sweep (`swept`, its "tuned" rows); `skip=OP`
     times the step without one per-layer op (skip_op: its critical-path cost); `attn:NAME=INT`
-    sets a constant of runner/triton_attention.py (PREFETCH_MIN_SPLITS, EARLY_KV,
-    PERSIST_PROGRAMS_PER_SM, FUSED_ROPE_PROGRAMS_PER_SM); `attn_splits=N`
+    sets a constant of runner/triton_attention.py (e.g. PREFETCH_MIN_SPLITS); `attn_splits=N`
     fixes the decode attention's split count at every batch size; `fp32_greedy` takes greedy ids
     as argmax over the fp32 logits copy (the path before greedy_ids, s12 and earlier);
     `torch_argmax` takes them with torch.argmax instead of runner/triton_argmax.py."""
@@ -354,8 +351,7 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     base = dict(KERNELS)
     base_tuned = dict(triton_linear.TUNED)
     base_split = dict(triton_linear.SPLIT_TUNED)
-    base_attn = {name: getattr(triton_attention, name) for name in
-                 ("PREFETCH_MIN_SPLITS", "EARLY_KV", "PERSIST_PROGRAMS_PER_SM", "FUSED_ROPE_PROGRAMS_PER_SM")}
+    base_attn = {"PREFETCH_MIN_SPLITS": triton_attention.PREFETCH_MIN_SPLITS}
 
     def reset() -> None:  # every variant starts from the run's options, and the run ends there
         for name, value in base_attn.items():
@@ -428,59 +424,6 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
 
 
 ATTN_TILES = [(64, 4, 3), (32, 4, 3), (32, 4, 4), (16, 4, 4), (64, 4, 2), (64, 8, 3), (128, 4, 2), (128, 8, 3)]
-
-
-def run_attn_modes(batches=(32, 64, 128, 256), ctx: int = 350, layers: int = 28, table_width: int = 128) -> dict:
-    """The decode attention kernel alone, Orpheus heads at `ctx` tokens (as run_attn_sweep: one
-    cache per layer, scrambled tables, a graph of `layers` launches, with PDL as in the engine),
-    us per launch by mode: one item per program against the persistent kernel (automatic items),
-    each with and without the fused RoPE + KV write, and the write-first kernel with and without
-    the L2 prefetch of its first tile (EARLY_KV)."""
-    from bench_gemm import _time_graph
-
-    from runner.models.llama import RotaryEmbedding
-    from runner.triton_attention import DecodeRope, _num_sms, items_per_program, paged_decode_attention
-    from runner.triton_pdl import pdl_available
-
-    hq, hkv, d, bs = 24, 8, 128, 16
-    pdl = pdl_available("cuda")
-    rot = RotaryEmbedding(d, 2048, RopeConfig(theta=ORPHEUS_3B["rope_theta"]))
-    cos, sin = rot.cos.cuda(), rot.sin.cuda()
-    sms = _num_sms(torch.device("cuda"))
-    out = {}
-    for B in batches:
-        nblk = -(-ctx // bs)
-        g = torch.Generator().manual_seed(B)
-        caches, tables = [], []
-        for _ in range(layers):
-            caches.append(torch.randn(2, B * nblk + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16))
-            t = torch.zeros(B, max(nblk, table_width), dtype=torch.int32)
-            t[:, :nblk] = (torch.randperm(B * nblk, generator=g) + 1).view(B, nblk)
-            tables.append(t.cuda())
-        seq_lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(B, hq, d, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(B, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        pos = seq_lens.long() - 1
-        slots = tables[0][:, nblk - 1].long() * bs + (ctx - 1) % bs
-        kvbytes = B * ctx * hkv * d * 2 * 2
-        auto = items_per_program(B, hkv, sms)
-        modes = {"one item": {"items": 1}, "one item +rope": {"items": 1, "rope": True},
-                 "one item +rope +early": {"items": 1, "rope": True, "early_kv": True}}
-        if auto > 1:
-            modes.update({f"persistent x{auto}": {}, f"persistent x{auto} +rope": {"rope": True}})
-        res = {}
-        for name, kw in modes.items():
-            rope = DecodeRope(k, v, cos, sin, pos, slots) if kw.pop("rope", False) else None
-
-            def fn(i, kw=kw, rope=rope, caches=caches, tables=tables, q=q, seq_lens=seq_lens):
-                paged_decode_attention(q, caches[i], tables[i], seq_lens, d**-0.5, pdl=pdl, rope=rope, **kw)
-            us = _time_graph(fn, layers, launches=layers)
-            res[name] = {"us": us, "TBps": kvbytes / us / 1e6}
-        out[f"B{B}_ctx{ctx}"] = {"kv_bytes": kvbytes, "modes": res}
-        log(f"  attn modes B={B} ctx={ctx}: " + ", ".join(f"{kk} {vv['us']:.1f}" for kk, vv in res.items()))
-        del caches
-        torch.cuda.empty_cache()
-    return out
 
 
 def run_attn_sweep(batches=(1, 64), ctxs=(135, 350, 600), layers: int = 28, table_width: int = 128,
@@ -1165,8 +1108,6 @@ def main() -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gemm_tuned.json").write_text(json.dumps(res["gemm"]["tuned"]))
         log(tuned_literal(res["gemm"]["tuned"]))
-    if "attn_modes" in secs:
-        res["attn_modes"] = run_attn_modes()
     if "attn" in secs:
         tiles = [tuple(int(x) for x in t.split(",")) for t in args.attn_tiles.split(";")] if args.attn_tiles else ATTN_TILES
         res["attn"] = run_attn_sweep(tiles=tiles, all_splits=not args.attn_tiles)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -71,14 +70,7 @@ _DEFAULT_NUM_SMS = 132
 _NUM_WARPS = 4
 _NUM_STAGES = 3
 # Fused RoPE only while B * Hkv programs fit in about one wave (TritonPagedAttention.decode_rope_fused)
-FUSED_ROPE_PROGRAMS_PER_SM = 4
-# Programs of the unsplit kernel resident per SM: 4 warps at 123 registers (sm_90, Orpheus heads,
-# 64-token tiles) and 38 KiB of shared memory each, so 4 by registers. Past that many (sequence,
-# KV head) items the persistent kernel runs instead (`items_per_program`), capped at the same
-# register count (_PERSIST_MAXNREG) so that as many of its programs are resident; 0: never (bench
-# A/B).
-PERSIST_PROGRAMS_PER_SM = 4
-_PERSIST_MAXNREG = 128  # uncapped it takes 138-145 registers (3 programs per SM); capped, no spills
+_FUSED_ROPE_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -120,21 +112,6 @@ def _load_kv_tile(kv_ptr, bt_row, t, live, stride_btc, stride_blk, stride_tok, h
     k = tl.load(kv_ptr + kv_off, mask=n_mask[:, None], other=0.0)
     v = tl.load(kv_ptr + stride_kv + kv_off, mask=n_mask[:, None], other=0.0)
     return k, v, n_mask
-
-
-@triton.jit
-def _prefetch_kv_tile_l2(kv_ptr, bt_row, t, live, stride_btc, stride_blk, stride_tok, head_off, stride_kvd, stride_kv,
-                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LINE: tl.constexpr,
-                         LINES: tl.constexpr):
-    """Pull tile t's K and V (positions < `live`) towards L2, one `prefetch.global.L2` per
-    128-byte line (LINE elements, LINES per head vector): no registers held, no value read."""
-    offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-    blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btc, mask=offs_n < live, other=0)
-    tok_off = blk.to(tl.int64) * stride_blk + (offs_n % BLOCK_SIZE) * stride_tok + head_off  # [BLOCK_N]
-    ptrs = kv_ptr + tok_off[:, None] + (tl.arange(0, LINES) * LINE)[None, :] * stride_kvd  # [BLOCK_N, LINES]
-    for half in tl.static_range(2):  # K, then V
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs + half * stride_kv],
-                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -207,11 +184,6 @@ def _paged_decode_kernel(
     FOLD_CURRENT: tl.constexpr,  # FUSED_ROPE and split: the current token joins after the loop
     # FOLD_CURRENT only: everything but q and this token's k/v is loaded before the PDL wait
     PREFETCH: tl.constexpr,
-    # FUSED_ROPE, write-first: the first tile's K/V lines are prefetched into L2 while the RoPE
-    # chain runs (CUDA only: inline PTX), so the loop's first loads hit L2
-    EARLY_KV: tl.constexpr = False,
-    PF_LINE: tl.constexpr = 64,  # EARLY_KV: elements per 128-byte line
-    PF_LINES: tl.constexpr = 2,  # EARLY_KV: lines per head vector
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -245,13 +217,6 @@ def _paged_decode_kernel(
     heads = kvh * GROUP + offs_g  # [GROUP_P] query heads of this KV head
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh  # [GROUP_P, 1]
     if FUSED_ROPE:
-        if EARLY_KV:
-            # Write-first, each program walks its sequence from the loop's first load: block
-            # table, then K/V, both behind the RoPE chain below (position -> table rows -> q/k,
-            # the store, the barrier). Prefetching tile t_lo's lines now overlaps that chain; the
-            # line of this token's slot may come in stale and is then updated in L2 by the store.
-            _prefetch_kv_tile_l2(kv_ptr, bt_row, t_lo, tl.minimum(seq_len, t_hi * BLOCK_N), stride_btc, stride_blk,
-                                 stride_tok, head_off, stride_kvd, stride_kv, BLOCK_SIZE, BLOCK_N, PF_LINE, PF_LINES)
         # The RoPE kernel's arithmetic (runner/triton_fused_ops.py), so q and k come out bit for
         # bit as the unfused RoPE + KV write would leave them (the attention itself then differs
         # from the unfused launch in fp32 summation order only).
@@ -336,146 +301,6 @@ def _paged_decode_kernel(
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
 
 
-# Persistent form of the unsplit kernel, for batches whose B * Hkv programs would run in several
-# waves. Why: the programs of one launch start and end together (same lengths, same work), so
-# every wave opens with the same chain of dependent loads (seq_len -> block table -> first K/V
-# tile) while HBM idles. Batch 64 on 8 KV heads is one wave (512 programs, 4 per SM), batch 128
-# two: 51.6 us against 27.3 at 350 tokens, 3.7 us more than its extra KV at the 4.45 TB/s a
-# longer context adds (H200, attention alone, s6/s15 sweeps). Here each program owns up to
-# MAX_ITEMS (sequence, KV head) items and walks all their tiles as one software-pipelined loop,
-# so the next item's first tiles are in flight while the current item's last one is computed.
-@triton.jit(do_not_specialize=["stride_btb", "max_blocks", "batch", "seq_stride"])
-def _paged_decode_persistent_kernel(
-    q_ptr,  # [B, Hq, D]; FUSED_ROPE: not rotated
-    kv_ptr,  # [2, NB, BS, Hkv, D]
-    bt_ptr,  # [B, MB] int32
-    seq_lens_ptr,  # [B] int32
-    out_ptr,  # [B, Hq, D]; FUSED_ROPE: also holds the rotated q until the item's output lands
-    scale_log2e,
-    stride_qb,
-    stride_qh,
-    stride_qd,
-    stride_kv,
-    stride_blk,
-    stride_tok,
-    stride_kvh,
-    stride_kvd,
-    stride_btb,
-    stride_btc,
-    stride_ob,
-    stride_oh,
-    stride_od,
-    max_blocks,
-    batch,  # B
-    seq_stride,  # programs per KV head: program (p, g) owns sequences p, p + seq_stride, ...
-    knew_ptr,  # FUSED_ROPE only, as in _paged_decode_kernel
-    vnew_ptr,
-    cos_ptr,
-    sin_ptr,
-    pos_ptr,
-    slot_ptr,
-    stride_knb,
-    stride_knh,
-    stride_vnb,
-    stride_vnh,
-    stride_cos,
-    stride_sin,
-    max_pos,
-    GROUP: tl.constexpr,
-    GROUP_P: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MAX_ITEMS: tl.constexpr,  # power of two >= cdiv(B, seq_stride)
-    DOT_PREC: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
-    USE_GDC: tl.constexpr,
-    FUSED_ROPE: tl.constexpr,
-    ROUND: tl.constexpr,
-):
-    p = tl.program_id(0)
-    kvh = tl.program_id(1)
-    offs_g = tl.arange(0, GROUP_P)
-    offs_d = tl.arange(0, HEAD_DIM)
-    g_mask = offs_g < GROUP
-    heads = kvh * GROUP + offs_g  # [GROUP_P]
-    head_off = kvh * stride_kvh
-    pdl_enter(USE_GDC)
-
-    # This program's items: sequences p + i * seq_stride, i < MAX_ITEMS, and their tile counts.
-    # Tile j of the program's walk belongs to item i where ends[i-1] <= j < ends[i].
-    offs_i = tl.arange(0, MAX_ITEMS)
-    seqs = p + offs_i * seq_stride  # [MAX_ITEMS]
-    lens = tl.load(seq_lens_ptr + seqs, mask=seqs < batch, other=0)
-    lens = tl.minimum(lens, max_blocks * BLOCK_SIZE)  # a bad seq_len never reads past its row
-    n_tiles = tl.cdiv(lens, BLOCK_N)
-    ends = tl.cumsum(n_tiles, 0)
-    total = tl.sum(n_tiles, 0)
-
-    # Before the walk: zeros for empty items (graph padding rows: no tile writes them), and with
-    # FUSED_ROPE each item's rotated q (into `out`, read back by the walk) and this token's K/V
-    # (into the cache), the RoPE kernel's arithmetic bit for bit, as in _paged_decode_kernel's
-    # write-first form. Only this program reads those rows and slots; the barrier makes its own
-    # global stores visible to all its threads.
-    for i in tl.static_range(MAX_ITEMS):
-        b = p + i * seq_stride
-        if b < batch:
-            seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_blocks * BLOCK_SIZE)
-            o_rows = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
-            if seq_len == 0:
-                tl.store(o_rows, tl.zeros([GROUP_P, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty),
-                         mask=g_mask[:, None])
-            elif FUSED_ROPE:  # a constexpr: the else branch is empty without it
-                c, s_, slot = _rope_inputs(pos_ptr, cos_ptr, sin_ptr, slot_ptr, b, stride_cos, stride_sin,
-                                           max_pos, offs_d)
-                if ROUND:
-                    c = c.to(q_ptr.dtype.element_ty).to(tl.float32)
-                    s_ = s_.to(q_ptr.dtype.element_ty).to(tl.float32)
-                q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-                q = rope_rows(q_rows, stride_qd, offs_d, g_mask[:, None], c, s_, HEAD_DIM, ROUND)
-                tl.store(o_rows, q.to(kv_ptr.dtype.element_ty), mask=g_mask[:, None])
-                k_row = knew_ptr + b * stride_knb + kvh * stride_knh + tl.zeros([1, 1], tl.int32)
-                k_cur = rope_rows(k_row, 1, offs_d, offs_d[None, :] < HEAD_DIM, c, s_, HEAD_DIM, ROUND)
-                v_cur = tl.load(vnew_ptr + b * stride_vnb + kvh * stride_vnh + offs_d)[None, :]
-                dst = (kv_ptr + (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_tok
-                       + kvh * stride_kvh + offs_d[None, :] * stride_kvd)  # [1, D]
-                tl.store(dst, k_cur.to(kv_ptr.dtype.element_ty))
-                tl.store(dst + stride_kv, v_cur.to(kv_ptr.dtype.element_ty))
-    if FUSED_ROPE:
-        tl.debug_barrier()
-        q_src = out_ptr
-        sq_b, sq_h, sq_d = stride_ob, stride_oh, stride_od
-    else:
-        q_src = q_ptr
-        sq_b, sq_h, sq_d = stride_qb, stride_qh, stride_qd
-
-    m_i = tl.full([GROUP_P], _NEG, tl.float32)
-    l_i = tl.zeros([GROUP_P], tl.float32)
-    acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
-    for j in tl.range(0, total, num_stages=LOOP_STAGES):
-        # which item tile j belongs to, and its index there (small-vector arithmetic, no loads)
-        done = ends <= j  # items wholly before tile j (empty ones included)
-        item = tl.sum(done.to(tl.int32), 0)
-        t = j - tl.sum(tl.where(done, n_tiles, 0), 0)
-        live = tl.sum(tl.where(offs_i == item, lens, 0), 0)
-        b = p + item * seq_stride
-        q = tl.load(q_src + b * sq_b + heads[:, None] * sq_h + offs_d[None, :] * sq_d, mask=g_mask[:, None],
-                    other=0.0).to(kv_ptr.dtype.element_ty)  # [GROUP_P, D]
-        k, v, n_mask = _load_kv_tile(kv_ptr, bt_ptr + b.to(tl.int64) * stride_btb, t, live, stride_btc,
-                                     stride_blk, stride_tok, head_off, stride_kvd, stride_kv, offs_d, BLOCK_SIZE,
-                                     BLOCK_N)
-        # A new item starts the online softmax over: with the running max back at _NEG the tile's
-        # rescale factor exp2(_NEG - m_new) is 0, which zeroes the previous item's (finite) l_i
-        # and acc exactly as the one-item kernel's zero-initialised ones.
-        m_i = tl.where(t == 0, _NEG, m_i)
-        m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2e, DOT_PREC)
-        # the item's last tile stores its output (l_i > 0: it had a key)
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        last = (t + 1) * BLOCK_N >= live
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & last)
-
-
 @triton.jit
 def _merge_splits_kernel(
     part_acc_ptr,  # [B, Hq, S, D] fp32
@@ -542,10 +367,6 @@ def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-# Write-first pure-decode launches prefetch their first K/V tile into L2 under the RoPE chain
-# (`_prefetch_kv_tile_l2`); read when the backend is built (bench A/B: 0).
-EARLY_KV = True
-
 # Split pure-decode launches with at least this many splits load their first tile before the
 # PDL wait (`prefetches`); bench variants override it. H200, 350 tokens, greedy engine step
 # (deploy/RESULTS.md, s11-run2/3): batch 1 (32 splits) with the qkv GEMM in Triton 2.162 /
@@ -561,23 +382,6 @@ def prefetches(num_splits: int) -> bool:
     K/V tile and RoPE-row loads before the PDL wait: a function of the split count alone, which
     the batch shape fixes, so eager steps and graph replays run the same kernel."""
     return num_splits > 1 and num_splits >= PREFETCH_MIN_SPLITS
-
-
-def items_per_program(batch: int, num_kv_heads: int, num_sms: int) -> int:
-    """(sequence, KV head) items per program of an unsplit launch: 1 while B * Hkv programs are
-    resident at once (PERSIST_PROGRAMS_PER_SM per SM), else enough that they are (the
-    persistent kernel). A function of the batch shape alone, like the split count; either way
-    an item's output is the same bit for bit (same tiles, same arithmetic, in the same order)."""
-    resident = PERSIST_PROGRAMS_PER_SM * num_sms
-    programs = batch * num_kv_heads
-    if resident <= 0 or programs <= resident:
-        return 1
-    return math.ceil(programs / resident)
-
-
-def _persist_opts(device: torch.device) -> dict:
-    # maxnreg is a compile option of the CUDA backend; the interpreter takes no such option
-    return {"maxnreg": _PERSIST_MAXNREG} if device.type == "cuda" else {}
 
 
 def choose_block_n(batch: int, num_kv_heads: int, num_sms: int) -> int:
@@ -613,8 +417,6 @@ def paged_decode_attention(
     num_warps: int | None = None,  # None: _NUM_WARPS (bench sweeps pass others)
     num_stages: int | None = None,  # None: _NUM_STAGES
     prefetch: bool = True,  # with `rope`: load all but q/k/v before the PDL wait (prefetches())
-    items: int | None = None,  # unsplit: items per program (> 1: persistent); None: items_per_program
-    early_kv: bool = False,  # with `rope`, unsplit, one item per program: EARLY_KV (CUDA only)
 ) -> torch.Tensor:  # [B, Hq, D], q's dtype unless `out` is given
     """Attention of one query token per sequence over positions [0, seq_lens[b]) of its paged KV.
 
@@ -675,26 +477,6 @@ def paged_decode_attention(
         rope_args = (q, q, q, q, seq_lens, seq_lens, 0, 0, 0, 0, 0, 0, 1)  # never touched
     stages = num_stages or _NUM_STAGES
     fold = rope is not None and splits > 1
-    items = (items or items_per_program(bsz, hkv, sms)) if splits == 1 else 1
-    if items > 1:
-        # Each program walks the tiles of sequences p, p + seq_stride, ... for one KV head.
-        seq_stride = math.ceil(bsz / items)
-        if rope is not None:  # the rotated q waits in `out`, in the cache dtype
-            assert out.dtype == kv_cache.dtype and out.data_ptr() != q.data_ptr(), (out.dtype, kv_cache.dtype)
-        _paged_decode_persistent_kernel[(seq_stride, hkv)](
-            q, kv_cache, block_tables, seq_lens, out,
-            scale * _LOG2E,
-            q.stride(0), q.stride(1), q.stride(2),
-            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
-            block_tables.stride(0), block_tables.stride(1),
-            out.stride(0), out.stride(1), out.stride(2),
-            max_blocks, bsz, seq_stride, *rope_args,
-            GROUP=group, GROUP_P=group_p, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=bn,
-            MAX_ITEMS=triton.next_power_of_2(math.ceil(bsz / seq_stride)), DOT_PREC=dot_prec, LOOP_STAGES=stages,
-            num_warps=num_warps or _NUM_WARPS, num_stages=stages, USE_GDC=pdl, launch_pdl=pdl,
-            FUSED_ROPE=rope is not None, ROUND=q.dtype != torch.float32, **_persist_opts(q.device),
-        )  # fmt: skip
-        return out
     _paged_decode_kernel[(bsz, hkv, splits)](
         q, kv_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
         scale * _LOG2E,
@@ -707,8 +489,7 @@ def paged_decode_attention(
         NUM_SPLITS=splits, DOT_PREC=dot_prec, LOOP_STAGES=stages,
         num_warps=num_warps or _NUM_WARPS, num_stages=stages, USE_GDC=pdl, launch_pdl=pdl,
         FUSED_ROPE=rope is not None, ROUND=q.dtype != torch.float32, FOLD_CURRENT=fold,
-        PREFETCH=fold and prefetch and prefetches(splits), EARLY_KV=early_kv and rope is not None and not fold,
-        PF_LINE=128 // kv_cache.element_size(), PF_LINES=max(1, d * kv_cache.element_size() // 128),
+        PREFETCH=fold and prefetch and prefetches(splits),
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(bsz, hq)](
@@ -744,8 +525,6 @@ class TritonPagedAttention:
         self.pdl = pdl  # fixed at construction (make_attention_backend)
         self.fuses_decode_rope = rope_in_attention
         self.prefetch = prefetch  # the split pure-decode kernel's loads before the PDL wait
-        # inline PTX: compiled kernels only, never under the interpreter
-        self.early_kv = EARLY_KV and os.environ.get("TRITON_INTERPRET") != "1"
 
     def forward(
         self,
@@ -803,7 +582,7 @@ class TritonPagedAttention:
     def decode_rope_fused(self, batch: int, num_kv_heads: int, device: torch.device) -> bool:
         """Whether a pure-decode step of `batch` rows runs RoPE + KV write inside the kernel (a
         function of shapes only, so eager steps and graph replays agree): while the programs fit
-        in about one wave (B * Hkv <= FUSED_ROPE_PROGRAMS_PER_SM * SMs; batch <= 64 on 8 KV
+        in about one wave (B * Hkv <= _FUSED_ROPE_PROGRAMS_PER_SM * SMs; batch <= 64 on 8 KV
         heads here), in the kernel's two forms (FOLD_CURRENT while split, write-first above).
 
         H200, 350 tokens: split, batch 1, 7.3 us fused against 6.0 + 2.5 us for attention + RoPE
@@ -815,7 +594,7 @@ class TritonPagedAttention:
         The limit need not sit at a graph bucket (eager batch 65 fuses, its bucket 80 does not):
         it always lies where the sequences are not split, and there the fused kernel computes
         the unfused pair's values bit for bit."""
-        return self.fuses_decode_rope and batch * num_kv_heads <= FUSED_ROPE_PROGRAMS_PER_SM * _num_sms(device)
+        return self.fuses_decode_rope and batch * num_kv_heads <= _FUSED_ROPE_PROGRAMS_PER_SM * _num_sms(device)
 
     def forward_decode_rope(
         self,
@@ -835,7 +614,6 @@ class TritonPagedAttention:
         assert meta.pure_decode and q.shape[0] == meta.seq_lens.shape[0], (q.shape, meta.seq_lens.shape)
         rope = DecodeRope(k, v, cos, sin, positions, meta.slot_mapping)
         return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                      num_splits=self.num_splits, pdl=self.pdl, rope=rope, prefetch=self.prefetch,
-                                      early_kv=self.early_kv)
+                                      num_splits=self.num_splits, pdl=self.pdl, rope=rope, prefetch=self.prefetch)
 
     __call__ = forward

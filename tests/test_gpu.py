@@ -228,30 +228,6 @@ def test_attention_prefetch_keeps_tokens(model_dir):
     assert run_staggered(with_prefetch, prompts, GREEDY) == run_staggered(without, prompts, GREEDY)
 
 
-def test_persistent_attention_and_early_kv_keep_tokens(model_dir, monkeypatch):
-    """bf16, graphs + async: the persistent decode attention kernel (several (sequence, KV head)
-    items per program) and the write-first kernel's L2 prefetch of its first tile compute each
-    item as the one-item kernel does, so the tokens are identical with and without them. The
-    tiny models never reach those paths on 132 SMs: the SM count is patched to 1 (every batch
-    unsplit, write-first, and persistent past 4 programs) and the fused RoPE allowed at any
-    batch."""
-    from runner import triton_attention
-
-    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 1)
-    monkeypatch.setattr(triton_attention, "FUSED_ROPE_PROGRAMS_PER_SM", 10**6)
-    prompts = prompts_of([5, 11, 20, 9, 1, 30, 3, 14], 512, seed=15)
-    new = cuda_engine(model_dir, "bfloat16")
-    assert new.model.layers[0].self_attn.attn.early_kv
-    hkv = new.cfg.model.num_kv_heads
-    assert triton_attention.items_per_program(8, hkv, 1) > 1
-    got = run_staggered(new, prompts, GREEDY)
-    monkeypatch.setattr(triton_attention, "PERSIST_PROGRAMS_PER_SM", 0)
-    monkeypatch.setattr(triton_attention, "EARLY_KV", False)
-    old = cuda_engine(model_dir, "bfloat16")
-    assert not old.model.layers[0].self_attn.attn.early_kv
-    assert got == run_staggered(old, prompts, GREEDY)
-
-
 def test_split_k_into_norm_keeps_graphs_equal_and_hf_close(model_dir, monkeypatch):
     """o_proj / down as split-K partials summed by the add + RMSNorm (the tile table pointed at
     this tiny model's shapes; the real table only has Orpheus-3B's): graphs + async give the

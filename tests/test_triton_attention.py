@@ -28,7 +28,6 @@ from runner.triton_attention import (  # noqa: E402
     _num_sms,
     choose_block_n,
     choose_num_splits,
-    items_per_program,
     paged_decode_attention,
 )
 
@@ -465,121 +464,6 @@ def test_fused_rope_backend_path_and_empty_rows(splits):
     assert torch.equal(kv, kv_ref)
 
 
-def test_items_per_program():
-    """One item per program while B * Hkv programs are resident at once (4 per SM), then enough
-    items that they are: batch 64 / 80 / 128 / 256 on 8 KV heads and 132 SMs take 1 / 2 / 2 / 4."""
-    assert items_per_program(1, 8, 132) == 1 and items_per_program(66, 8, 132) == 1
-    assert [items_per_program(b, 8, 132) for b in (64, 67, 80, 128, 256, 512)] == [1, 2, 2, 2, 4, 8]
-
-
-_PERSIST_CASES = [  # (lens, items, fused, dtype); block_n 16 so short sequences span several tiles
-    ([7, 300, 17, 0, 33], 2, False, torch.float32),  # 3 programs per head, the last with one item
-    ([0, 0, 0], 2, False, torch.float32),  # nothing to walk: zeros only
-    ([16, 1, 65, 0, 48, 2, 31], 3, True, torch.bfloat16),  # MAX_ITEMS 4 with a masked item
-    ([200, 5, 90, 17], 4, True, torch.bfloat16),  # one program per head walks every sequence
-    ([9, 40, 0, 3], 2, True, torch.float16),
-]
-
-
-@pytest.mark.parametrize("lens,items,fused,dtype", _PERSIST_CASES)
-def test_persistent_kernel_equals_one_item_per_program(lens, items, fused, dtype):
-    """The persistent kernel (several items per program, their tiles in one pipelined walk)
-    against the one-item kernel: output and cache bit for bit, padding rows zero, with and
-    without the fused RoPE + KV write, and dead KV (NaN poison) never read."""
-    from runner.triton_attention import DecodeRope
-
-    hq, hkv, d = 4, 2, 32
-    b = len(lens)
-    _, kv, tables, seq_lens = _make_case(b, hq, hkv, d, lens, dtype, poison=True)
-    gen = torch.Generator().manual_seed(len(lens))
-    q, k, v = (torch.randn(b, h, d, generator=gen).to(DEVICE, dtype) for h in (hq, hkv, hkv))
-    cos, sin = _rope_tables(512, d)
-    meta = _decode_meta(seq_lens, tables)
-    pos = (seq_lens.long() - 1).clamp(min=0)
-    rope = DecodeRope(k, v, cos, sin, pos, meta.slot_mapping) if fused else None
-    outs, caches = [], []
-    for n in (1, items):
-        cache = kv.clone()
-        out = torch.full_like(q, float("nan"))  # every row must be written, padding ones too
-        paged_decode_attention(q, cache, tables, seq_lens, d**-0.5, out=out, num_splits=1, block_n=16, rope=rope,
-                               items=n)
-        outs.append(out)
-        caches.append(cache)
-    assert torch.equal(outs[0], outs[1])
-    assert torch.equal(caches[0].nan_to_num(7.0), caches[1].nan_to_num(7.0))
-    for i, n in enumerate(lens):
-        if n == 0:
-            assert torch.equal(outs[1][i], torch.zeros_like(outs[1][i]))
-    if not fused:
-        _check(outs[1], _reference(q, kv, tables, seq_lens, d**-0.5), dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _CUDA, reason="the automatic choice needs the GPU's SM count")
-@pytest.mark.parametrize("b", [80, 128, 256])
-@pytest.mark.parametrize("fused", [False, True])
-def test_persistent_kernel_on_orpheus_shapes(b, fused):
-    """Orpheus heads at the batch sizes that go persistent on an H200: bit for bit the one-item
-    kernel, and within tolerance of the float64 reference; also captured in a CUDA graph."""
-    from runner.triton_attention import DecodeRope
-
-    hq, hkv, d = 24, 8, 128
-    assert items_per_program(b, hkv, _num_sms(torch.device(DEVICE))) > 1
-    gen = torch.Generator().manual_seed(b)
-    lens = torch.randint(1, 700, (b,), generator=gen).tolist()
-    lens[3] = 0
-    q, kv, tables, seq_lens = _make_case(b, hq, hkv, d, lens, torch.bfloat16, poison=not fused)
-    k, v = (torch.randn(b, hkv, d, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
-    cos, sin = _rope_tables(1024, d)
-    meta = _decode_meta(seq_lens, tables)
-    pos = (seq_lens.long() - 1).clamp(min=0)
-    rope = DecodeRope(k, v, cos, sin, pos, meta.slot_mapping) if fused else None
-    ref_cache = kv.clone()
-    ref = paged_decode_attention(q, ref_cache, tables, seq_lens, d**-0.5, rope=rope, items=1)
-    cache = kv.clone()
-    out = paged_decode_attention(q, cache, tables, seq_lens, d**-0.5, rope=rope)  # automatic: persistent
-    assert torch.equal(out, ref)
-    assert torch.equal(cache.nan_to_num(7.0), ref_cache.nan_to_num(7.0))
-    if not fused:
-        _check(out, _reference(q, kv, tables, seq_lens, d**-0.5), torch.bfloat16)
-    cache = kv.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out = paged_decode_attention(q, cache, tables, seq_lens, d**-0.5, rope=rope)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(g_out, ref)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _CUDA, reason="inline PTX: compiled kernels only")
-@pytest.mark.parametrize("b", [32, 64])
-def test_early_kv_prefetch_changes_nothing(b):
-    """The write-first kernel's L2 prefetch of its first tile (EARLY_KV) reads no value: output
-    and cache bit for bit those without it, including sequences shorter than a tile (the
-    current token's line prefetched before its store) and a padding row."""
-    from runner.triton_attention import DecodeRope
-
-    hq, hkv, d = 24, 8, 128
-    gen = torch.Generator().manual_seed(b)
-    lens = torch.randint(1, 700, (b,), generator=gen).tolist()
-    lens[0], lens[1], lens[2] = 0, 1, 40
-    _, kv, tables, seq_lens = _make_case(b, hq, hkv, d, lens, torch.bfloat16, poison=True)
-    q = torch.randn(b, hq, d, generator=gen).to(DEVICE, torch.bfloat16)
-    k, v = (torch.randn(b, hkv, d, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
-    cos, sin = _rope_tables(1024, d)
-    meta = _decode_meta(seq_lens, tables)
-    rope = DecodeRope(k, v, cos, sin, (seq_lens.long() - 1).clamp(min=0), meta.slot_mapping)
-    assert choose_num_splits(b, hkv, _num_sms(kv.device)) == 1
-    outs, caches = [], []
-    for early in (False, True):
-        cache = kv.clone()
-        outs.append(paged_decode_attention(q, cache, tables, seq_lens, d**-0.5, rope=rope, early_kv=early))
-        caches.append(cache)
-    assert torch.equal(outs[0], outs[1])
-    assert torch.equal(caches[0].nan_to_num(7.0), caches[1].nan_to_num(7.0))
-
-
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     from runner import triton_attention as m
@@ -601,16 +485,6 @@ _COMPILE_SCRIPT = textwrap.dedent(
             for prefetch in (False, True) if fused and splits > 1 else (False,):
                 compile_sm90(m._paged_decode_kernel, sig, dict(consts, PREFETCH=prefetch), num_warps=4,
                              num_stages=3, launch_pdl=True)
-    compile_sm90(m._paged_decode_kernel, sig, dict(consts, NUM_SPLITS=1, FUSED_ROPE=True, FOLD_CURRENT=False,
-                                                   PREFETCH=False, EARLY_KV=True, PF_LINE=64, PF_LINES=2),
-                 num_warps=4, num_stages=3, launch_pdl=True)
-    psig = {k: t for k, t in sig.items() if not k.startswith("part_") and k != "num_q_heads"}
-    psig.update(batch="i32", seq_stride="i32")
-    for fused in (False, True):
-        compile_sm90(m._paged_decode_persistent_kernel, psig,
-                     dict(GROUP=3, GROUP_P=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64, MAX_ITEMS=4, DOT_PREC="tf32",
-                          LOOP_STAGES=3, USE_GDC=True, FUSED_ROPE=fused, ROUND=True),
-                     num_warps=4, num_stages=3, launch_pdl=True, maxnreg=m._PERSIST_MAXNREG)
     merge_sig = dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", out_ptr="*bf16",
                      stride_ob="i32", stride_oh="i32", stride_od="i32", num_q_heads="i32")
     compile_sm90(m._merge_splits_kernel, merge_sig, dict(HEAD_DIM=128, NUM_SPLITS=32, SPLITS_P=32, USE_GDC=True),
