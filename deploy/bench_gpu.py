@@ -28,6 +28,8 @@ Sections (all by default; pick with --sections):
   splitk     split-K variants of o_proj / down at M = 16..64 against cuBLAS (bench_gemm.py)
   attn       the decode attention kernel alone: tile / split sweep at batch 1 and 64, context
              135 / 350 / 600, and the fused-RoPE launch
+  attn_modes the decode attention kernel alone at 350 tokens, batch 1-128, as the engine
+             launches it: block table per tile against read in chunks, pipeline depths
   variants   greedy decode per kernel variant (--variants), each on a fresh model, same run
   lm_head    the lm_head GEMM alone at M = 1 and 64: cuBLAS against Triton tiles
 
@@ -338,7 +340,8 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     `split:N:K=...` replaces a SPLIT_TUNED entry (parse_split_override);
     `swept` takes TUNED from this run's gemm sweep (`swept`, its "tuned" rows); `skip=OP`
     times the step without one per-layer op (skip_op: its critical-path cost); `attn:NAME=INT`
-    sets a constant of runner/triton_attention.py (e.g. PREFETCH_MIN_SPLITS); `attn_splits=N`
+    sets a constant of runner/triton_attention.py (PREFETCH_MIN_SPLITS, TABLE_CHUNK,
+    SHORT_WAVE_PROGRAMS_PER_SM, SHORT_WAVE_STAGES, NUM_STAGES, DEFAULT_BLOCK_N, SPLIT_BLOCK_N); `attn_splits=N`
     fixes the decode attention's split count at every batch size; `fp32_greedy` takes greedy ids
     as argmax over the fp32 logits copy (the path before greedy_ids, s12 and earlier);
     `torch_argmax` takes them with torch.argmax instead of runner/triton_argmax.py."""
@@ -351,7 +354,9 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     base = dict(KERNELS)
     base_tuned = dict(triton_linear.TUNED)
     base_split = dict(triton_linear.SPLIT_TUNED)
-    base_attn = {"PREFETCH_MIN_SPLITS": triton_attention.PREFETCH_MIN_SPLITS}
+    base_attn = {name: getattr(triton_attention, name) for name in
+                 ("PREFETCH_MIN_SPLITS", "TABLE_CHUNK", "SHORT_WAVE_PROGRAMS_PER_SM", "SHORT_WAVE_STAGES",
+                  "NUM_STAGES", "DEFAULT_BLOCK_N", "SPLIT_BLOCK_N")}
 
     def reset() -> None:  # every variant starts from the run's options, and the run ends there
         for name, value in base_attn.items():
@@ -424,6 +429,64 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
 
 
 ATTN_TILES = [(64, 4, 3), (32, 4, 3), (32, 4, 4), (16, 4, 4), (64, 4, 2), (64, 8, 3), (128, 4, 2), (128, 8, 3)]
+
+
+def run_attn_modes(batches=(1, 8, 32, 64, 128), ctx: int = 350, layers: int = 28, table_width: int = 128) -> dict:
+    """The decode attention kernel alone, Orpheus heads at `ctx` tokens (as run_attn_sweep: one
+    cache per layer, scrambled full-width tables, a graph of `layers` launches), launched as the
+    engine launches it (PDL; the fused RoPE + KV write where the engine fuses it), us per launch:
+    the automatic tiling (choose_tiling), the s16 kernel (block table read per tile, 3 stages),
+    and the table read in chunks ahead of the tile loop with several tiles and stage counts."""
+    from bench_gemm import _time_graph
+
+    from runner.models.llama import RotaryEmbedding
+    from runner.triton_attention import DecodeRope, TritonPagedAttention, paged_decode_attention
+    from runner.triton_pdl import pdl_available
+
+    hq, hkv, d, bs = 24, 8, 128, 16
+    pdl = pdl_available("cuda")
+    rot = RotaryEmbedding(d, 2048, RopeConfig(theta=ORPHEUS_3B["rope_theta"]))
+    cos, sin = rot.cos.cuda(), rot.sin.cuda()
+    chunk = {"table_chunk": 128}
+    out = {}
+    for B in batches:
+        split_bn = 32 if B * hkv < torch.cuda.get_device_properties(0).multi_processor_count else 64
+        modes = {"automatic": {}, "table per tile (s16)": {"table_chunk": 0, "block_n": split_bn, "num_stages": 3},
+                 "chunked": dict(chunk, block_n=split_bn, num_stages=3), "chunked st4": dict(chunk, num_stages=4),
+                 "chunked bn32 st4": dict(chunk, block_n=32, num_stages=4),
+                 "chunked bn32 st5": dict(chunk, block_n=32, num_stages=5),
+                 "chunked bn64 st4": dict(chunk, block_n=64, num_stages=4)}
+        nblk = -(-ctx // bs)
+        g = torch.Generator().manual_seed(B)
+        caches, tables = [], []
+        for _ in range(layers):
+            caches.append(torch.randn(2, B * nblk + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16))
+            t = torch.zeros(B, max(nblk, table_width), dtype=torch.int32)
+            t[:, :nblk] = (torch.randperm(B * nblk, generator=g) + 1).view(B, nblk)
+            tables.append(t.cuda())
+        seq_lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(B, hq, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        slots = tables[0][:, nblk - 1].long() * bs + (ctx - 1) % bs
+        fused = TritonPagedAttention().decode_rope_fused(B, hkv, q.device)
+        rope = DecodeRope(k, v, cos, sin, seq_lens.long() - 1, slots) if fused else None
+        kvbytes = B * ctx * hkv * d * 2 * 2
+        res = {}
+        for name, kw in modes.items():
+            def fn(i, kw=kw, caches=caches, tables=tables, q=q, seq_lens=seq_lens, rope=rope):
+                paged_decode_attention(q, caches[i], tables[i], seq_lens, d**-0.5, pdl=pdl, rope=rope, **kw)
+            try:
+                us = _time_graph(fn, layers, launches=layers)
+            except Exception as e:  # noqa: BLE001 - a variant that does not fit is a result
+                log(f"  attn modes B={B} {name}: {type(e).__name__}")
+                continue
+            res[name] = {"us": us, "TBps": kvbytes / us / 1e6}
+        out[f"B{B}_ctx{ctx}"] = {"kv_bytes": kvbytes, "fused_rope": fused, "modes": res}
+        log(f"  attn modes B={B} ctx={ctx}{' +rope' if fused else ''}: "
+            + ", ".join(f"{kk} {vv['us']:.1f}" for kk, vv in res.items()))
+        del caches
+        torch.cuda.empty_cache()
+    return out
 
 
 def run_attn_sweep(batches=(1, 64), ctxs=(135, 350, 600), layers: int = 28, table_width: int = 128,
@@ -1108,6 +1171,8 @@ def main() -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gemm_tuned.json").write_text(json.dumps(res["gemm"]["tuned"]))
         log(tuned_literal(res["gemm"]["tuned"]))
+    if "attn_modes" in secs:
+        res["attn_modes"] = run_attn_modes()
     if "attn" in secs:
         tiles = [tuple(int(x) for x in t.split(",")) for t in args.attn_tiles.split(";")] if args.attn_tiles else ATTN_TILES
         res["attn"] = run_attn_sweep(tiles=tiles, all_splits=not args.attn_tiles)

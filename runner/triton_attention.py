@@ -68,7 +68,20 @@ MAX_SPLITS = 32
 # exercise the same split choices as the target.
 _DEFAULT_NUM_SMS = 132
 _NUM_WARPS = 4
-_NUM_STAGES = 3
+NUM_STAGES = 3
+# Block-table entries per chunk read ahead of the tile loop (`TABLE_P`); 0: each tile loads its
+# own entries, and then the K/V loads wait on that load and Triton issues them one tile ahead
+# only (one K and one V buffer), whatever the stage count. Read in chunks, the K/V addresses come
+# from registers and the loads run LOOP_STAGES - 1 tiles ahead. Where that pays (`choose_tiling`,
+# H200 s17-run2, 350 tokens): split launches, batch 8 engine step 2.352 / 2.367 ms against 2.445 /
+# 2.448; not the 32-split batch 1 (a tile or two per split: 2.027 against 2.008-2.012), nor
+# batch 64 with 64-token tiles (3 programs per SM instead of 4 by shared memory, two waves:
+# 3.142 against 2.983-2.987). Unsplit launches of up to SHORT_WAVE_PROGRAMS_PER_SM programs per
+# SM take 32-token tiles and SHORT_WAVE_STAGES stages (4 programs per SM): batch 32 alone
+# 16.9 us against 19.9. 0 turns either off (bench A/B).
+TABLE_CHUNK = 128
+SHORT_WAVE_PROGRAMS_PER_SM = 2
+SHORT_WAVE_STAGES = 4
 # Fused RoPE only while B * Hkv programs fit in about one wave (TritonPagedAttention.decode_rope_fused)
 _FUSED_ROPE_PROGRAMS_PER_SM = 4
 
@@ -109,6 +122,23 @@ def _load_kv_tile(kv_ptr, bt_row, t, live, stride_btc, stride_blk, stride_tok, h
     # int64: block * stride_blk overflows int32 on caches over 2^31 elements.
     tok_off = blk.to(tl.int64) * stride_blk + (offs_n % BLOCK_SIZE) * stride_tok + head_off  # [BLOCK_N]
     kv_off = tok_off[:, None] + offs_d[None, :] * stride_kvd  # [BLOCK_N, D]
+    k = tl.load(kv_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+    v = tl.load(kv_ptr + stride_kv + kv_off, mask=n_mask[:, None], other=0.0)
+    return k, v, n_mask
+
+
+@triton.jit
+def _load_kv_tile_gathered(kv_ptr, row_blocks, t, first_block, live, stride_blk, stride_tok, head_off, stride_kvd,
+                           stride_kv, offs_d, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TABLE_P: tl.constexpr):
+    """_load_kv_tile with the block ids taken from a table chunk already in registers
+    (`row_blocks` [TABLE_P], entries first_block...): the addresses depend on no load here."""
+    offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < live
+    # the chunk holds every block of the tile (a tile never straddles chunks); masked positions
+    # past the live blocks gather a 0 and issue no load
+    blk = tl.gather(row_blocks, offs_n // BLOCK_SIZE - first_block, 0)
+    tok_off = blk.to(tl.int64) * stride_blk + (offs_n % BLOCK_SIZE) * stride_tok + head_off
+    kv_off = tok_off[:, None] + offs_d[None, :] * stride_kvd
     k = tl.load(kv_ptr + kv_off, mask=n_mask[:, None], other=0.0)
     v = tl.load(kv_ptr + stride_kv + kv_off, mask=n_mask[:, None], other=0.0)
     return k, v, n_mask
@@ -184,6 +214,7 @@ def _paged_decode_kernel(
     FOLD_CURRENT: tl.constexpr,  # FUSED_ROPE and split: the current token joins after the loop
     # FOLD_CURRENT only: everything but q and this token's k/v is loaded before the PDL wait
     PREFETCH: tl.constexpr,
+    TABLE_P: tl.constexpr = 0,  # > 0: the block table is read TABLE_P entries at a time ahead of the tiles
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -265,10 +296,28 @@ def _paged_decode_kernel(
     # Explicit tl.range stages: without it Triton 3.6 does not software-pipeline this loop (the
     # K/V addresses depend on a block-table load). With it the block-table load runs a stage
     # ahead and K/V of tile t+1 are fetched with cp.async while tile t is computed.
-    for t in tl.range(t_first, t_hi, num_stages=LOOP_STAGES):
-        k, v, n_mask = _load_kv_tile(kv_ptr, bt_row, t, cached, stride_btc, stride_blk, stride_tok, head_off,
-                                     stride_kvd, stride_kv, offs_d, BLOCK_SIZE, BLOCK_N)
-        m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2e, DOT_PREC)
+    if TABLE_P > 0:
+        # The block table in chunks of TABLE_P entries, each loaded whole before the tiles it
+        # covers: the tile loop then computes its K/V addresses from registers (tl.gather), so
+        # the pipeliner can issue K/V LOOP_STAGES - 1 tiles ahead (through the table, one).
+        tiles_per_chunk: tl.constexpr = TABLE_P * BLOCK_SIZE // BLOCK_N
+        offs_tb = tl.arange(0, TABLE_P)
+        live_blocks = tl.cdiv(cached, BLOCK_SIZE)
+        for c in range(t_first // tiles_per_chunk, tl.cdiv(t_hi, tiles_per_chunk)):
+            tb = c * TABLE_P + offs_tb
+            row_blocks = tl.load(bt_row + tb * stride_btc, mask=tb < live_blocks, other=0)
+            c_lo = tl.maximum(t_first, c * tiles_per_chunk)
+            c_hi = tl.minimum(t_hi, (c + 1) * tiles_per_chunk)
+            for t in tl.range(c_lo, c_hi, num_stages=LOOP_STAGES):
+                k, v, n_mask = _load_kv_tile_gathered(kv_ptr, row_blocks, t, c * TABLE_P, cached, stride_blk,
+                                                      stride_tok, head_off, stride_kvd, stride_kv, offs_d, BLOCK_SIZE,
+                                                      BLOCK_N, TABLE_P)
+                m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2e, DOT_PREC)
+    else:
+        for t in tl.range(t_first, t_hi, num_stages=LOOP_STAGES):
+            k, v, n_mask = _load_kv_tile(kv_ptr, bt_row, t, cached, stride_btc, stride_blk, stride_tok, head_off,
+                                         stride_kvd, stride_kv, offs_d, BLOCK_SIZE, BLOCK_N)
+            m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2e, DOT_PREC)
 
     if FOLD_CURRENT:
         last = n_tiles - 1
@@ -384,10 +433,31 @@ def prefetches(num_splits: int) -> bool:
     return num_splits > 1 and num_splits >= PREFETCH_MIN_SPLITS
 
 
+def _short_wave(batch: int, num_kv_heads: int, num_sms: int) -> bool:
+    # strict: batch 32 on 8 KV heads and 132 SMs is in, 33 out, so the limit sits at a graph
+    # bucket (32) and an eager step takes its bucket's tiles
+    programs = batch * num_kv_heads
+    return num_sms <= programs < SHORT_WAVE_PROGRAMS_PER_SM * num_sms and TABLE_CHUNK > 0
+
+
 def choose_block_n(batch: int, num_kv_heads: int, num_sms: int) -> int:
     """Tile length from the batch shape alone (like the split count): SPLIT_BLOCK_N while the
-    sequences are split, DEFAULT_BLOCK_N once every (sequence, KV head) has its own program."""
-    return SPLIT_BLOCK_N if batch * num_kv_heads < num_sms else DEFAULT_BLOCK_N
+    sequences are split or fill at most a short wave (TABLE_CHUNK), DEFAULT_BLOCK_N above."""
+    if batch * num_kv_heads < num_sms or _short_wave(batch, num_kv_heads, num_sms):
+        return SPLIT_BLOCK_N
+    return DEFAULT_BLOCK_N
+
+
+def choose_tiling(batch: int, num_kv_heads: int, num_sms: int, num_splits: int) -> tuple[int, int, int]:
+    """(tile length, loop stages, block-table chunk) from the batch shape and split count alone,
+    so an eager step and the graph replay of its bucket tile every sequence alike (TABLE_CHUNK's
+    comment has the measurements)."""
+    block_n = choose_block_n(batch, num_kv_heads, num_sms)
+    if num_splits > 1:
+        return block_n, NUM_STAGES, 0 if prefetches(num_splits) else TABLE_CHUNK
+    if _short_wave(batch, num_kv_heads, num_sms):
+        return block_n, SHORT_WAVE_STAGES, TABLE_CHUNK
+    return block_n, NUM_STAGES, 0
 
 
 class DecodeRope(NamedTuple):
@@ -411,12 +481,13 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [B, Hq, D]
     *,
     num_splits: int | None = None,  # None: choose_num_splits
-    block_n: int | None = None,  # tile length in tokens; None: choose_block_n
+    block_n: int | None = None,  # tile length in tokens; None: choose_tiling
     pdl: bool = False,  # launch with programmatic dependent launch (runner/triton_pdl.py)
     rope: DecodeRope | None = None,
     num_warps: int | None = None,  # None: _NUM_WARPS (bench sweeps pass others)
-    num_stages: int | None = None,  # None: _NUM_STAGES
+    num_stages: int | None = None,  # None: choose_tiling
     prefetch: bool = True,  # with `rope`: load all but q/k/v before the PDL wait (prefetches())
+    table_chunk: int | None = None,  # block-table entries read ahead of the tiles; None: choose_tiling
 ) -> torch.Tensor:  # [B, Hq, D], q's dtype unless `out` is given
     """Attention of one query token per sequence over positions [0, seq_lens[b]) of its paged KV.
 
@@ -450,10 +521,11 @@ def paged_decode_attention(
     group = hq // hkv
     group_p = max(16, triton.next_power_of_2(group))
     sms = _num_sms(q.device)
-    bn = max(block_n or choose_block_n(bsz, hkv, sms), bs)
-    assert _is_pow2(bn), f"block_n {bn} must be a power of two"
     max_blocks = block_tables.shape[1]
     splits = num_splits or choose_num_splits(bsz, hkv, sms)
+    auto_bn, auto_stages, auto_chunk = choose_tiling(bsz, hkv, sms, splits)
+    bn = max(block_n or auto_bn, bs)
+    assert _is_pow2(bn), f"block_n {bn} must be a power of two"
     dot_prec = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
 
     if splits > 1:
@@ -475,8 +547,10 @@ def paged_decode_attention(
                      r.v.stride(0), r.v.stride(1), r.cos.stride(0), r.sin.stride(0), r.cos.shape[0])
     else:
         rope_args = (q, q, q, q, seq_lens, seq_lens, 0, 0, 0, 0, 0, 0, 1)  # never touched
-    stages = num_stages or _NUM_STAGES
+    stages = num_stages or auto_stages
     fold = rope is not None and splits > 1
+    chunk = auto_chunk if table_chunk is None else table_chunk
+    table_p = max(triton.next_power_of_2(chunk), bn // bs) if chunk > 0 else 0  # a tile never straddles chunks
     _paged_decode_kernel[(bsz, hkv, splits)](
         q, kv_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
         scale * _LOG2E,
@@ -489,7 +563,7 @@ def paged_decode_attention(
         NUM_SPLITS=splits, DOT_PREC=dot_prec, LOOP_STAGES=stages,
         num_warps=num_warps or _NUM_WARPS, num_stages=stages, USE_GDC=pdl, launch_pdl=pdl,
         FUSED_ROPE=rope is not None, ROUND=q.dtype != torch.float32, FOLD_CURRENT=fold,
-        PREFETCH=fold and prefetch and prefetches(splits),
+        PREFETCH=fold and prefetch and prefetches(splits), TABLE_P=table_p,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(bsz, hq)](

@@ -133,7 +133,7 @@ else:
         (b, 24, 8, 128, torch.bfloat16, seqs, splits)
         for b, seqs in [(1, [1000]), (1, [1]), (3, [7, 300, 17]), (3, [1000, 16, 0])]
         for splits in (1, 4, None)
-    ]
+    ] + [(b, 24, 8, 128, torch.bfloat16, _B8 * (b // 8), None) for b in (16, 32, 64)]  # split, short wave, above
 
 def _case_id(c) -> str:
     b, hq, hkv, d, dtype, seqs, splits = c
@@ -173,13 +173,28 @@ def test_strided_inputs():
 
 def test_choose_num_splits_and_block_n():
     # Enough programs already: no split, long tiles.
-    assert choose_num_splits(32, 8, 132) == 1 and choose_block_n(32, 8, 132) == 64
+    assert choose_num_splits(33, 8, 132) == 1 and choose_block_n(33, 8, 132) == 64
     # B=1, 8 KV heads: ceil(264 / 8) = 33 splits wanted, capped at MAX_SPLITS.
     assert choose_num_splits(1, 8, 132) == MAX_SPLITS and choose_block_n(1, 8, 132) == 32
     # rounded down to a power of two (a bounded set of compiled variants): ceil(264 / 32) = 9 -> 8
     assert choose_num_splits(4, 8, 132) == 8
     assert choose_num_splits(16, 8, 132) == 2
     assert {choose_num_splits(b, 8, 132) for b in range(1, 40)} == {1, 2, 4, 8, 16, 32}
+
+
+def test_choose_tiling():
+    """(tile, stages, table chunk) by batch on 8 KV heads and 132 SMs: the 32-split batch 1 and
+    the batches past a short wave keep the per-tile table; split batches read it in chunks; up
+    to batch 32 (a graph bucket, so eager steps and replays agree) 32-token tiles, 4 stages."""
+    from runner.triton_attention import NUM_STAGES, SHORT_WAVE_STAGES, TABLE_CHUNK, choose_tiling
+
+    def tiling(b):
+        return choose_tiling(b, 8, 132, choose_num_splits(b, 8, 132))
+
+    assert tiling(1) == (32, NUM_STAGES, 0)
+    assert tiling(2) == tiling(8) == tiling(16) == (32, NUM_STAGES, TABLE_CHUNK)
+    assert tiling(17) == tiling(32) == (32, SHORT_WAVE_STAGES, TABLE_CHUNK)
+    assert tiling(33) == tiling(64) == tiling(256) == (64, NUM_STAGES, 0)
 
 
 def test_fused_rope_batch_sizes():
@@ -367,7 +382,8 @@ def _rope_tables(positions: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     [(torch.bfloat16, 1, 4, 2, 64, [7, 300, 17]), (torch.bfloat16, 3, 4, 2, 64, [16, 1, 300]),
      (torch.float16, None, 6, 2, 32, [33, 5]), (torch.float32, 2, 4, 2, 32, [64, 9])]
     + ([] if INTERPRET else [(torch.bfloat16, None, 24, 8, 128, [1, 100, 350, 1000]),
-                             (torch.bfloat16, 1, 24, 8, 128, [1, 100, 350, 1000])]),
+                             (torch.bfloat16, 1, 24, 8, 128, [1, 100, 350, 1000]),
+                             (torch.bfloat16, None, 24, 8, 128, [1, 100, 350, 1000, 64, 65, 16, 17] * 4)]),
 )
 def test_fused_rope_equals_rope_kernel_then_decode(dtype, splits, hq, hkv, d, lens):
     """RoPE + KV write inside the decode kernel (pure decode) against the RoPE + KV write kernel
@@ -435,6 +451,35 @@ def test_prefetch_before_the_wait_changes_nothing(lens, splits, monkeypatch):
     assert not torch.equal(caches[0].nan_to_num(7.0), kv.nan_to_num(7.0))  # this step's k/v were written
 
 
+@pytest.mark.parametrize("lens,splits,fused", [([7, 300, 17, 0], 1, False), ([1, 33, 64, 65, 200], 3, True),
+                                               ([130, 0, 96], 1, True), ([300, 31], 2, False)])
+def test_table_chunks_change_nothing(lens, splits, fused):
+    """The block table read in chunks ahead of the tile loop (TABLE_CHUNK; here 2 entries, i.e.
+    32 positions and 2 tiles per chunk, so rows walk several chunks and splits start mid-chunk)
+    against each tile loading its own entries: output and cache bit for bit, split or not, with
+    the fused RoPE + KV write or without; dead KV (NaN poison) never read."""
+    from runner.triton_attention import DecodeRope
+
+    hq, hkv, d = 4, 2, 32
+    b = len(lens)
+    _, kv, tables, seq_lens = _make_case(b, hq, hkv, d, lens, torch.bfloat16, poison=True)
+    gen = torch.Generator().manual_seed(b)
+    q, k, v = (torch.randn(b, h, d, generator=gen).to(DEVICE, torch.bfloat16) for h in (hq, hkv, hkv))
+    cos, sin = _rope_tables(512, d)
+    meta = _decode_meta(seq_lens, tables)
+    rope = DecodeRope(k, v, cos, sin, (seq_lens.long() - 1).clamp(min=0), meta.slot_mapping) if fused else None
+    outs, caches = [], []
+    for chunk in (0, 2):
+        cache = kv.clone()
+        outs.append(paged_decode_attention(q, cache, tables, seq_lens, d**-0.5, num_splits=splits, block_n=16,
+                                           rope=rope, table_chunk=chunk))
+        caches.append(cache)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0].nan_to_num(7.0), caches[1].nan_to_num(7.0))
+    if not fused:
+        _check(outs[1], _reference(q, kv, tables, seq_lens, d**-0.5), torch.bfloat16)
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_fused_rope_backend_path_and_empty_rows(splits):
     """TritonPagedAttention.forward_decode_rope: the pure-decode path; a seq_len 0 row (graph
@@ -483,8 +528,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
                           DOT_PREC="tf32", LOOP_STAGES=3, USE_GDC=True, FUSED_ROPE=fused, ROUND=True,
                           FOLD_CURRENT=fused and splits > 1)
             for prefetch in (False, True) if fused and splits > 1 else (False,):
-                compile_sm90(m._paged_decode_kernel, sig, dict(consts, PREFETCH=prefetch), num_warps=4,
-                             num_stages=3, launch_pdl=True)
+                for table_p in (0, 128):
+                    compile_sm90(m._paged_decode_kernel, sig, dict(consts, PREFETCH=prefetch, TABLE_P=table_p),
+                                 num_warps=4, num_stages=3, launch_pdl=True)
     merge_sig = dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", out_ptr="*bf16",
                      stride_ob="i32", stride_oh="i32", stride_od="i32", num_q_heads="i32")
     compile_sm90(m._merge_splits_kernel, merge_sig, dict(HEAD_DIM=128, NUM_SPLITS=32, SPLITS_P=32, USE_GDC=True),
