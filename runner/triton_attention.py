@@ -243,23 +243,6 @@ def _paged_decode_kernel(
     if not PREFETCH:
         seq_len, n_tiles, t_lo, t_hi = _split_range(seq_lens_ptr, b, split, max_blocks, BLOCK_SIZE, BLOCK_N,
                                                     NUM_SPLITS)
-    # FOLD_CURRENT: the loop reads the positions already in the cache, [0, seq_len - 1); the
-    # current token is folded in after it, from registers
-    cached = seq_len - 1 if FOLD_CURRENT else seq_len
-    t_first = t_lo
-    if PREFETCH:
-        t_first = t_lo + 1  # the first tile is peeled (loaded above)
-    if TABLE_P > 0:
-        # The block table in chunks of TABLE_P entries, each loaded whole before the tiles it
-        # covers: the tile loop then computes its K/V addresses from registers (tl.gather), so
-        # the pipeliner can issue K/V LOOP_STAGES - 1 tiles ahead (through the table, one). The
-        # first chunk is loaded here, ahead of the RoPE chain (the table comes from the step's
-        # inputs, never from this kernel), so the loop's first K/V loads need no table load.
-        tiles_per_chunk: tl.constexpr = TABLE_P * BLOCK_SIZE // BLOCK_N
-        offs_tb = tl.arange(0, TABLE_P)
-        live_blocks = tl.cdiv(cached, BLOCK_SIZE)
-        tb = (t_first // tiles_per_chunk) * TABLE_P + offs_tb
-        row_blocks = tl.load(bt_row + tb * stride_btc, mask=tb < live_blocks, other=0)
 
     g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g  # [GROUP_P] query heads of this KV head
@@ -303,13 +286,26 @@ def _paged_decode_kernel(
     l_i = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
 
+    # FOLD_CURRENT: the loop reads the positions already in the cache, [0, seq_len - 1); the
+    # current token is folded in after it, from registers
+    cached = seq_len - 1 if FOLD_CURRENT else seq_len
+    t_first = t_lo
     if PREFETCH:
         m_i, l_i, acc = _attend_tile(q, k0, v0, mask0, m_i, l_i, acc, scale_log2e, DOT_PREC)
+        t_first = t_lo + 1
     # Explicit tl.range stages: without it Triton 3.6 does not software-pipeline this loop (the
     # K/V addresses depend on a block-table load). With it the block-table load runs a stage
     # ahead and K/V of tile t+1 are fetched with cp.async while tile t is computed.
     if TABLE_P > 0:
+        # The block table in chunks of TABLE_P entries, each loaded whole before the tiles it
+        # covers: the tile loop then computes its K/V addresses from registers (tl.gather), so
+        # the pipeliner can issue K/V LOOP_STAGES - 1 tiles ahead (through the table, one).
+        tiles_per_chunk: tl.constexpr = TABLE_P * BLOCK_SIZE // BLOCK_N
+        offs_tb = tl.arange(0, TABLE_P)
+        live_blocks = tl.cdiv(cached, BLOCK_SIZE)
         for c in range(t_first // tiles_per_chunk, tl.cdiv(t_hi, tiles_per_chunk)):
+            tb = c * TABLE_P + offs_tb
+            row_blocks = tl.load(bt_row + tb * stride_btc, mask=tb < live_blocks, other=0)
             c_lo = tl.maximum(t_first, c * tiles_per_chunk)
             c_hi = tl.minimum(t_hi, (c + 1) * tiles_per_chunk)
             for t in tl.range(c_lo, c_hi, num_stages=LOOP_STAGES):
@@ -317,8 +313,6 @@ def _paged_decode_kernel(
                                                       stride_tok, head_off, stride_kvd, stride_kv, offs_d, BLOCK_SIZE,
                                                       BLOCK_N, TABLE_P)
                 m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2e, DOT_PREC)
-            tb = (c + 1) * TABLE_P + offs_tb  # the next chunk (masked off past the live blocks)
-            row_blocks = tl.load(bt_row + tb * stride_btc, mask=tb < live_blocks, other=0)
     else:
         for t in tl.range(t_first, t_hi, num_stages=LOOP_STAGES):
             k, v, n_mask = _load_kv_tile(kv_ptr, bt_row, t, cached, stride_btc, stride_blk, stride_tok, head_off,
