@@ -119,17 +119,14 @@ def _load_kv_tile(kv_ptr, bt_row, t, live, stride_btc, stride_blk, stride_tok, h
     # Masked positions issue no block-table or K/V load, and their scores are -inf, so dead
     # slots (even NaN) never reach the result.
     blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btc, mask=n_mask, other=0)
-    # int64: block * stride_blk overflows int32 on caches over 2^31 elements.
-    tok_off = blk.to(tl.int64) * stride_blk + (offs_n % BLOCK_SIZE) * stride_tok + head_off  # [BLOCK_N]
-    kv_off = tok_off[:, None] + offs_d[None, :] * stride_kvd  # [BLOCK_N, D]
-    k = tl.load(kv_ptr + kv_off, mask=n_mask[:, None], other=0.0)
-    v = tl.load(kv_ptr + stride_kv + kv_off, mask=n_mask[:, None], other=0.0)
+    k, v = _load_kv_rows(kv_ptr, blk, offs_n, n_mask, stride_blk, stride_tok, head_off, stride_kvd, stride_kv, offs_d,
+                         BLOCK_SIZE)
     return k, v, n_mask
 
 
 @triton.jit
 def _load_kv_tile_gathered(kv_ptr, row_blocks, t, first_block, live, stride_blk, stride_tok, head_off, stride_kvd,
-                           stride_kv, offs_d, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TABLE_P: tl.constexpr):
+                           stride_kv, offs_d, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """_load_kv_tile with the block ids taken from a table chunk already in registers
     (`row_blocks` [TABLE_P], entries first_block...): the addresses depend on no load here."""
     offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -137,11 +134,21 @@ def _load_kv_tile_gathered(kv_ptr, row_blocks, t, first_block, live, stride_blk,
     # the chunk holds every block of the tile (a tile never straddles chunks); masked positions
     # past the live blocks gather a 0 and issue no load
     blk = tl.gather(row_blocks, offs_n // BLOCK_SIZE - first_block, 0)
-    tok_off = blk.to(tl.int64) * stride_blk + (offs_n % BLOCK_SIZE) * stride_tok + head_off
-    kv_off = tok_off[:, None] + offs_d[None, :] * stride_kvd
+    k, v = _load_kv_rows(kv_ptr, blk, offs_n, n_mask, stride_blk, stride_tok, head_off, stride_kvd, stride_kv, offs_d,
+                         BLOCK_SIZE)
+    return k, v, n_mask
+
+
+@triton.jit
+def _load_kv_rows(kv_ptr, blk, offs_n, n_mask, stride_blk, stride_tok, head_off, stride_kvd, stride_kv, offs_d,
+                  BLOCK_SIZE: tl.constexpr):
+    """K and V [BLOCK_N, D] of positions offs_n, whose cache blocks are `blk` [BLOCK_N]."""
+    # int64: block * stride_blk overflows int32 on caches over 2^31 elements.
+    tok_off = blk.to(tl.int64) * stride_blk + (offs_n % BLOCK_SIZE) * stride_tok + head_off  # [BLOCK_N]
+    kv_off = tok_off[:, None] + offs_d[None, :] * stride_kvd  # [BLOCK_N, D]
     k = tl.load(kv_ptr + kv_off, mask=n_mask[:, None], other=0.0)
     v = tl.load(kv_ptr + stride_kv + kv_off, mask=n_mask[:, None], other=0.0)
-    return k, v, n_mask
+    return k, v
 
 
 @triton.jit
@@ -293,9 +300,7 @@ def _paged_decode_kernel(
     if PREFETCH:
         m_i, l_i, acc = _attend_tile(q, k0, v0, mask0, m_i, l_i, acc, scale_log2e, DOT_PREC)
         t_first = t_lo + 1
-    # Explicit tl.range stages: without it Triton 3.6 does not software-pipeline this loop (the
-    # K/V addresses depend on a block-table load). With it the block-table load runs a stage
-    # ahead and K/V of tile t+1 are fetched with cp.async while tile t is computed.
+    # Explicit tl.range stages: without them Triton 3.6 does not software-pipeline these loops.
     if TABLE_P > 0:
         # The block table in chunks of TABLE_P entries, each loaded whole before the tiles it
         # covers: the tile loop then computes its K/V addresses from registers (tl.gather), so
@@ -311,9 +316,11 @@ def _paged_decode_kernel(
             for t in tl.range(c_lo, c_hi, num_stages=LOOP_STAGES):
                 k, v, n_mask = _load_kv_tile_gathered(kv_ptr, row_blocks, t, c * TABLE_P, cached, stride_blk,
                                                       stride_tok, head_off, stride_kvd, stride_kv, offs_d, BLOCK_SIZE,
-                                                      BLOCK_N, TABLE_P)
+                                                      BLOCK_N)
                 m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2e, DOT_PREC)
     else:
+        # The K/V addresses depend on a block-table load in the loop: the table runs a stage
+        # ahead and K/V of tile t+1 are fetched with cp.async while tile t is computed, never more.
         for t in tl.range(t_first, t_hi, num_stages=LOOP_STAGES):
             k, v, n_mask = _load_kv_tile(kv_ptr, bt_row, t, cached, stride_btc, stride_blk, stride_tok, head_off,
                                          stride_kvd, stride_kv, offs_d, BLOCK_SIZE, BLOCK_N)
