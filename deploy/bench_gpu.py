@@ -431,6 +431,25 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
 ATTN_TILES = [(64, 4, 3), (32, 4, 3), (32, 4, 4), (16, 4, 4), (64, 4, 2), (64, 8, 3), (128, 4, 2), (128, 8, 3)]
 
 
+def _attn_case(B: int, ctx: int, layers: int, table_width: int, seed: int):
+    """The attention benchmarks' inputs, Orpheus heads (24/8, D 128, bf16, block 16): one random
+    cache per layer ([2, blocks, 16, 8, 128], so KV comes from HBM as in a step), block tables
+    scrambled per layer and as wide as the engine's graphs, every sequence at `ctx` tokens, and
+    q [B, 24, 128]. Returns (caches, tables, seq_lens, q)."""
+    hq, hkv, d, bs = 24, 8, 128, 16
+    nblk = -(-ctx // bs)
+    g = torch.Generator().manual_seed(seed)
+    caches, tables = [], []
+    for _ in range(layers):
+        caches.append(torch.randn(2, B * nblk + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16))
+        t = torch.zeros(B, max(nblk, table_width), dtype=torch.int32)  # graph tables are full width
+        t[:, :nblk] = (torch.randperm(B * nblk, generator=g) + 1).view(B, nblk)
+        tables.append(t.cuda())
+    seq_lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, hq, d, device="cuda", dtype=torch.bfloat16)
+    return caches, tables, seq_lens, q
+
+
 def run_attn_modes(batches=(1, 8, 32, 64, 128), ctx: int = 350, layers: int = 28, table_width: int = 128) -> dict:
     """The decode attention kernel alone, Orpheus heads at `ctx` tokens (as run_attn_sweep: one
     cache per layer, scrambled full-width tables, a graph of `layers` launches), launched as the
@@ -443,7 +462,7 @@ def run_attn_modes(batches=(1, 8, 32, 64, 128), ctx: int = 350, layers: int = 28
     from runner.triton_attention import DecodeRope, TritonPagedAttention, paged_decode_attention
     from runner.triton_pdl import pdl_available
 
-    hq, hkv, d, bs = 24, 8, 128, 16
+    hkv, d, bs = 8, 128, 16  # _attn_case's shapes
     pdl = pdl_available("cuda")
     rot = RotaryEmbedding(d, 2048, RopeConfig(theta=ORPHEUS_3B["rope_theta"]))
     cos, sin = rot.cos.cuda(), rot.sin.cuda()
@@ -457,15 +476,7 @@ def run_attn_modes(batches=(1, 8, 32, 64, 128), ctx: int = 350, layers: int = 28
                  "chunked bn32 st5": dict(chunk, block_n=32, num_stages=5),
                  "chunked bn64 st4": dict(chunk, block_n=64, num_stages=4)}
         nblk = -(-ctx // bs)
-        g = torch.Generator().manual_seed(B)
-        caches, tables = [], []
-        for _ in range(layers):
-            caches.append(torch.randn(2, B * nblk + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16))
-            t = torch.zeros(B, max(nblk, table_width), dtype=torch.int32)
-            t[:, :nblk] = (torch.randperm(B * nblk, generator=g) + 1).view(B, nblk)
-            tables.append(t.cuda())
-        seq_lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(B, hq, d, device="cuda", dtype=torch.bfloat16)
+        caches, tables, seq_lens, q = _attn_case(B, ctx, layers, table_width, seed=B)
         k, v = (torch.randn(B, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         slots = tables[0][:, nblk - 1].long() * bs + (ctx - 1) % bs
         fused = TritonPagedAttention().decode_rope_fused(B, hkv, q.device)
@@ -502,22 +513,13 @@ def run_attn_sweep(batches=(1, 64), ctxs=(135, 350, 600), layers: int = 28, tabl
     from runner.models.llama import RotaryEmbedding
     from runner.triton_attention import DecodeRope, paged_decode_attention
 
-    hq, hkv, d, bs = 24, 8, 128, 16
+    hkv, d, bs = 8, 128, 16  # _attn_case's shapes
     rot = RotaryEmbedding(d, 2048, RopeConfig(theta=ORPHEUS_3B["rope_theta"]))
     cos, sin = rot.cos.cuda(), rot.sin.cuda()
     out = {}
     for B in batches:
         for ctx in ctxs:
-            nblk = -(-ctx // bs)
-            g = torch.Generator().manual_seed(ctx)
-            caches, tables = [], []
-            for _ in range(layers):
-                caches.append(torch.randn(2, B * nblk + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16))
-                t = torch.zeros(B, max(nblk, table_width), dtype=torch.int32)  # graph tables are full width
-                t[:, :nblk] = (torch.randperm(B * nblk, generator=g) + 1).view(B, nblk)
-                tables.append(t.cuda())
-            seq_lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-            q = torch.randn(B, hq, d, device="cuda", dtype=torch.bfloat16)
+            caches, tables, seq_lens, q = _attn_case(B, ctx, layers, table_width, seed=ctx)
             kvbytes = B * ctx * hkv * d * 2 * 2
             pos = seq_lens.long() - 1
             slots = tables[0][:, -1].long() * bs + (ctx - 1) % bs
