@@ -76,7 +76,8 @@ ORPHEUS_3B = {
 }
 BATCHES = [1, 8, 32, 64, 128, 256]
 # RunnerConfig kernel options of every engine this run builds (--skinny-linear, --pdl, ...)
-KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "attention_prefetch": True, "split_k": True}
+KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "attention_prefetch": True, "split_k": True,
+           "norm_fold": True}
 PROMPT, NEW = 100, 500
 
 
@@ -289,6 +290,10 @@ def skip_op(model, name: str) -> None:
     costs on the step's critical path, PDL overlap included. Tokens become meaningless; shapes,
     the graphs and every other kernel stay as they are. `name` is one of SKIPPABLE."""
     ops, attn, cfg = model.ops, model.attn, model.cfg
+    if name in ("norm", "o", "gate_up") and hasattr(ops, "norm_fold"):
+        # the folded o_proj + norm + gate_up launches none of the ops patched below: time the
+        # unfolded path (a `norm_fold=1` step has no post-attention norm launch to skip)
+        ops.norm_fold = False
     weight_shapes = {"qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size),
                      "o": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
                      "down": (cfg.hidden_size, cfg.intermediate_size)}  # nn.Linear [N, K]
@@ -337,7 +342,8 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     """Greedy decode step time per kernel variant, each on a freshly built model (one run, same
     GPU state): `variants` = ';'-separated variants, each ','-separated RunnerConfig kernel
     overrides and tile-table rows, e.g. "default;rope_in_attention=0;tile:plain:3072:3072:1=1/8/1024/4/1";
-    `split:N:K=...` replaces a SPLIT_TUNED entry (parse_split_override);
+    `split:N:K=...` replaces a SPLIT_TUNED entry (parse_split_override); `fold:N:K:MAX_M=bm/bn/bk/warps/stages[/late]`
+    (or `=none`) replaces that row of FOLD_TUNED;
     `swept` takes TUNED from this run's gemm sweep (`swept`, its "tuned" rows); `skip=OP`
     times the step without one per-layer op (skip_op: its critical-path cost); `attn:NAME=INT`
     sets a constant of runner/triton_attention.py (PREFETCH_MIN_SPLITS, TABLE_CHUNK,
@@ -354,6 +360,7 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     base = dict(KERNELS)
     base_tuned = dict(triton_linear.TUNED)
     base_split = dict(triton_linear.SPLIT_TUNED)
+    base_fold = dict(triton_linear.FOLD_TUNED)
     base_attn = {name: getattr(triton_attention, name) for name in
                  ("PREFETCH_MIN_SPLITS", "TABLE_CHUNK", "SHORT_WAVE_PROGRAMS_PER_SM", "SHORT_WAVE_STAGES",
                   "NUM_STAGES", "DEFAULT_BLOCK_N", "SPLIT_BLOCK_N")}
@@ -367,6 +374,8 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
         triton_linear.TUNED.update(base_tuned)
         triton_linear.SPLIT_TUNED.clear()
         triton_linear.SPLIT_TUNED.update(base_split)
+        triton_linear.FOLD_TUNED.clear()
+        triton_linear.FOLD_TUNED.update(base_fold)
 
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     out = {}
@@ -382,6 +391,10 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
                 elif kv.startswith("tile:"):
                     key, max_m, tile = parse_tile_override(kv)
                     triton_linear.TUNED[key] = tuple((mm, tile if mm == max_m else t) for mm, t in triton_linear.TUNED[key])
+                elif kv.startswith("fold:"):
+                    (_, n, k), max_m, tile = parse_tile_override("tile:plain:" + kv.removeprefix("fold:"))
+                    rows = triton_linear.FOLD_TUNED[(n, k)]
+                    triton_linear.FOLD_TUNED[(n, k)] = tuple((mm, tile if mm == max_m else t) for mm, t in rows)
                 elif kv.startswith("split:"):
                     key, rows = parse_split_override(kv)
                     triton_linear.SPLIT_TUNED[key] = rows
@@ -1132,6 +1145,7 @@ def main() -> int:
     ap.add_argument("--rope-in-attention", type=int, default=1, help="0: RoPE + KV write in their own launch (A/B)")
     ap.add_argument("--attn-tiles", default="", help="attn section: 'bn,warps,stages;...' at the automatic split only")
     ap.add_argument("--split-k", type=int, default=1, help="0: o_proj / down never as split-K partials (A/B)")
+    ap.add_argument("--norm-fold", type=int, default=1, help="0: the post-attention RMSNorm always in its own launch (A/B)")
     ap.add_argument("--prefill-warm-up", type=int, default=1,
                     help="0: Engine.warm_up skips warm_up_eager_prefill (A/B of the first_use section; run each in its own process)")
     ap.add_argument("--variants", default="default;rope_in_attention=0",
@@ -1145,7 +1159,8 @@ def main() -> int:
     secs = set(args.sections.split(","))
     batches = [int(b) for b in args.batches.split(",")]
     KERNELS.update(skinny_linear=bool(args.skinny_linear), pdl=bool(args.pdl),
-                   rope_in_attention=bool(args.rope_in_attention), split_k=bool(args.split_k))
+                   rope_in_attention=bool(args.rope_in_attention), split_k=bool(args.split_k),
+                   norm_fold=bool(args.norm_fold))
     if not args.prefill_warm_up:
         from runner.engine import Engine
 

@@ -29,6 +29,11 @@ Contract shared by both (shapes: T tokens, hidden H, heads Hq/Hkv, head_dim D, i
 * mlp(x [T, H], gate_up [2I, H], down [H, I], into_norm=False) -> [T, H]
       linear(silu_and_mul(linear(x, gate_up)), down, into_norm); TritonOps may fold the
       SiLU*mul into the gate_up GEMM (runner/triton_linear.py)
+* post_attention(out [T, Hq*D], o_proj, residual [T, H], w [H], eps, gate_up, down) -> (mlp_out, new_residual)
+      the decoder layer's second half: h = linear(out, o_proj); (x, new_residual) =
+      add_rmsnorm(h, residual, w, eps); mlp_out = mlp(x, gate_up, down, into_norm=True).
+      TritonOps may finish the RMSNorm inside gate_up instead (runner/triton_linear.py
+      residual_linear, FOLD_TUNED): no norm launch between the two GEMMs
 * materialize(h) -> h as a tensor (identity unless h is Partials)
 * head(x [N, H], weight [V, H], padded [V', H] | None) -> [N, V]   x @ weight^T, the lm_head
       (padded: weight's rows as the first V of a wider zero-padded copy, which cuBLAS prefers);
@@ -117,6 +122,19 @@ class TorchOps:
             into_norm: bool = False) -> torch.Tensor:
         return self.linear(self.silu_and_mul(self.linear(x, gate_up)), down)
 
+    def post_attention(
+        self,
+        out: torch.Tensor,
+        o_proj: torch.nn.Linear,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        gate_up: torch.nn.Linear,
+        down: torch.nn.Linear,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.add_rmsnorm(self.linear(out, o_proj, into_norm=True), residual, norm_weight, eps)
+        return self.mlp(x, gate_up, down, into_norm=True), residual
+
     def materialize(self, h: torch.Tensor) -> torch.Tensor:
         return h
 
@@ -127,15 +145,18 @@ class TorchOps:
         return x.argmax(dim=-1)
 
 
-def make_ops(device: torch.device | str, skinny_linear: bool = True, pdl: bool = True, split_k: bool = True):
+def make_ops(device: torch.device | str, skinny_linear: bool = True, pdl: bool = True, split_k: bool = True,
+             norm_fold: bool = True):
     """Fused Triton kernels on CUDA, plain torch elsewhere (chosen once, at construction).
 
     On CUDA: `skinny_linear` runs decode-sized 16-bit GEMMs in Triton (runner/triton_linear.py),
-    `split_k` lets o_proj / down hand split-K partials to the add + RMSNorm, `pdl` launches the
-    kernels with programmatic dependent launch where the GPU has it."""
+    `split_k` lets o_proj / down hand split-K partials to the add + RMSNorm, `norm_fold` lets
+    post_attention finish the post-attention RMSNorm inside gate_up, `pdl` launches the kernels
+    with programmatic dependent launch where the GPU has it."""
     if torch.device(device).type == "cuda":
         from runner.triton_fused_ops import TritonOps  # needs triton, present with CUDA torch
         from runner.triton_pdl import pdl_available
 
-        return TritonOps(pdl=pdl and pdl_available(device), skinny_linear=skinny_linear, split_k=split_k)
+        return TritonOps(pdl=pdl and pdl_available(device), skinny_linear=skinny_linear, split_k=split_k,
+                         norm_fold=norm_fold)
     return TorchOps()

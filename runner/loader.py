@@ -163,7 +163,8 @@ def kernels_for(runner: RunnerConfig) -> tuple[object, object]:
     dev = runner.torch_device
     attn = make_attention_backend(dev, pdl=runner.pdl, rope_in_attention=runner.rope_in_attention,
                                   attention_prefetch=runner.attention_prefetch)
-    return attn, make_ops(dev, skinny_linear=runner.skinny_linear, pdl=runner.pdl, split_k=runner.split_k)
+    return attn, make_ops(dev, skinny_linear=runner.skinny_linear, pdl=runner.pdl, split_k=runner.split_k,
+                          norm_fold=runner.norm_fold)
 
 
 @torch.no_grad()

@@ -37,7 +37,9 @@ from runner.triton_linear import (
     TUNED,
     LinearTile,
     Partials,
+    fold_tile_for,
     materialize,
+    residual_linear,
     silu_mul,
     skinny_linear,
     split_tile_for,
@@ -387,14 +389,18 @@ class TritonOps:
     where `pdl_available`). `skinny_linear`: 16-bit GEMMs of M <= 64 rows (decode) run in
     runner/triton_linear.py where its tile table says so (gate_up with the SiLU*mul fused in);
     otherwise F.linear (cuBLAS). `split_k`: a `linear(..., into_norm=True)` (o_proj, down) may
-    return split-K `Partials` where SPLIT_TUNED says so; `add_rmsnorm` sums them. All fixed at
-    construction; the tile (or none) per call from the GEMM's shape and M.
+    return split-K `Partials` where SPLIT_TUNED says so; `add_rmsnorm` sums them. `norm_fold`:
+    `post_attention` runs o_proj as residual_linear and finishes the RMSNorm inside gate_up where
+    FOLD_TUNED says so. All fixed at construction; the tile (or none) per call from the GEMM's
+    shape and M.
     """
 
-    def __init__(self, pdl: bool = False, skinny_linear: bool = True, split_k: bool = True) -> None:
+    def __init__(self, pdl: bool = False, skinny_linear: bool = True, split_k: bool = True,
+                 norm_fold: bool = True) -> None:
         self.pdl = pdl
         self.skinny = skinny_linear
         self.split_k = skinny_linear and split_k
+        self.norm_fold = skinny_linear and norm_fold
 
     @staticmethod
     def _skinny_dtypes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -456,6 +462,48 @@ class TritonOps:
         else:  # gate_up with the SiLU*mul epilogue: [T, I] straight from the GEMM
             act = skinny_linear(x, gate_up.weight, None, tile, gated=True, pdl=self.pdl)
         return self.linear(act, down, into_norm)
+
+    def post_attention(
+        self,
+        out: torch.Tensor,
+        o_proj: torch.nn.Linear,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        gate_up: torch.nn.Linear,
+        down: torch.nn.Linear,
+    ) -> tuple[torch.Tensor | Partials, torch.Tensor]:
+        """o_proj, add + RMSNorm, MLP. Where FOLD_TUNED has a tile for o_proj at this M and
+        gate_up runs as a gated MMA tile, two launches instead of three: o_proj adds the residual
+        and hands gate_up (h * w, the rows' sums of squares), gate_up scales its accumulator by
+        the rows' rsqrt. The residual stream is the add + RMSNorm's bit for bit; the MLP input
+        differs from rmsnorm(h) * w only in where it rounds (w before the row factor, the row
+        factor after the product: bf16 ulps, held to transformers by tests/test_gpu.py).
+        Why: at batch 64 the norm launch between o_proj and gate_up costs about 2.5 us per layer
+        on the step's critical path (deploy/RESULTS.md)."""
+        fold = self._fold_tiles(out, o_proj, residual, norm_weight, gate_up)
+        if fold is None:
+            x, residual = self.add_rmsnorm(self.linear(out, o_proj, into_norm=True), residual, norm_weight, eps)
+            return self.mlp(x, gate_up, down, into_norm=True), residual
+        o_tile, g_tile = fold
+        h, xg, scale = residual_linear(out, o_proj.weight, residual, norm_weight, eps, o_tile, pdl=self.pdl)
+        act = skinny_linear(xg, gate_up.weight, None, g_tile, gated=True, pdl=self.pdl, row_scale=scale)
+        return self.linear(act, down, into_norm=True), h
+
+    def _fold_tiles(self, out: torch.Tensor, o_proj: torch.nn.Linear, residual: torch.Tensor,
+                    norm_weight: torch.Tensor, gate_up: torch.nn.Linear) -> tuple[LinearTile, LinearTile] | None:
+        """(o_proj's residual_linear tile, gate_up's gated MMA tile) where post_attention folds
+        the norm, else None (from shapes and dtypes only)."""
+        if not self.norm_fold or o_proj.bias is not None or gate_up.bias is not None:
+            return None
+        dt = out.dtype
+        if not self._skinny_dtypes(out, o_proj.weight) or residual.dtype != dt or norm_weight.dtype != dt:
+            return None
+        o_tile = fold_tile_for(*o_proj.weight.shape, out.shape[0])
+        g_tile = self._tile(GATED, residual, gate_up)
+        if o_tile is None or g_tile is None or g_tile.block_m == 1:
+            return None
+        return o_tile, g_tile
 
     def materialize(self, h: torch.Tensor | Partials) -> torch.Tensor:
         return materialize(h)

@@ -107,6 +107,14 @@ def _skinny_linear_kernel(
     stride_wn,
     stride_om,
     k_split,  # SPLIT_K: K range of one split (a multiple of BLOCK_K)
+    res_ptr,  # RESIDUAL: [M, N] the residual stream, row stride stride_rm
+    g_ptr,  # RESIDUAL: [N] the RMSNorm weight
+    xg_ptr,  # RESIDUAL: [M, N] contiguous out, (out * g) in the model dtype
+    ssq_ptr,  # RESIDUAL: [M, ssq_tiles] fp32 out, column pid_n; ROW_SCALE: read, ssq_tiles per row
+    stride_rm,
+    ssq_tiles,  # columns of ssq_ptr per row (RESIDUAL: the grid's column-block count)
+    norm_n,  # ROW_SCALE: width of the normalised rows (the hidden size)
+    eps,  # ROW_SCALE: the RMSNorm epsilon
     GATED: tl.constexpr,  # out = silu(x @ Wgate^T) * (x @ Wup^T)
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -115,6 +123,9 @@ def _skinny_linear_kernel(
     USE_GDC: tl.constexpr,
     SPLIT_K: tl.constexpr,  # > 1 (MMA mode, plain, no bias): out is fp32 partials [SPLIT_K, M, N]
     LATE_TRIGGER: tl.constexpr,  # MMA mode: the next kernel launches after the stores, not after the wait
+    RESIDUAL: tl.constexpr = False,  # MMA, unsplit, plain: out = x @ W^T + residual, plus xg and ssq
+    ROW_SCALE: tl.constexpr = False,  # MMA: each row's accumulator times rsqrt(sum(ssq row) / norm_n + eps)
+    SSQ_P: tl.constexpr = 1,  # ROW_SCALE: ssq_tiles rounded up to a power of two
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -161,6 +172,14 @@ def _skinny_linear_kernel(
         pdl_wait(USE_GDC)
         if not LATE_TRIGGER:
             pdl_trigger(USE_GDC)
+        mn_mask = m_mask[:, None] & n_mask[None, :]
+        if RESIDUAL:  # issued before the K loop, so its latency hides under the weight stream
+            res = tl.load(res_ptr + rows.to(tl.int64)[:, None] * stride_rm + offs_n[None, :], mask=mn_mask, other=0.0)
+        if ROW_SCALE:  # the rows' RMSNorm factors from the producer's per-tile sums of squares
+            t_cols = tl.arange(0, SSQ_P)
+            sq = tl.load(ssq_ptr + rows.to(tl.int64)[:, None] * ssq_tiles + t_cols[None, :],
+                         mask=m_mask[:, None] & (t_cols < ssq_tiles)[None, :], other=0.0)
+            rstd = tl.math.rsqrt(tl.sum(sq, axis=1) / norm_n + eps)  # [BM]
         k_lo = tl.program_id(2) * k_split
         x_ptrs += k_lo
         w_ptrs += k_lo
@@ -176,8 +195,22 @@ def _skinny_linear_kernel(
         if SPLIT_K > 1:
             part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
             out_ptrs = part + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
-            tl.store(out_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+            tl.store(out_ptrs, acc, mask=mn_mask)
+        elif RESIDUAL:
+            # The add + RMSNorm's first half, with its roundings (runner/triton_fused_ops.py
+            # _rmsnorm_kernel): the GEMM output in the model dtype, plus the residual, rounded.
+            h = (acc.to(dt).to(tl.float32) + res.to(tl.float32)).to(dt)
+            out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+            tl.store(out_ptrs, h, mask=mn_mask)
+            hf = h.to(tl.float32)  # masked columns are 0
+            tl.store(ssq_ptr + rows.to(tl.int64) * ssq_tiles + pid_n, tl.sum(hf * hf, axis=1), mask=m_mask)
+            g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            xg_ptrs = xg_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
+            tl.store(xg_ptrs, (hf * g[None, :]).to(dt), mask=mn_mask)
         else:
+            if ROW_SCALE:  # before the bias and the rounding: (rstd * x) @ W^T, then + b
+                acc = acc * rstd[:, None]
+                acc_u = acc_u * rstd[:, None]
             if HAS_BIAS:
                 acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             if GATED:
@@ -185,9 +218,20 @@ def _skinny_linear_kernel(
             else:
                 y = acc.to(dt)
             out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, y, mask=m_mask[:, None] & n_mask[None, :])
+            tl.store(out_ptrs, y, mask=mn_mask)
         if LATE_TRIGGER:
             pdl_trigger(USE_GDC)
+
+
+class RowScale(NamedTuple):
+    """An RMSNorm's row factors left unapplied: row r of the GEMM input is to be scaled by
+    rsqrt(sum(ssq[r]) / n + eps). The GEMM applies it to its fp32 accumulator (a per-row factor
+    commutes with the product), so the input reaches the tensor cores straight from shared
+    memory. `ssq` [M, T] fp32 are a residual_linear's per-column-block sums of squares."""
+
+    ssq: torch.Tensor
+    n: int  # the normalised width (hidden size)
+    eps: float
 
 
 def skinny_linear(
@@ -199,6 +243,7 @@ def skinny_linear(
     gated: bool = False,  # out [M, I] = silu(x @ gate^T) * (x @ up^T), the MLP's activation
     pdl: bool = False,
     split_k: int = 1,  # > 1: fp32 partials [split_k, M, N] instead of out (plain, no bias, MMA)
+    row_scale: RowScale | None = None,  # MMA, unsplit: (rstd * x) @ W^T, x's RMSNorm finished here
 ) -> torch.Tensor:
     """One launch: out [M, N] (gated: [M, I]) in x's dtype.
 
@@ -206,10 +251,7 @@ def skinny_linear(
     eager call per shape has compiled it)."""
     m = x.shape[0]
     n, k = weight.shape
-    assert x.dim() == 2 and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, x.stride(), weight.stride())
-    assert x.shape[1] == k and k % tile.block_k == 0, (x.shape, weight.shape, tile)
-    assert tile.block_m > 1 or m <= 1, (m, tile)
-    assert tile.block_m > 1 or not tile.late_trigger, "late_trigger: MMA tiles only"
+    _check(x, weight, tile)
     if gated:
         assert n % 2 == 0 and bias is None, "gated: weight rows gate | up, no bias"
         n //= 2
@@ -219,18 +261,77 @@ def skinny_linear(
         out = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32)
     else:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if m == 0:
-        return out
+    if row_scale is not None:
+        assert tile.block_m > 1 and split_k == 1, "row_scale: MMA tile, unsplit"
+        ssq = row_scale.ssq
+        assert ssq.shape[0] == m and ssq.is_contiguous() and ssq.dtype == torch.float32, (ssq.shape, m)
+        scale = dict(ssq_ptr=ssq, ssq_tiles=ssq.shape[1], norm_n=row_scale.n, eps=row_scale.eps, ROW_SCALE=True,
+                     SSQ_P=triton.next_power_of_2(ssq.shape[1]))
+    else:
+        scale = {}
+    if m:
+        _launch(x, weight, bias, out, tile, m, n, k, gated=gated, pdl=pdl, split_k=split_k, **scale)
+    return out
+
+
+def residual_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    residual: torch.Tensor,  # [M, N], x's dtype
+    norm_weight: torch.Tensor,  # [N], the RMSNorm weight of the sum
+    eps: float,  # ... and its epsilon
+    tile: LinearTile,  # MMA
+    *,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, RowScale]:
+    """x @ W^T + residual, and the RMSNorm of that sum left for the next GEMM, in one launch.
+
+    Returns (h, xg, scale): h = the new residual stream [M, N] (the GEMM output rounded to the
+    model dtype, plus the residual, rounded: the add + RMSNorm's sum bit for bit); xg = h * w
+    [M, N] (w the norm weight); scale = the RMSNorm's row factors of h (`RowScale`, from fp32
+    sums of squares per column block of this GEMM, [M, cdiv(N, block_n)]). rmsnorm(h) * w is
+    rstd * xg up to where the roundings fall: skinny_linear(xg, W2, row_scale=scale) is the next
+    GEMM on the normalised rows."""
+    m = x.shape[0]
+    n, k = weight.shape
+    _check(x, weight, tile)
+    assert tile.block_m > 1, "residual_linear: MMA tile"
+    assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1, residual.shape
+    assert norm_weight.shape == (n,) and norm_weight.is_contiguous(), norm_weight.shape
+    tiles = triton.cdiv(n, tile.block_n)
+    h = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    xg = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    ssq = torch.empty(m, tiles, device=x.device, dtype=torch.float32)
+    if m:
+        _launch(x, weight, None, h, tile, m, n, k, gated=False, pdl=pdl, split_k=1, res_ptr=residual, g_ptr=norm_weight,
+                xg_ptr=xg, ssq_ptr=ssq, stride_rm=residual.stride(0), ssq_tiles=tiles, RESIDUAL=True)
+    return h, xg, RowScale(ssq, n, eps)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, tile: LinearTile) -> None:
+    m = x.shape[0]
+    n, k = weight.shape
+    assert x.dim() == 2 and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, x.stride(), weight.stride())
+    assert x.shape[1] == k and k % tile.block_k == 0, (x.shape, weight.shape, tile)
+    assert tile.block_m > 1 or m <= 1, (m, tile)
+    assert tile.block_m > 1 or not tile.late_trigger, "late_trigger: MMA tiles only"
+
+
+def _launch(x, weight, bias, out, tile: LinearTile, m: int, n: int, k: int, *, gated: bool, pdl: bool, split_k: int,
+            res_ptr=None, g_ptr=None, xg_ptr=None, ssq_ptr=None, stride_rm=0, ssq_tiles=1, norm_n=1, eps=0.0,
+            RESIDUAL=False, ROW_SCALE=False, SSQ_P=1) -> None:
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split_k)
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(-2), k // split_k,
+        weight if res_ptr is None else res_ptr, weight if g_ptr is None else g_ptr,
+        weight if xg_ptr is None else xg_ptr, out if ssq_ptr is None else ssq_ptr,
+        stride_rm, ssq_tiles, norm_n, eps,
         GATED=gated, HAS_BIAS=bias is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_GDC=pdl, SPLIT_K=split_k,
-        LATE_TRIGGER=tile.late_trigger,
+        LATE_TRIGGER=tile.late_trigger, RESIDUAL=RESIDUAL, ROW_SCALE=ROW_SCALE, SSQ_P=SSQ_P,
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
-    return out
 
 
 class Partials(NamedTuple):
@@ -308,6 +409,28 @@ SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...
     (3072, 3072): ((8, LinearTile(16, 64, 64, 4, 4, True), 8), (32, None, 1), (64, LinearTile(64, 64, 128, 4, 4), 2)),
     (3072, 8192): ((8, LinearTile(16, 32, 128, 4, 4, True), 4), (32, None, 1), (64, LinearTile(64, 128, 128, 4, 4), 4)),
 }
+
+
+# GEMMs whose sum with the residual stream is RMS-normalised for an MLP (o_proj), run as
+# residual_linear with the norm finished inside gate_up (TritonOps.post_attention): (N, K) ->
+# ((max_m, tile or None), ...) in increasing max_m, only for 1 < M; None, or an M past the last
+# row: the add + RMSNorm kernel between the two GEMMs. Unsplit tiles (each program owns whole
+# output columns, so it can add the residual and square them): 32 columns wide, 96 programs at
+# N = 3072.
+FOLD_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None], ...]] = {
+    (3072, 3072): ((32, None), (64, LinearTile(64, 32, 128, 4, 4))),
+}
+
+
+def fold_tile_for(n: int, k: int, m: int) -> LinearTile | None:
+    """residual_linear's tile for a GEMM [n, k] of m rows feeding an MLP's RMSNorm, or None.
+    Thresholds at graph bucket sizes, like tile_for."""
+    if m <= 1:
+        return None
+    for max_m, tile in FOLD_TUNED.get((n, k), ()):
+        if m <= max_m:
+            return tile
+    return None
 
 
 def split_tile_for(n: int, k: int, m: int) -> tuple[LinearTile, int] | None:

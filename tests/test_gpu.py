@@ -249,6 +249,26 @@ def test_split_k_into_norm_keeps_graphs_equal_and_hf_close(model_dir, monkeypatc
     assert 4 in splits  # down (o_proj too where it has no bias)
 
 
+def test_norm_fold_keeps_graphs_equal_and_hf_close(model_dir, monkeypatch):
+    """o_proj adding the residual and gate_up finishing the post-attention RMSNorm (the FOLD_TUNED
+    table pointed at this tiny model's o_proj; the real table only has Orpheus-3B's, at 33..64
+    rows): graphs + async give the same tokens as eager, and bf16 hidden states / logits stay
+    within tolerance of transformers."""
+    import runner.triton_fused_ops as tfo
+    from runner import triton_linear
+    from runner.triton_linear import LinearTile
+
+    cfg = load_hf(model_dir).config
+    q_size = cfg.num_attention_heads * getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+    monkeypatch.setattr(triton_linear, "FOLD_TUNED", {(cfg.hidden_size, q_size): ((64, LinearTile(16, 32, 64, 4, 2)),)})
+    rows = []
+    real = tfo.residual_linear
+    monkeypatch.setattr(tfo, "residual_linear", lambda x, *a, **k: rows.append(x.shape[0]) or real(x, *a, **k))
+    test_cuda_graphs_and_async_give_same_tokens_as_eager(model_dir, "bfloat16")
+    test_bf16_logits_and_hidden_within_tolerance(model_dir)
+    assert rows and max(rows) > 16  # decode rows and prefill chunks both took the folded path
+
+
 def test_triton_decode_backend_matches_torch_backend(model_dir):
     """Same tokens whether decode attention runs in the Triton kernel or the torch gather path."""
     from runner.attention import TorchPagedAttention

@@ -29,13 +29,17 @@ from runner.cuda_graphs import graph_buckets  # noqa: E402
 from runner.fused_ops import TorchOps  # noqa: E402
 from runner.triton_fused_ops import TritonOps, silu_and_mul  # noqa: E402
 from runner.triton_linear import (  # noqa: E402
+    FOLD_TUNED,
     GATED,
     MAX_M,
     PLAIN,
     SPLIT_TUNED,
     TUNED,
     LinearTile,
+    RowScale,
     _skinny_linear_kernel,
+    fold_tile_for,
+    residual_linear,
     skinny_linear,
     split_tile_for,
     tile_for,
@@ -124,6 +128,10 @@ def test_tile_choice_changes_only_at_graph_buckets():
         for m in range(1, MAX_M + 40):
             assert split_tile_for(n, k, m) == split_tile_for(n, k, bucket(m)), (n, k, m)
         assert split_tile_for(n, k, 1) is None and split_tile_for(n, k, MAX_M + 1) is None
+    for n, k in list(FOLD_TUNED) + [(96, 200)]:
+        for m in range(1, MAX_M + 40):
+            assert fold_tile_for(n, k, m) == fold_tile_for(n, k, bucket(m)), (n, k, m)
+        assert fold_tile_for(n, k, 1) is None and fold_tile_for(n, k, MAX_M + 1) is None
 
 
 def test_triton_ops_route_by_dtype_and_size():
@@ -223,6 +231,72 @@ def test_tuned_split_rows_sum_to_the_gemm(m):
             torch.testing.assert_close(parts.sum(0), x.float() @ w.float().T, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("m", [5, 40])
+def test_residual_linear_is_the_gemm_plus_the_residual_and_its_norm_parts(m):
+    """residual_linear: h is the same tile's GEMM rounded, plus the residual, rounded (the add +
+    RMSNorm's sum, bit for bit); xg = h * w rounded; the per-column-block sums of squares add
+    up to each row's sum of h^2 (N = 48 in 32-wide blocks: the second block is masked)."""
+    tile = LinearTile(16, 32, 64, 4, 2)
+    x, w, _ = _inputs(m, seed=80)
+    res, g = _rand(m, N, seed=81), _rand(N, seed=82)
+    h, xg, scale = residual_linear(x, w, res, g, 1e-5, tile)
+    assert h.dtype == xg.dtype == torch.bfloat16 and scale.ssq.shape == (m, 2) and (scale.n, scale.eps) == (N, 1e-5)
+    assert torch.equal(h, (skinny_linear(x, w, None, tile).float() + res.float()).to(torch.bfloat16))
+    assert torch.equal(xg, (h.float() * g.float()).to(torch.bfloat16))
+    hf = h.float()
+    torch.testing.assert_close(scale.ssq, torch.stack([hf[:, :32].square().sum(1), hf[:, 32:].square().sum(1)], 1),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_row_scale_multiplies_each_row_before_rounding(gated):
+    """row_scale: row r of the result is the GEMM of rsqrt(sum(ssq[r]) / n + eps) * x[r]. With
+    sums of squares whose factor is a power of two (1, 1/2, 2; eps 0) that scaling of x is exact,
+    so the result must equal, bit for bit, the unscaled kernel on the scaled rows; the sums are
+    spread over 3 column blocks (padded to 4)."""
+    m, tile = 6, LinearTile(16, 32, 64, 4, 2)
+    x = _rand(m, K, seed=90)
+    w = _rand(2 * N if gated else N, K, seed=91, scale=0.05)
+    factor = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.5, 2.0])
+    n = 64
+    ssq = (n / factor.square())[:, None] * torch.tensor([0.5, 0.25, 0.25])  # each row sums to n / factor^2
+    got = skinny_linear(x, w, None, tile, gated=gated, row_scale=RowScale(ssq.to(DEVICE), n, 0.0))
+    want = skinny_linear((x.float() * factor.to(DEVICE)[:, None]).to(x.dtype), w, None, tile, gated=gated)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, skinny_linear(x, w, None, tile, gated=gated))
+
+
+@pytest.mark.parametrize("m", [1, 7, 40])
+def test_post_attention_folds_the_norm_where_the_table_says(m, monkeypatch):
+    """TritonOps.post_attention: with a FOLD_TUNED row for o_proj's shape, M > 1 runs o_proj as
+    residual_linear and gate_up with the row scale (two launches, no norm kernel); M = 1 keeps
+    the add + RMSNorm. Either way the MLP output and the residual are TorchOps' within bf16
+    tolerance, and folding off (norm_fold=False) takes the unfolded path."""
+    import runner.triton_fused_ops as tfo
+
+    q, h, inter = 128, 64, 96
+    dt = torch.bfloat16
+    monkeypatch.setitem(FOLD_TUNED, (h, q), ((64, LinearTile(16, 32, 64, 4, 2)),))
+    calls = []
+    real = tfo.residual_linear
+    monkeypatch.setattr(tfo, "residual_linear", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        o_proj = torch.nn.Linear(q, h, bias=False).to(DEVICE, dt)
+        gate_up = torch.nn.Linear(h, 2 * inter, bias=False).to(DEVICE, dt)
+        down = torch.nn.Linear(inter, h, bias=False).to(DEVICE, dt)
+        out, res = _rand(m, q, seed=100 + m), _rand(m, h, seed=101 + m)
+        w = (1 + 0.1 * _rand(h, seed=102, dtype=torch.float32)).to(dt)
+        args = (out, o_proj, res, w, 1e-5, gate_up, down)
+        want_mlp, want_res = TorchOps().post_attention(*args)
+        for ops in (TritonOps(), TritonOps(norm_fold=False)):
+            calls.clear()
+            mlp_out, new_res = ops.post_attention(*args)
+            assert len(calls) == (1 if m > 1 and ops.norm_fold else 0)
+            torch.testing.assert_close(new_res.float(), want_res.float(), rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(tfo.materialize(mlp_out).float(), want_mlp.float(), rtol=3e-2, atol=3e-2)
+
+
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     from runner import triton_linear as m
@@ -230,15 +304,20 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
     ptr = "*bf16"
     sig = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, out_ptr=ptr, M="i32", N="i32", K="i32", stride_xm="i32",
-               stride_wn="i32", stride_om="i32", k_split="i32")
+               stride_wn="i32", stride_om="i32", k_split="i32", res_ptr=ptr, g_ptr=ptr, xg_ptr=ptr,
+               ssq_ptr="*fp32", stride_rm="i32", ssq_tiles="i32", norm_n="i32", eps="fp32")
+    # (gated, bias, split, residual, row_scale)
+    modes = ((False, False, 1, False, False), (False, True, 1, False, False), (True, False, 1, False, False),
+             (False, False, 4, False, False), (False, False, 1, True, False), (True, False, 1, False, True))
     for tile in (m.LinearTile(1, 16, 1024, 4, 1), m.LinearTile(1, 4, 1024, 4, 1), m.LinearTile(16, 32, 256, 4, 4),
-                 m.LinearTile(64, 64, 128, 8, 4)):
-        for gated, bias, split in ((False, False, 1), (False, True, 1), (True, False, 1), (False, False, 4)):
-            if split > 1 and tile.block_m == 1:
+                 m.LinearTile(64, 64, 128, 8, 4), m.LinearTile(64, 32, 128, 4, 4)):
+        for gated, bias, split, residual, row_scale in modes:
+            if (split > 1 or residual or row_scale) and tile.block_m == 1:
                 continue
             consts = dict(GATED=gated, HAS_BIAS=bias, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
                           BLOCK_K=tile.block_k, USE_GDC=True, SPLIT_K=split,
-                          LATE_TRIGGER=tile.block_m > 1 and gated)
+                          LATE_TRIGGER=tile.block_m > 1 and gated, RESIDUAL=residual, ROW_SCALE=row_scale,
+                          SSQ_P=128 if row_scale else 1)
             sig_ = dict(sig, out_ptr="*fp32") if split > 1 else sig
             compile_sm90(m._skinny_linear_kernel, sig_, consts, num_warps=tile.num_warps,
                          num_stages=tile.num_stages, launch_pdl=True)

@@ -147,8 +147,8 @@ class Attention(nn.Module):
         else:
             q, k = self.ops.rope(q, k, rot.cos, rot.sin, positions)
             out = self.attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
-        # into_norm: the only consumer is the add + RMSNorm (may come back as split-K partials)
-        return self.ops.linear(out.reshape(t, self.q_size), self.o_proj, into_norm=True)
+        # o_proj is applied by the layer's ops.post_attention, with the add + RMSNorm after it
+        return out.reshape(t, self.q_size)
 
 
 def o_proj_has_bias(cfg: ModelConfig) -> bool:
@@ -157,16 +157,14 @@ def o_proj_has_bias(cfg: ModelConfig) -> bool:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
+    """The MLP's weights. [T, H] -> [T, 2I] -> [T, I] -> [T, H], applied by the layer's
+    ops.post_attention together with o_proj and the add + RMSNorm between them (the ops may fuse
+    SiLU*mul into the gate_up GEMM, and the norm into gate_up too)."""
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate | up
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.ops = ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # [T, H] -> [T, 2I] -> [T, I] -> [T, H]; the ops may fuse SiLU*mul into the gate_up GEMM
-        # into_norm: consumed by the next add + RMSNorm (may come back as split-K partials)
-        return self.ops.mlp(x, self.gate_up_proj, self.down_proj, into_norm=True)
 
 
 class DecoderLayer(nn.Module):
@@ -175,7 +173,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx, attn, rotary, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, ops)
+        self.mlp = MLP(cfg)
         self.ops = ops
 
     def forward(
@@ -191,7 +189,7 @@ class DecoderLayer(nn.Module):
         ops.materialize take it.
 
         Same values as transformers' `h = h + attn(norm(h)); h = h + mlp(norm(h))`: each add is
-        done (in the model dtype) by the add_rmsnorm that consumes it.
+        done (in the model dtype) by the add_rmsnorm (or ops.post_attention) that consumes it.
         """
         ops = self.ops
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
@@ -200,9 +198,10 @@ class DecoderLayer(nn.Module):
             x = ops.rmsnorm(h, ln1.weight, ln1.eps)
         else:
             x, residual = ops.add_rmsnorm(h, residual, ln1.weight, ln1.eps)
-        h = self.self_attn(x, positions, kv_cache, meta)
-        x, residual = ops.add_rmsnorm(h, residual, ln2.weight, ln2.eps)
-        return self.mlp(x), residual
+        out = self.self_attn(x, positions, kv_cache, meta)  # [T, Hq * D], before o_proj
+        mlp = self.mlp
+        return ops.post_attention(out, self.self_attn.o_proj, residual, ln2.weight, ln2.eps, mlp.gate_up_proj,
+                                  mlp.down_proj)
 
 
 class LlamaForCausalLM(nn.Module):
