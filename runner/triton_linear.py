@@ -309,8 +309,7 @@ def residual_linear(
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, tile: LinearTile) -> None:
-    m = x.shape[0]
-    n, k = weight.shape
+    m, k = x.shape[0], weight.shape[1]
     assert x.dim() == 2 and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, x.stride(), weight.stride())
     assert x.shape[1] == k and k % tile.block_k == 0, (x.shape, weight.shape, tile)
     assert tile.block_m > 1 or m <= 1, (m, tile)
