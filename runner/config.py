@@ -193,7 +193,7 @@ class RunnerConfig:
     attention_prefetch: bool = True
     split_k: bool = True  # o_proj / down of 2..64 rows as split-K partials summed by the add + RMSNorm
     # o_proj adds the residual and gate_up finishes the post-attention RMSNorm (no norm launch
-    # between them) where runner/triton_linear.py FOLD_TUNED says so (33..64 rows)
+    # between them) where runner/triton_linear.py FOLD_TUNED says so (2..16 rows)
     norm_fold: bool = True
     # also capture pure-decode graphs that keep every layer's output, so a decode step with a
     # hidden-state request replays a graph instead of running eagerly (host-bound: every stream

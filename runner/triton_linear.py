@@ -38,6 +38,12 @@ models (s14-run6/7): batch 1 2.064-2.087 ms against 2.109-2.113, batch 8 2.539-2
 lost (batch 1 2.182: the attention's early loads under qkv's tail need the early launch), and so
 did the split merge (2.122: o_proj's first slices then no longer load under it), s14-run5.
 
+Norm fold (`residual_linear` + `row_scale`, TritonOps.post_attention, table `FOLD_TUNED`): o_proj
+adds the residual in its epilogue and hands gate_up h * w and the rows' sums of squares per
+column block; gate_up multiplies its fp32 accumulator by each row's rsqrt. The RMSNorm's
+weight goes in before the product and its row factor after it, so gate_up's A tiles still go
+from shared memory to the tensor cores (s13's fold normalised them in registers and lost).
+
 Tried on the H200 and dropped (deploy/RESULTS.md, s5): the RMSNorm as a prologue (every
 program recomputes the row statistics: slower than the norm kernel), SiLU*mul as down's prologue
 (the gated epilogue does it once per element), an add + RMSNorm epilogue run by the last
@@ -412,20 +418,26 @@ SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...
 
 # GEMMs whose sum with the residual stream is RMS-normalised for an MLP (o_proj), run as
 # residual_linear with the norm finished inside gate_up (TritonOps.post_attention): (N, K) ->
-# ((max_m, tile or None), ...) in increasing max_m, only for 1 < M; None, or an M past the last
-# row: the add + RMSNorm kernel between the two GEMMs. Unsplit tiles (each program owns whole
-# output columns, so it can add the residual and square them): 32 columns wide, 96 programs at
-# N = 3072.
+# ((max_m, tile or None), ...) in increasing max_m; None, or an M past the last row: the add +
+# RMSNorm kernel between the two GEMMs. The tile is unsplit (a program owns whole output columns,
+# so it can add the residual and square them). H200, greedy ms per step, alternated on fresh
+# models (`bench_gpu.py --sections variants`, deploy/RESULTS.md s18-run5/7): batch 2 / 4 / 8
+# 2.215-2.221 / 2.245 / 2.313-2.315 against 2.253-2.254 / 2.281-2.286 / 2.356-2.361 (o_proj
+# split 8 ways plus the norm launch), batch 12 / 16 2.427-2.429 / 2.462-2.466 against 2.455 /
+# 2.487-2.491. Not folded: batch 1 (o_proj as this MMA tile instead of the GEMV: 2.180-2.293
+# against 2.007, s18-run8), 17..32 (a tie, 2.651-2.679 against 2.656-2.665) and 33..64: unsplit,
+# o_proj over 64 rows streams too few weight bytes per program (every tile tried, 16-64 columns
+# wide, 2-12 stages, 4 or 8 warps, 16-64 rows per program: 3.109-3.369 ms against 3.003-3.011
+# for 2 split-K partials + the norm launch, s18-run1/3/6; profile: o_proj 18.3 us against 8.4).
 FOLD_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None], ...]] = {
-    (3072, 3072): ((32, None), (64, LinearTile(64, 32, 128, 4, 4))),
+    (3072, 3072): ((1, None), (8, LinearTile(16, 32, 128, 4, 5)), (16, LinearTile(16, 32, 128, 4, 5)), (32, None),
+                   (64, None)),
 }
 
 
 def fold_tile_for(n: int, k: int, m: int) -> LinearTile | None:
     """residual_linear's tile for a GEMM [n, k] of m rows feeding an MLP's RMSNorm, or None.
     Thresholds at graph bucket sizes, like tile_for."""
-    if m <= 1:
-        return None
     for max_m, tile in FOLD_TUNED.get((n, k), ()):
         if m <= max_m:
             return tile

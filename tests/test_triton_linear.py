@@ -131,7 +131,7 @@ def test_tile_choice_changes_only_at_graph_buckets():
     for n, k in list(FOLD_TUNED) + [(96, 200)]:
         for m in range(1, MAX_M + 40):
             assert fold_tile_for(n, k, m) == fold_tile_for(n, k, bucket(m)), (n, k, m)
-        assert fold_tile_for(n, k, 1) is None and fold_tile_for(n, k, MAX_M + 1) is None
+        assert fold_tile_for(n, k, MAX_M + 1) is None
 
 
 def test_triton_ops_route_by_dtype_and_size():
@@ -268,15 +268,15 @@ def test_row_scale_multiplies_each_row_before_rounding(gated):
 
 @pytest.mark.parametrize("m", [1, 7, 40])
 def test_post_attention_folds_the_norm_where_the_table_says(m, monkeypatch):
-    """TritonOps.post_attention: with a FOLD_TUNED row for o_proj's shape, M > 1 runs o_proj as
-    residual_linear and gate_up with the row scale (two launches, no norm kernel); M = 1 keeps
-    the add + RMSNorm. Either way the MLP output and the residual are TorchOps' within bf16
+    """TritonOps.post_attention: with a FOLD_TUNED tile for o_proj's shape at M (here 2..64, as
+    the real table's rows), o_proj runs as residual_linear and gate_up with the row scale (two
+    launches, no norm kernel); M = 1 (a None row) keeps the add + RMSNorm. Either way the MLP output and the residual are TorchOps' within bf16
     tolerance, and folding off (norm_fold=False) takes the unfolded path."""
     import runner.triton_fused_ops as tfo
 
     q, h, inter = 128, 64, 96
     dt = torch.bfloat16
-    monkeypatch.setitem(FOLD_TUNED, (h, q), ((64, LinearTile(16, 32, 64, 4, 2)),))
+    monkeypatch.setitem(FOLD_TUNED, (h, q), ((1, None), (64, LinearTile(16, 32, 64, 4, 2))))
     calls = []
     real = tfo.residual_linear
     monkeypatch.setattr(tfo, "residual_linear", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
