@@ -178,9 +178,9 @@ def _skinny_linear_kernel(
         pdl_wait(USE_GDC)
         if not LATE_TRIGGER:
             pdl_trigger(USE_GDC)
-        mn_mask = m_mask[:, None] & n_mask[None, :]
         if RESIDUAL:  # issued before the K loop, so its latency hides under the weight stream
-            res = tl.load(res_ptr + rows.to(tl.int64)[:, None] * stride_rm + offs_n[None, :], mask=mn_mask, other=0.0)
+            res = tl.load(res_ptr + rows.to(tl.int64)[:, None] * stride_rm + offs_n[None, :],
+                          mask=m_mask[:, None] & n_mask[None, :], other=0.0)
         if ROW_SCALE:  # the rows' RMSNorm factors from the producer's per-tile sums of squares
             t_cols = tl.arange(0, SSQ_P)
             sq = tl.load(ssq_ptr + rows.to(tl.int64)[:, None] * ssq_tiles + t_cols[None, :],
@@ -201,18 +201,18 @@ def _skinny_linear_kernel(
         if SPLIT_K > 1:
             part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
             out_ptrs = part + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
-            tl.store(out_ptrs, acc, mask=mn_mask)
+            tl.store(out_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
         elif RESIDUAL:
             # The add + RMSNorm's first half, with its roundings (runner/triton_fused_ops.py
             # _rmsnorm_kernel): the GEMM output in the model dtype, plus the residual, rounded.
             h = (acc.to(dt).to(tl.float32) + res.to(tl.float32)).to(dt)
             out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, h, mask=mn_mask)
+            tl.store(out_ptrs, h, mask=m_mask[:, None] & n_mask[None, :])
             hf = h.to(tl.float32)  # masked columns are 0
             tl.store(ssq_ptr + rows.to(tl.int64) * ssq_tiles + pid_n, tl.sum(hf * hf, axis=1), mask=m_mask)
             g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             xg_ptrs = xg_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
-            tl.store(xg_ptrs, (hf * g[None, :]).to(dt), mask=mn_mask)
+            tl.store(xg_ptrs, (hf * g[None, :]).to(dt), mask=m_mask[:, None] & n_mask[None, :])
         else:
             if ROW_SCALE:  # before the bias and the rounding: (rstd * x) @ W^T, then + b
                 acc = acc * rstd[:, None]
@@ -224,7 +224,7 @@ def _skinny_linear_kernel(
             else:
                 y = acc.to(dt)
             out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, y, mask=mn_mask)
+            tl.store(out_ptrs, y, mask=m_mask[:, None] & n_mask[None, :])
         if LATE_TRIGGER:
             pdl_trigger(USE_GDC)
 
