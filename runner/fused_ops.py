@@ -69,6 +69,15 @@ def torch_head(x: torch.Tensor, weight: torch.Tensor, padded: torch.Tensor | Non
     return F.linear(x, weight)
 
 
+def unfolded_post_attention(ops, out: torch.Tensor, o_proj: torch.nn.Linear, residual: torch.Tensor,
+                            norm_weight: torch.Tensor, eps: float, gate_up: torch.nn.Linear,
+                            down: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract's post_attention from its parts: linear (o_proj), add_rmsnorm, mlp. TorchOps'
+    path, and TritonOps' wherever it does not fold the norm."""
+    x, residual = ops.add_rmsnorm(ops.linear(out, o_proj, into_norm=True), residual, norm_weight, eps)
+    return ops.mlp(x, gate_up, down, into_norm=True), residual
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -122,18 +131,10 @@ class TorchOps:
             into_norm: bool = False) -> torch.Tensor:
         return self.linear(self.silu_and_mul(self.linear(x, gate_up)), down)
 
-    def post_attention(
-        self,
-        out: torch.Tensor,
-        o_proj: torch.nn.Linear,
-        residual: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        gate_up: torch.nn.Linear,
-        down: torch.nn.Linear,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.add_rmsnorm(self.linear(out, o_proj, into_norm=True), residual, norm_weight, eps)
-        return self.mlp(x, gate_up, down, into_norm=True), residual
+    def post_attention(self, out: torch.Tensor, o_proj: torch.nn.Linear, residual: torch.Tensor,
+                       norm_weight: torch.Tensor, eps: float, gate_up: torch.nn.Linear,
+                       down: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        return unfolded_post_attention(self, out, o_proj, residual, norm_weight, eps, gate_up, down)
 
     def materialize(self, h: torch.Tensor) -> torch.Tensor:
         return h

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from runner.fused_ops import torch_head
+from runner.fused_ops import torch_head, unfolded_post_attention
 from runner.triton_argmax import row_argmax
 from runner.triton_linear import (
     GATED,
@@ -463,16 +463,9 @@ class TritonOps:
             act = skinny_linear(x, gate_up.weight, None, tile, gated=True, pdl=self.pdl)
         return self.linear(act, down, into_norm)
 
-    def post_attention(
-        self,
-        out: torch.Tensor,
-        o_proj: torch.nn.Linear,
-        residual: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        gate_up: torch.nn.Linear,
-        down: torch.nn.Linear,
-    ) -> tuple[torch.Tensor | Partials, torch.Tensor]:
+    def post_attention(self, out: torch.Tensor, o_proj: torch.nn.Linear, residual: torch.Tensor,
+                       norm_weight: torch.Tensor, eps: float, gate_up: torch.nn.Linear,
+                       down: torch.nn.Linear) -> tuple[torch.Tensor | Partials, torch.Tensor]:
         """o_proj, add + RMSNorm, MLP. Where FOLD_TUNED has a tile for o_proj at this M and
         gate_up runs as a gated MMA tile, two launches instead of three: o_proj adds the residual
         and hands gate_up (h * w, the rows' sums of squares), gate_up scales its accumulator by
@@ -480,11 +473,10 @@ class TritonOps:
         differs from rmsnorm(h) * w only in where it rounds (w before the row factor, the row
         factor after the product: bf16 ulps, held to transformers by tests/test_gpu.py).
         Why: the norm launch between o_proj and gate_up sits on the step's critical path; without
-        it batch 2-16 steps take 25-45 us less on the H200 (FOLD_TUNED's comment)."""
+        it batch 2-16 steps take 17-45 us less on the H200 (FOLD_TUNED's comment)."""
         fold = self._fold_tiles(out, o_proj, residual, norm_weight, gate_up)
         if fold is None:
-            x, residual = self.add_rmsnorm(self.linear(out, o_proj, into_norm=True), residual, norm_weight, eps)
-            return self.mlp(x, gate_up, down, into_norm=True), residual
+            return unfolded_post_attention(self, out, o_proj, residual, norm_weight, eps, gate_up, down)
         o_tile, g_tile = fold
         h, xg, scale = residual_linear(out, o_proj.weight, residual, norm_weight, eps, o_tile, pdl=self.pdl)
         act = skinny_linear(xg, gate_up.weight, None, g_tile, gated=True, pdl=self.pdl, row_scale=scale)
