@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runner.gpu_info import num_sms
 from runner.triton_hashing import hash32, uniform24
 
 if TYPE_CHECKING:  # runtime import would be circular (runner.sampler imports this lazily)
@@ -456,13 +457,6 @@ def race_noise(seeds: torch.Tensor, counters: torch.Tensor, out: torch.Tensor) -
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: an H200's count
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _launch(logits: torch.Tensor, batch: "SamplingBatch", q: torch.Tensor | None, ids: torch.Tensor | None) -> None:
     b, v = logits.shape
     if b == 0:
@@ -475,7 +469,7 @@ def _launch(logits: torch.Tensor, batch: "SamplingBatch", q: torch.Tensor | None
     if v >= 1 << 24:
         raise ValueError(f"vocabulary {v} too large: pivot counts are accumulated in fp32 (exact below 2^24)")
     cfg = _CONFIG
-    warps = cfg["num_warps_small"] if b <= _num_sms(logits.device) else cfg["num_warps"]
+    warps = cfg["num_warps_small"] if b <= num_sms(logits.device) else cfg["num_warps"]
     filt = batch.any_top_k or batch.any_top_p
     c = cfg["C"] if filt else 1  # no search: no scratch
     sk = torch.empty(b, c, dtype=torch.int32, device=logits.device)

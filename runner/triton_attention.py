@@ -36,7 +36,6 @@ import it only on CUDA (tests run it under TRITON_INTERPRET=1 on CPU where trito
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -45,6 +44,7 @@ import triton
 import triton.language as tl
 
 from runner.attention import NO_PLAN_BACKENDS, AttentionMetadata, TorchPagedAttention, write_kv
+from runner.gpu_info import num_sms
 from runner.triton_fused_ops import rope_rows
 from runner.triton_pdl import pdl_enter
 
@@ -64,9 +64,6 @@ SPLIT_BLOCK_N = 32
 # Split-K sizing: aim for about this many programs per SM, never more than MAX_SPLITS splits.
 _TARGET_PROGRAMS_PER_SM = 2
 MAX_SPLITS = 32
-# SM count assumed where there is no CUDA device (the interpreter): an H200's, so CPU tests
-# exercise the same split choices as the target.
-_DEFAULT_NUM_SMS = 132
 _NUM_WARPS = 4
 NUM_STAGES = 3
 # Block-table entries per chunk read ahead of the tile loop (`TABLE_P`); 0: each tile loads its
@@ -394,13 +391,6 @@ def _merge_splits_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od, o.to(out_ptr.dtype.element_ty))
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _DEFAULT_NUM_SMS
-
-
 def _is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
@@ -527,7 +517,7 @@ def paged_decode_attention(
 
     group = hq // hkv
     group_p = max(16, triton.next_power_of_2(group))
-    sms = _num_sms(q.device)
+    sms = num_sms(q.device)
     max_blocks = block_tables.shape[1]
     splits = num_splits or choose_num_splits(bsz, hkv, sms)
     auto_bn, auto_stages, auto_chunk = choose_tiling(bsz, hkv, sms, splits)
@@ -675,7 +665,7 @@ class TritonPagedAttention:
         The limit need not sit at a graph bucket (eager batch 65 fuses, its bucket 80 does not):
         it always lies where the sequences are not split, and there the fused kernel computes
         the unfused pair's values bit for bit."""
-        return self.fuses_decode_rope and batch * num_kv_heads <= _FUSED_ROPE_PROGRAMS_PER_SM * _num_sms(device)
+        return self.fuses_decode_rope and batch * num_kv_heads <= _FUSED_ROPE_PROGRAMS_PER_SM * num_sms(device)
 
     def forward_decode_rope(
         self,

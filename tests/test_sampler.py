@@ -26,6 +26,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from runner.gpu_info import num_sms
 from runner.sampler import Sampler, SamplingBatch, SlotState, race_noise
 from runner.sampling_params import SamplingParams
 
@@ -822,7 +823,7 @@ def test_triton_large_vocab_orpheus_settings_cuda():
     within 1e-4 of the bound in fp64 (p * the mass top-k left), or exp(y - max) within 1e-5
     of min_p."""
     v = 156940
-    for b in (16, SK._num_sms(KDEV) + 4):
+    for b in (16, num_sms(KDEV) + 4):
         g = torch.Generator().manual_seed(b)
         params = [SamplingParams(**dict(temperature=0.6, top_p=0.8, repetition_penalty=1.1))] * 8
         params += random_params(b - 8, seed=b, vocab=v)

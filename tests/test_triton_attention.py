@@ -21,11 +21,11 @@ _CUDA = interpret_without_cuda()  # before runner.triton_attention is imported
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
 
 from runner.attention import NO_PLAN_BACKENDS, AttentionMetadata, TorchPagedAttention  # noqa: E402
+from runner.gpu_info import num_sms  # noqa: E402
 from runner.triton_attention import (  # noqa: E402
     MAX_SPLITS,
     TritonPagedAttention,
     _paged_decode_kernel,
-    _num_sms,
     choose_block_n,
     choose_num_splits,
     paged_decode_attention,
@@ -202,7 +202,7 @@ def test_fused_rope_batch_sizes():
     buckets 1..64 on 8 KV heads and an H200's 132 SMs, the CPU default); never when off."""
     dev = torch.device(DEVICE)
     attn = TritonPagedAttention()
-    sms = _num_sms(dev)
+    sms = num_sms(dev)
     assert [b for b in range(1, 1025) if attn.decode_rope_fused(b, 8, dev)] == list(range(1, 4 * sms // 8 + 1))
     assert not TritonPagedAttention(rope_in_attention=False).decode_rope_fused(1, 8, dev)
 
@@ -414,7 +414,7 @@ def test_fused_rope_equals_rope_kernel_then_decode(dtype, splits, hq, hkv, d, le
     assert torch.equal(kv.nan_to_num(7.0), kv_ref.nan_to_num(7.0))
     ulp = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]  # ~ one output ulp
     assert (out.float() - ref.float()).abs().max().item() <= ulp
-    if (splits or choose_num_splits(b, hkv, _num_sms(kv.device))) == 1:
+    if (splits or choose_num_splits(b, hkv, num_sms(kv.device))) == 1:
         assert torch.equal(out, ref)
     _check(out, _reference(q_ref, kv_ref, tables, seq_lens, d**-0.5), dtype)
 
