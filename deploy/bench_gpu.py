@@ -264,14 +264,16 @@ def render_critical_path(chain: dict, batch: int) -> str:
 
 
 def parse_tile(fields: list[int]) -> "LinearTile":
-    """bm, bn, bk, warps, stages[, late_trigger 0/1] -> LinearTile (late_trigger as the bool it is)."""
+    """bm, bn, bk, warps, stages[, late_trigger 0/1[, groups]] -> LinearTile (late_trigger as the
+    bool it is; groups: ragged column groups, 0 = plain tiles)."""
     from runner.triton_linear import LinearTile
 
-    return LinearTile(*fields[:5], *(bool(f) for f in fields[5:]))
+    late = bool(fields[5]) if len(fields) > 5 else False
+    return LinearTile(*fields[:5], late, *fields[6:7])
 
 
 def parse_tile_override(item: str) -> tuple[tuple[int, int, int], int, "LinearTile | None"]:
-    """'tile:KIND:N:K:MAX_M=bm/bn/bk/warps/stages[/late]' (or '=none': cuBLAS) -> the TUNED key,
+    """'tile:KIND:N:K:MAX_M=bm/bn/bk/warps/stages[/late[/groups]]' (or '=none': cuBLAS) -> the TUNED key,
     the row's max_m and its tile; KIND is plain or gated."""
     from runner.triton_linear import GATED, PLAIN
 
@@ -281,7 +283,7 @@ def parse_tile_override(item: str) -> tuple[tuple[int, int, int], int, "LinearTi
     return ({"plain": PLAIN, "gated": GATED}[kind], int(n), int(k)), int(max_m), tile
 
 
-SKIPPABLE = ("norm", "attn", "qkv", "o", "gate_up", "down")
+SKIPPABLE = ("norm", "norm_in", "norm_post", "attn", "qkv", "o", "gate_up", "down")
 
 
 def skip_op(model, name: str) -> None:
@@ -290,7 +292,7 @@ def skip_op(model, name: str) -> None:
     costs on the step's critical path, PDL overlap included. Tokens become meaningless; shapes,
     the graphs and every other kernel stay as they are. `name` is one of SKIPPABLE."""
     ops, attn, cfg = model.ops, model.attn, model.cfg
-    if name in ("norm", "o", "gate_up"):
+    if name in ("norm", "norm_post", "o", "gate_up"):
         # the folded o_proj + norm + gate_up launches none of the ops patched below: time the
         # unfolded path (a `norm_fold=1` step has no post-attention norm launch to skip; the
         # bench's model always has TritonOps)
@@ -301,6 +303,16 @@ def skip_op(model, name: str) -> None:
     if name == "norm":
         def add_rmsnorm(x, residual, weight, eps):
             return residual, residual
+        ops.add_rmsnorm = add_rmsnorm
+    elif name in ("norm_in", "norm_post"):  # one of the layer's two norms (the final norm stays)
+        which = "input_layernorm" if name == "norm_in" else "post_attention_layernorm"
+        skipped = {getattr(layer, which).weight.data_ptr() for layer in model.layers}
+        add_rmsnorm_all = ops.add_rmsnorm
+
+        def add_rmsnorm(x, residual, weight, eps):
+            if weight.data_ptr() in skipped:
+                return residual, residual
+            return add_rmsnorm_all(x, residual, weight, eps)
         ops.add_rmsnorm = add_rmsnorm
     elif name == "attn":
         def no_attention(q, *a, **k):
@@ -324,7 +336,7 @@ def skip_op(model, name: str) -> None:
 
 
 def parse_split_override(item: str) -> tuple[tuple[int, int], tuple]:
-    """'split:N:K=MAX_M:bm/bn/bk/warps/stages[/late]/splits+MAX_M:none+...' -> the SPLIT_TUNED key
+    """'split:N:K=MAX_M:bm/bn/bk/warps/stages[/late[/groups]]/splits+MAX_M:none+...' -> the SPLIT_TUNED key
     and its rows (all of them, in increasing MAX_M; 'none': not split up to that M)."""
     lhs, rhs = item.removeprefix("split:").split("=")
     n, k = map(int, lhs.split(":"))

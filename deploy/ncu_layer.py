@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runner.models.llama import RotaryEmbedding  # noqa: E402
 from runner.config import RopeConfig  # noqa: E402
+from runner.models.llama import RotaryEmbedding  # noqa: E402
 
 
 def main() -> None:

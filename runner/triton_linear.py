@@ -66,6 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runner.gpu_info import num_sms
 from runner.triton_pdl import pdl_enter, pdl_trigger, pdl_wait
 
 PLAIN, GATED = 0, 1  # tile-table kinds: out = x @ W^T, or the gated gate_up (out [M, I])
@@ -85,6 +86,16 @@ class LinearTile:
     # MMA mode: let the next kernel launch (PDL) only after this one's stores instead of right
     # after its wait, so the next kernel's early loads do not compete with this one's stream
     late_trigger: bool = False
+    # MMA mode: 0, block_n-wide column tiles; > 0, that many programs per row block split the N
+    # columns into ragged groups (boundaries on multiples of 8 columns, each at most block_n
+    # wide, the rest of the tile masked); PER_SM, one group per SM of the device where such
+    # groups fit in block_n (else plain tiles). Why: a program streams its weights at ~30-45
+    # GB/s, so a GEMM of cdiv(N, block_n) = 128 programs on 132 SMs leaves bandwidth unused and
+    # ends on the programs that started last (ncu and the engine A/B in deploy/RESULTS.md, s19)
+    groups: int = 0
+
+
+PER_SM = -1  # LinearTile.groups: one ragged column group per SM
 
 
 @triton.jit
@@ -121,6 +132,7 @@ def _skinny_linear_kernel(
     ssq_tiles,  # columns of ssq_ptr per row (RESIDUAL: the grid's column-block count)
     norm_n,  # ROW_SCALE: width of the normalised rows (the hidden size)
     eps,  # ROW_SCALE: the RMSNorm epsilon
+    n_groups,  # RAGGED: column groups (the grid's first dimension)
     GATED: tl.constexpr,  # out = silu(x @ Wgate^T) * (x @ Wup^T)
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -132,13 +144,22 @@ def _skinny_linear_kernel(
     RESIDUAL: tl.constexpr = False,  # MMA, unsplit, plain: out = x @ W^T + residual, plus xg and ssq
     ROW_SCALE: tl.constexpr = False,  # MMA: each row's accumulator times rsqrt(sum(ssq row) / norm_n + eps)
     SSQ_P: tl.constexpr = 1,  # ROW_SCALE: ssq_tiles rounded up to a power of two
+    RAGGED: tl.constexpr = False,  # MMA: program pid_n owns column group pid_n of n_groups (LinearTile.groups)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = rows < M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    if RAGGED:
+        # columns [lo, hi): the n_groups-way split of N // 8 eight-column units (N % 8 == 0 and
+        # hi - lo <= BLOCK_N, checked on the host)
+        lo = tl.multiple_of((pid_n * (N // 8) // n_groups) * 8, 8)
+        hi = ((pid_n + 1) * (N // 8) // n_groups) * 8
+        offs_n = lo + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
@@ -304,7 +325,7 @@ def residual_linear(
     assert tile.block_m > 1, "residual_linear: MMA tile"
     assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1, residual.shape
     assert norm_weight.shape == (n,) and norm_weight.is_contiguous(), norm_weight.shape
-    tiles = triton.cdiv(n, tile.block_n)
+    tiles = _column_groups(n, tile, x.device) or triton.cdiv(n, tile.block_n)
     h = torch.empty(m, n, device=x.device, dtype=x.dtype)
     xg = torch.empty(m, n, device=x.device, dtype=x.dtype)
     ssq = torch.empty(m, tiles, device=x.device, dtype=torch.float32)
@@ -320,21 +341,35 @@ def _check(x: torch.Tensor, weight: torch.Tensor, tile: LinearTile) -> None:
     assert x.shape[1] == k and k % tile.block_k == 0, (x.shape, weight.shape, tile)
     assert tile.block_m > 1 or m <= 1, (m, tile)
     assert tile.block_m > 1 or not tile.late_trigger, "late_trigger: MMA tiles only"
+    assert tile.block_m > 1 or not tile.groups, "groups: MMA tiles only"
+
+
+def _column_groups(n: int, tile: LinearTile, device: torch.device) -> int:
+    """Ragged column groups of `tile` over n columns on `device`; 0: plain block_n-wide tiles."""
+    groups = num_sms(device) if tile.groups == PER_SM else tile.groups
+    if groups <= 0:
+        return 0
+    fits = n % 8 == 0 and -(-(n // 8) // groups) * 8 <= tile.block_n
+    if tile.groups == PER_SM:
+        return groups if fits else 0
+    assert fits, f"{groups} column groups of {n} columns do not fit {tile}"
+    return groups
 
 
 def _launch(x, weight, bias, out, tile: LinearTile, m: int, n: int, k: int, *, gated: bool, pdl: bool, split_k: int,
             res_ptr=None, g_ptr=None, xg_ptr=None, ssq_ptr=None, stride_rm=0, ssq_tiles=1, norm_n=1, eps=0.0,
             RESIDUAL=False, ROW_SCALE=False, SSQ_P=1) -> None:
-    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split_k)
+    groups = _column_groups(n, tile, x.device)
+    grid = (groups or triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split_k)
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(-2), k // split_k,
         weight if res_ptr is None else res_ptr, weight if g_ptr is None else g_ptr,
         weight if xg_ptr is None else xg_ptr, out if ssq_ptr is None else ssq_ptr,
-        stride_rm, ssq_tiles, norm_n, eps,
+        stride_rm, ssq_tiles, norm_n, eps, max(groups, 1),
         GATED=gated, HAS_BIAS=bias is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_GDC=pdl, SPLIT_K=split_k,
-        LATE_TRIGGER=tile.late_trigger, RESIDUAL=RESIDUAL, ROW_SCALE=ROW_SCALE, SSQ_P=SSQ_P,
+        LATE_TRIGGER=tile.late_trigger, RESIDUAL=RESIDUAL, ROW_SCALE=ROW_SCALE, SSQ_P=SSQ_P, RAGGED=groups > 0,
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
 
@@ -383,13 +418,19 @@ def _largest_block_k(k: int, cap: int) -> int | None:
 # rows per program (twice the programs of 8) and gate_up's MMA tile with 4 stages instead of 5
 # took the step from 2.136-2.140 ms to 2.088-2.089 (o_proj + down at 4 rows: 2.103-2.106;
 # + gate_up: 2.094-2.103; + qkv: 2.088-2.089); 2 rows per program or 2 warps lost (2.109-2.113).
-# The gated MMA tiles trigger the next launch late (module docstring; s14-run6/7).
+# The gated MMA tiles trigger the next launch late (module docstring; s14-run6/7). From 2 rows
+# gate_up runs one ragged column group per SM (132 programs instead of 128) and, at 33..64 rows,
+# 128-wide K slices in 4 stages (5 x 64 before): alone at M = 64 27.6 us against 29.1; engine,
+# alternated on fresh models (s19-run5), batch 8 / 16 / 32 / 64 2.341-2.342 / 2.465-2.469 /
+# 2.651-2.658 / 2.979-2.981 ms against 2.343-2.351 / 2.485-2.487 / 2.672-2.685 / 3.023-3.025.
+# At M = 1 the ragged tile lost (2.064-2.066 against 2.022-2.023).
 TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
     (PLAIN, 5120, 3072): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, None), (32, None), (64, None)),
     (PLAIN, 3072, 3072): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, LinearTile(16, 32, 128, 4, 5)), (32, None), (64, None)),
     (PLAIN, 16384, 3072): ((1, None), (16, None), (32, None), (64, None)),
-    (GATED, 16384, 3072): ((1, LinearTile(16, 64, 128, 4, 4, True)), (16, LinearTile(16, 64, 128, 4, 5, True)),
-                           (32, LinearTile(32, 64, 128, 4, 5, True)), (64, LinearTile(64, 64, 64, 4, 5, True))),
+    (GATED, 16384, 3072): ((1, LinearTile(16, 64, 128, 4, 4, True)), (16, LinearTile(16, 64, 128, 4, 5, True, PER_SM)),
+                           (32, LinearTile(32, 64, 128, 4, 5, True, PER_SM)),
+                           (64, LinearTile(64, 64, 128, 4, 4, True, PER_SM))),
     (PLAIN, 3072, 8192): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, None), (32, None), (64, None)),
     # Orpheus-3B's lm_head (TritonOps.head runs only heads named here). M = 1 as the GEMV: alone
     # 210.8 us (4.57 TB/s) against cuBLAS 218.2 on the padded weight; engine batch 1 2.042 ms

@@ -27,16 +27,19 @@ triton = pytest.importorskip("triton", reason="triton not installed (CPU torch w
 
 from runner.cuda_graphs import graph_buckets  # noqa: E402
 from runner.fused_ops import TorchOps  # noqa: E402
+from runner.gpu_info import num_sms  # noqa: E402
 from runner.triton_fused_ops import TritonOps, silu_and_mul  # noqa: E402
 from runner.triton_linear import (  # noqa: E402
     FOLD_TUNED,
     GATED,
     MAX_M,
+    PER_SM,
     PLAIN,
     SPLIT_TUNED,
     TUNED,
     LinearTile,
     RowScale,
+    _column_groups,
     _skinny_linear_kernel,
     fold_tile_for,
     residual_linear,
@@ -231,6 +234,47 @@ def test_tuned_split_rows_sum_to_the_gemm(m):
             torch.testing.assert_close(parts.sum(0), x.float() @ w.float().T, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("groups,block_n", [(5, 16), (3, 16), (6, 16)])
+@pytest.mark.parametrize("m", [5, 40])
+def test_ragged_column_groups_compute_every_column(m, groups, block_n):
+    """LinearTile.groups: `groups` programs split N = 48 (six 8-column units) into ragged groups
+    inside block_n-wide tiles. Every column of the plain GEMM, the split-K partials, the gated
+    epilogue and the residual epilogue must come out as with ordinary tiles (to fp32 / bf16
+    tolerance: another tile width may order the tensor-core sums differently), and a group wider
+    than its tile is refused."""
+    tile = LinearTile(16, block_n, 32, 4, 2, groups=groups)
+    plain = LinearTile(16, 16, 32, 4, 2)
+    x, w, b = _inputs(m, seed=110)
+    torch.testing.assert_close(skinny_linear(x, w, b, tile).float(), skinny_linear(x, w, b, plain).float(),
+                               rtol=1e-2, atol=1e-2)
+    parts = skinny_linear(x, w, None, tile, split_k=2)
+    torch.testing.assert_close(parts, skinny_linear(x, w, None, plain, split_k=2), rtol=1e-4, atol=1e-4)
+    wg = _rand(2 * N, K, seed=111, scale=0.05)
+    torch.testing.assert_close(skinny_linear(x, wg, None, tile, gated=True).float(),
+                               skinny_linear(x, wg, None, plain, gated=True).float(), rtol=2e-2, atol=2e-2)
+    res, g = _rand(m, N, seed=112), _rand(N, seed=113)
+    h, xg, scale = residual_linear(x, w, res, g, 1e-5, tile)
+    assert scale.ssq.shape == (m, groups) and torch.equal(xg, (h.float() * g.float()).to(torch.bfloat16))
+    torch.testing.assert_close(h.float(), (x.float() @ w.float().T + res.float()), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(scale.ssq.sum(1), h.float().square().sum(1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(AssertionError):
+        skinny_linear(x, w, b, LinearTile(16, 8, 32, 4, 2, groups=2))  # 24-column groups in 8-wide tiles
+
+
+def test_per_sm_groups_follow_the_device_and_fall_back_to_tiles():
+    """groups=PER_SM: one ragged group per SM where groups of cdiv(N / 8, SMs) * 8 columns fit the
+    tile (gate_up's 8192 columns on the 132 SMs the interpreter assumes: 64-column groups), plain
+    block_n-wide tiles where they do not (a 16-wide tile)."""
+    sms = num_sms(DEVICE)
+    assert _column_groups(8192, LinearTile(64, 64, 128, 4, 4, True, PER_SM), torch.device(DEVICE)) == sms
+    assert _column_groups(8192, LinearTile(64, 16, 128, 4, 4, True, PER_SM), torch.device(DEVICE)) == 0
+    assert _column_groups(8192, LinearTile(64, 64, 128, 4, 4), torch.device(DEVICE)) == 0
+    assert all(t.groups == PER_SM for m, t in TUNED[(GATED, 16384, 3072)] if m > 1)
+    x, w, _ = _inputs(7, seed=120)
+    torch.testing.assert_close(skinny_linear(x, w, None, LinearTile(16, 16, 32, 4, 2, groups=PER_SM)).float(),
+                               skinny_linear(x, w, None, LinearTile(16, 16, 32, 4, 2)).float(), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("m", [5, 40])
 def test_residual_linear_is_the_gemm_plus_the_residual_and_its_norm_parts(m):
     """residual_linear: h is the same tile's GEMM rounded, plus the residual, rounded (the add +
@@ -305,19 +349,22 @@ _COMPILE_SCRIPT = textwrap.dedent(
     ptr = "*bf16"
     sig = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, out_ptr=ptr, M="i32", N="i32", K="i32", stride_xm="i32",
                stride_wn="i32", stride_om="i32", k_split="i32", res_ptr=ptr, g_ptr=ptr, xg_ptr=ptr,
-               ssq_ptr="*fp32", stride_rm="i32", ssq_tiles="i32", norm_n="i32", eps="fp32")
-    # (gated, bias, split, residual, row_scale)
-    modes = ((False, False, 1, False, False), (False, True, 1, False, False), (True, False, 1, False, False),
-             (False, False, 4, False, False), (False, False, 1, True, False), (True, False, 1, False, True))
+               ssq_ptr="*fp32", stride_rm="i32", ssq_tiles="i32", norm_n="i32", eps="fp32", n_groups="i32")
+    # (gated, bias, split, residual, row_scale, ragged)
+    modes = ((False, False, 1, False, False, False), (False, True, 1, False, False, False),
+             (True, False, 1, False, False, False), (False, False, 4, False, False, False),
+             (False, False, 1, True, False, False), (True, False, 1, False, True, False),
+             (False, False, 4, False, False, True), (True, False, 1, False, False, True),
+             (True, False, 1, False, True, True))
     for tile in (m.LinearTile(1, 16, 1024, 4, 1), m.LinearTile(1, 4, 1024, 4, 1), m.LinearTile(16, 32, 256, 4, 4),
                  m.LinearTile(64, 64, 128, 8, 4), m.LinearTile(64, 32, 128, 4, 4)):
-        for gated, bias, split, residual, row_scale in modes:
-            if (split > 1 or residual or row_scale) and tile.block_m == 1:
+        for gated, bias, split, residual, row_scale, ragged in modes:
+            if (split > 1 or residual or row_scale or ragged) and tile.block_m == 1:
                 continue
             consts = dict(GATED=gated, HAS_BIAS=bias, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
                           BLOCK_K=tile.block_k, USE_GDC=True, SPLIT_K=split,
                           LATE_TRIGGER=tile.block_m > 1 and gated, RESIDUAL=residual, ROW_SCALE=row_scale,
-                          SSQ_P=128 if row_scale else 1)
+                          SSQ_P=128 if row_scale else 1, RAGGED=ragged)
             sig_ = dict(sig, out_ptr="*fp32") if split > 1 else sig
             compile_sm90(m._skinny_linear_kernel, sig_, consts, num_warps=tile.num_warps,
                          num_stages=tile.num_stages, launch_pdl=True)

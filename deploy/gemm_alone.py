@@ -1,0 +1,56 @@
+"""Decode GEMMs alone on the GPU: us per launch of one shape at one M, cuBLAS against Triton tiles
+given on the command line (split-K and ragged column groups included), each in a CUDA graph of
+28 launches over 8 weight copies (so weights come from HBM, as in a step).
+
+    python3 deploy/gemm_alone.py --shape 5120x3072 --m 64 \\
+        --tiles "64/128/128/4/4/0/0/3;64/128/128/4/4/0/44/3"
+
+A tile is bm/bn/bk/warps/stages/late/groups/splits (deploy/bench_gpu.py parse_tile plus the split
+count). A split tile's time is the partials' GEMM alone: whoever consumes them adds its sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_gemm import _inputs, _time_graph  # noqa: E402
+from bench_gpu import parse_tile  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", required=True, help="NxK of the weight (nn.Linear layout)")
+    ap.add_argument("--m", type=int, default=64)
+    ap.add_argument("--gated", action="store_true", help="the gated gate_up epilogue (Triton tiles only)")
+    ap.add_argument("--tiles", default="", help="';'-separated bm/bn/bk/warps/stages/late/groups/splits")
+    args = ap.parse_args()
+
+    from runner.triton_linear import skinny_linear
+
+    n, k = map(int, args.shape.split("x"))
+    copies, launches = 8, 28
+    ws, x = _inputs(n, k, args.m, copies)
+    gbytes = n * k * 2 / 1e9
+    us = _time_graph(lambda i: F.linear(x, ws[i]), copies, launches)
+    print(f"{args.shape} M={args.m} cuBLAS: {us:.2f} us ({gbytes / us * 1e3:.2f} TB/s)")
+    for spec in filter(None, args.tiles.split(";")):
+        fields = [int(f) for f in spec.split("/")]
+        tile, splits = parse_tile(fields[:7]), fields[7] if len(fields) > 7 else 1
+        try:
+            us = _time_graph(lambda i, t=tile, s=splits: skinny_linear(x, ws[i], None, t, gated=args.gated, split_k=s),
+                             copies, launches)
+        except Exception as e:  # noqa: BLE001 - a tile that does not fit is a result
+            print(f"{args.shape} M={args.m} {spec}: {type(e).__name__} {str(e)[:100]}")
+            continue
+        print(f"{args.shape} M={args.m} {spec}: {us:.2f} us ({gbytes / us * 1e3:.2f} TB/s)")
+
+
+if __name__ == "__main__":
+    main()
