@@ -450,10 +450,14 @@ TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
 # splits of 64 x 64 x 128 tiles (s13-run12/13, alternated in the engine): batch 64 3.076 / 3.082 /
 # 3.084 ms against 3.104 / 3.096 / 3.101 with cuBLAS (s9's 4-split tile had lost). The M <= 8 rows
 # trigger the next launch late (module docstring); the M = 64 rows do not (every MMA tile late:
-# batch 64 3.115 ms against 3.104-3.117, s14-run5).
+# batch 64 3.115 ms against 3.104-3.117, s14-run5). down at 9..16 rows in 4 splits (cuBLAS before;
+# re-measured in s19-run7, alternated on fresh models): batch 12 / 16 2.408-2.415 / 2.439-2.444 ms
+# against 2.448-2.449 / 2.466-2.469; at 17..32 rows 4 splits of 32 x 64 x 128 still lose (batch
+# 24 / 32 2.648-2.649 / 2.693-2.699 against 2.617-2.622 / 2.669-2.673).
 SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...]] = {
     (3072, 3072): ((8, LinearTile(16, 64, 64, 4, 4, True), 8), (32, None, 1), (64, LinearTile(64, 64, 128, 4, 4), 2)),
-    (3072, 8192): ((8, LinearTile(16, 32, 128, 4, 4, True), 4), (32, None, 1), (64, LinearTile(64, 128, 128, 4, 4), 4)),
+    (3072, 8192): ((8, LinearTile(16, 32, 128, 4, 4, True), 4), (16, LinearTile(16, 32, 128, 4, 4, True), 4), (32, None, 1),
+                   (64, LinearTile(64, 128, 128, 4, 4), 4)),
 }
 
 
