@@ -355,7 +355,7 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     """Greedy decode step time per kernel variant, each on a freshly built model (one run, same
     GPU state): `variants` = ';'-separated variants, each ','-separated RunnerConfig kernel
     overrides and tile-table rows, e.g. "default;rope_in_attention=0;tile:plain:3072:3072:1=1/8/1024/4/1";
-    `split:N:K=...` replaces a SPLIT_TUNED entry (parse_split_override); `fold:N:K:MAX_M=bm/bn/bk/warps/stages[/late[/groups]][*splits]`
+    `split:N:K=...` replaces a SPLIT_TUNED entry (parse_split_override); `fold:N:K:MAX_M=bm/bn/bk/warps/stages[/late]`
     (or `=none`) replaces that row of FOLD_TUNED;
     `swept` takes TUNED from this run's gemm sweep (`swept`, its "tuned" rows); `skip=OP`
     times the step without one per-layer op (skip_op: its critical-path cost); `attn:NAME=INT`
@@ -405,11 +405,9 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
                     key, max_m, tile = parse_tile_override(kv)
                     triton_linear.TUNED[key] = tuple((mm, tile if mm == max_m else t) for mm, t in triton_linear.TUNED[key])
                 elif kv.startswith("fold:"):
-                    spec, _, splits = kv.removeprefix("fold:").partition("*")
-                    (_, n, k), max_m, tile = parse_tile_override("tile:plain:" + spec)
+                    (_, n, k), max_m, tile = parse_tile_override("tile:plain:" + kv.removeprefix("fold:"))
                     rows = triton_linear.FOLD_TUNED[(n, k)]
-                    triton_linear.FOLD_TUNED[(n, k)] = tuple((mm, tile, int(splits or 1)) if mm == max_m else (mm, t, sp)
-                                                             for mm, t, sp in rows)
+                    triton_linear.FOLD_TUNED[(n, k)] = tuple((mm, tile if mm == max_m else t) for mm, t in rows)
                 elif kv.startswith("split:"):
                     key, rows = parse_split_override(kv)
                     triton_linear.SPLIT_TUNED[key] = rows

@@ -477,27 +477,25 @@ class TritonOps:
         fold = self._fold_tiles(out, o_proj, residual, norm_weight, gate_up)
         if fold is None:
             return unfolded_post_attention(self, out, o_proj, residual, norm_weight, eps, gate_up, down)
-        (o_tile, splits), g_tile = fold
-        h, xg, scale = residual_linear(out, o_proj.weight, residual, norm_weight, eps, o_tile, pdl=self.pdl,
-                                       split_k=splits)
+        o_tile, g_tile = fold
+        h, xg, scale = residual_linear(out, o_proj.weight, residual, norm_weight, eps, o_tile, pdl=self.pdl)
         act = skinny_linear(xg, gate_up.weight, None, g_tile, gated=True, pdl=self.pdl, row_scale=scale)
         return self.linear(act, down, into_norm=True), h
 
     def _fold_tiles(self, out: torch.Tensor, o_proj: torch.nn.Linear, residual: torch.Tensor,
-                    norm_weight: torch.Tensor, gate_up: torch.nn.Linear
-                    ) -> tuple[tuple[LinearTile, int], LinearTile] | None:
-        """((o_proj's residual_linear tile, split count), gate_up's gated MMA tile) where
-        post_attention folds the norm, else None (from shapes and dtypes only)."""
+                    norm_weight: torch.Tensor, gate_up: torch.nn.Linear) -> tuple[LinearTile, LinearTile] | None:
+        """(o_proj's residual_linear tile, gate_up's gated MMA tile) where post_attention folds
+        the norm, else None (from shapes and dtypes only)."""
         if not self.norm_fold or o_proj.bias is not None or gate_up.bias is not None:
             return None
         dt = out.dtype
         if not self._skinny_dtypes(out, o_proj.weight) or residual.dtype != dt or norm_weight.dtype != dt:
             return None
-        o_fold = fold_tile_for(*o_proj.weight.shape, out.shape[0])
+        o_tile = fold_tile_for(*o_proj.weight.shape, out.shape[0])
         g_tile = self._tile(GATED, residual, gate_up)
-        if o_fold is None or g_tile is None or g_tile.block_m == 1:
+        if o_tile is None or g_tile is None or g_tile.block_m == 1:
             return None
-        return o_fold, g_tile
+        return o_tile, g_tile
 
     def materialize(self, h: torch.Tensor | Partials) -> torch.Tensor:
         return materialize(h)

@@ -109,23 +109,6 @@ def silu_mul(g, u):
     return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
 
 
-@triton.jit
-def _residual_epilogue(acc, res, rows, offs_n, m_mask, n_mask, pid_n, h_ptr, stride_hm, xg_ptr, ssq_ptr, ssq_tiles,
-                       g_ptr, N):
-    """The add + RMSNorm's first half on a GEMM tile's fp32 result `acc` [BM, BN], with its
-    roundings (runner/triton_fused_ops.py _rmsnorm_kernel): h = the GEMM output in the model dtype
-    plus the residual, rounded; stores h, xg = h * g rounded, and the rows' sum of h^2 over these
-    columns (ssq column pid_n)."""
-    dt = h_ptr.dtype.element_ty  # the model dtype (a split GEMM's out_ptr holds fp32 partials)
-    h = (acc.to(dt).to(tl.float32) + res.to(tl.float32)).to(dt)
-    both = m_mask[:, None] & n_mask[None, :]
-    tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], h, mask=both)
-    hf = h.to(tl.float32)  # masked columns are 0
-    tl.store(ssq_ptr + rows.to(tl.int64) * ssq_tiles + pid_n, tl.sum(hf * hf, axis=1), mask=m_mask)
-    g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(xg_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :], (hf * g[None, :]).to(dt), mask=both)
-
-
 # M varies per eager step: not specialising on it (== 1, % 16) keeps one variant per tile (N: so
 # that it is never a constexpr, whatever its value).
 @triton.jit(do_not_specialize=["M", "N"])
@@ -144,8 +127,6 @@ def _skinny_linear_kernel(
     res_ptr,  # RESIDUAL: [M, N] the residual stream, row stride stride_rm
     g_ptr,  # RESIDUAL: [N] the RMSNorm weight
     xg_ptr,  # RESIDUAL: [M, N] contiguous out, (out * g) in the model dtype
-    h_ptr,  # RESIDUAL with SPLIT_K > 1: [M, N] contiguous out, the new residual stream
-    ticket_ptr,  # RESIDUAL with SPLIT_K > 1: int32 per column program, 0 between launches
     ssq_ptr,  # RESIDUAL: [M, ssq_tiles] fp32 out, column pid_n; ROW_SCALE: read, ssq_tiles per row
     stride_rm,
     ssq_tiles,  # columns of ssq_ptr per row (RESIDUAL: the grid's column-block count)
@@ -160,7 +141,7 @@ def _skinny_linear_kernel(
     USE_GDC: tl.constexpr,
     SPLIT_K: tl.constexpr,  # > 1 (MMA mode, plain, no bias): out is fp32 partials [SPLIT_K, M, N]
     LATE_TRIGGER: tl.constexpr,  # MMA mode: the next kernel launches after the stores, not after the wait
-    RESIDUAL: tl.constexpr = False,  # MMA, plain: x @ W^T + residual (out, or h_ptr when split), xg and ssq
+    RESIDUAL: tl.constexpr = False,  # MMA, unsplit, plain: out = x @ W^T + residual, plus xg and ssq
     ROW_SCALE: tl.constexpr = False,  # MMA: each row's accumulator times rsqrt(sum(ssq row) / norm_n + eps)
     SSQ_P: tl.constexpr = 1,  # ROW_SCALE: ssq_tiles rounded up to a power of two
     RAGGED: tl.constexpr = False,  # MMA: program pid_n owns column group pid_n of n_groups (LinearTile.groups)
@@ -242,26 +223,17 @@ def _skinny_linear_kernel(
             part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
             out_ptrs = part + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
             tl.store(out_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
-            if RESIDUAL:
-                # The last split to finish these columns sums the partials in split order (the
-                # norm kernel's order) and runs the residual epilogue: a ticket per column program
-                # instead of an add + RMSNorm launch. Release: every thread's partial is stored
-                # before the count; acquire: the sums read the other splits' stores (from L2).
-                tl.debug_barrier()
-                ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-                if ticket == SPLIT_K - 1:
-                    cols = rows.to(tl.int64)[:, None] * N + offs_n[None, :]
-                    both = m_mask[:, None] & n_mask[None, :]
-                    total = tl.load(out_ptr + cols, mask=both, other=0.0, cache_modifier=".cg")
-                    for s in tl.static_range(1, SPLIT_K):
-                        total += tl.load(out_ptr + s * M.to(tl.int64) * N + cols, mask=both, other=0.0,
-                                         cache_modifier=".cg")
-                    _residual_epilogue(total, res, rows, offs_n, m_mask, n_mask, pid_n, h_ptr, N, xg_ptr, ssq_ptr,
-                                       ssq_tiles, g_ptr, N)
-                    tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # for the next launch
         elif RESIDUAL:
-            _residual_epilogue(acc, res, rows, offs_n, m_mask, n_mask, pid_n, out_ptr, stride_om, xg_ptr, ssq_ptr,
-                               ssq_tiles, g_ptr, N)
+            # The add + RMSNorm's first half, with its roundings (runner/triton_fused_ops.py
+            # _rmsnorm_kernel): the GEMM output in the model dtype, plus the residual, rounded.
+            h = (acc.to(dt).to(tl.float32) + res.to(tl.float32)).to(dt)
+            out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+            tl.store(out_ptrs, h, mask=m_mask[:, None] & n_mask[None, :])
+            hf = h.to(tl.float32)  # masked columns are 0
+            tl.store(ssq_ptr + rows.to(tl.int64) * ssq_tiles + pid_n, tl.sum(hf * hf, axis=1), mask=m_mask)
+            g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            xg_ptrs = xg_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
+            tl.store(xg_ptrs, (hf * g[None, :]).to(dt), mask=m_mask[:, None] & n_mask[None, :])
         else:
             if ROW_SCALE:  # before the bias and the rounding: (rstd * x) @ W^T, then + b
                 acc = acc * rstd[:, None]
@@ -338,7 +310,6 @@ def residual_linear(
     tile: LinearTile,  # MMA
     *,
     pdl: bool = False,
-    split_k: int = 1,  # > 1: split-K, the last split of each column program adds up (a ticket)
 ) -> tuple[torch.Tensor, torch.Tensor, RowScale]:
     """x @ W^T + residual, and the RMSNorm of that sum left for the next GEMM, in one launch.
 
@@ -347,11 +318,7 @@ def residual_linear(
     [M, N] (w the norm weight); scale = the RMSNorm's row factors of h (`RowScale`, from fp32
     sums of squares per column block of this GEMM, [M, cdiv(N, block_n)]). rmsnorm(h) * w is
     rstd * xg up to where the roundings fall: skinny_linear(xg, W2, row_scale=scale) is the next
-    GEMM on the normalised rows.
-
-    split_k > 1: each split writes fp32 partials, and the last split to finish a column program
-    (an atomic ticket) sums them in split order and runs the epilogue, so h is bit for bit the
-    add + RMSNorm's sum of the same partials (`Partials` into `rmsnorm`)."""
+    GEMM on the normalised rows."""
     m = x.shape[0]
     n, k = weight.shape
     _check(x, weight, tile)
@@ -362,34 +329,10 @@ def residual_linear(
     h = torch.empty(m, n, device=x.device, dtype=x.dtype)
     xg = torch.empty(m, n, device=x.device, dtype=x.dtype)
     ssq = torch.empty(m, tiles, device=x.device, dtype=torch.float32)
-    if split_k > 1:
-        assert k % (split_k * tile.block_k) == 0 and triton.cdiv(m, tile.block_m) == 1, (k, m, split_k, tile)
-        out = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32)
-        split = dict(h_ptr=h, ticket_ptr=_tickets(x.device, tiles))
-    else:
-        out, split = h, {}
     if m:
-        _launch(x, weight, None, out, tile, m, n, k, gated=False, pdl=pdl, split_k=split_k, res_ptr=residual,
-                g_ptr=norm_weight, xg_ptr=xg, ssq_ptr=ssq, stride_rm=residual.stride(0), ssq_tiles=tiles,
-                RESIDUAL=True, **split)
+        _launch(x, weight, None, h, tile, m, n, k, gated=False, pdl=pdl, split_k=1, res_ptr=residual, g_ptr=norm_weight,
+                xg_ptr=xg, ssq_ptr=ssq, stride_rm=residual.stride(0), ssq_tiles=tiles, RESIDUAL=True)
     return h, xg, RowScale(ssq, n, eps)
-
-
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-_MAX_TICKETS = 4096
-
-
-def _tickets(device: torch.device, programs: int) -> torch.Tensor:
-    """The split residual epilogue's per-column-program counters on `device`: zeros, left at zero
-    by every launch (its last split resets them), shared by all launches (one stream runs them in
-    order). Allocated on first use, which must be eager: a CUDA graph captures the pointer."""
-    assert programs <= _MAX_TICKETS, programs
-    t = _TICKETS.get(device)
-    if t is None:
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        assert not capturing, "residual_linear(split_k > 1): first call under a CUDA graph capture"
-        t = _TICKETS[device] = torch.zeros(_MAX_TICKETS, device=device, dtype=torch.int32)
-    return t
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, tile: LinearTile) -> None:
@@ -414,16 +357,15 @@ def _column_groups(n: int, tile: LinearTile, device: torch.device) -> int:
 
 
 def _launch(x, weight, bias, out, tile: LinearTile, m: int, n: int, k: int, *, gated: bool, pdl: bool, split_k: int,
-            res_ptr=None, g_ptr=None, xg_ptr=None, ssq_ptr=None, h_ptr=None, ticket_ptr=None, stride_rm=0, ssq_tiles=1,
-            norm_n=1, eps=0.0, RESIDUAL=False, ROW_SCALE=False, SSQ_P=1) -> None:
+            res_ptr=None, g_ptr=None, xg_ptr=None, ssq_ptr=None, stride_rm=0, ssq_tiles=1, norm_n=1, eps=0.0,
+            RESIDUAL=False, ROW_SCALE=False, SSQ_P=1) -> None:
     groups = _column_groups(n, tile, x.device)
     grid = (groups or triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split_k)
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(-2), k // split_k,
         weight if res_ptr is None else res_ptr, weight if g_ptr is None else g_ptr,
-        weight if xg_ptr is None else xg_ptr, weight if h_ptr is None else h_ptr, out if ticket_ptr is None else ticket_ptr,
-        out if ssq_ptr is None else ssq_ptr,
+        weight if xg_ptr is None else xg_ptr, out if ssq_ptr is None else ssq_ptr,
         stride_rm, ssq_tiles, norm_n, eps, max(groups, 1),
         GATED=gated, HAS_BIAS=bias is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_GDC=pdl, SPLIT_K=split_k,
@@ -532,18 +474,18 @@ SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...
 # o_proj over 64 rows streams too few weight bytes per program (every tile tried, 16-64 columns
 # wide, 4-12 stages, 4 or 8 warps, 16-64 rows per program: 3.109-3.369 ms against 3.003-3.011
 # for 2 split-K partials + the norm launch, s18-run1/3/6; profile: o_proj 18.3 us against 8.4).
-FOLD_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...]] = {
-    (3072, 3072): ((1, None, 1), (8, LinearTile(16, 32, 128, 4, 5), 1), (16, LinearTile(16, 32, 128, 4, 5), 1),
-                   (32, None, 1), (64, LinearTile(64, 64, 128, 4, 4), 2)),
+FOLD_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None], ...]] = {
+    (3072, 3072): ((1, None), (8, LinearTile(16, 32, 128, 4, 5)), (16, LinearTile(16, 32, 128, 4, 5)), (32, None),
+                   (64, None)),
 }
 
 
-def fold_tile_for(n: int, k: int, m: int) -> tuple[LinearTile, int] | None:
-    """(residual_linear's tile, its split count) for a GEMM [n, k] of m rows feeding an MLP's
-    RMSNorm, or None. Thresholds at graph bucket sizes, like tile_for."""
-    for max_m, tile, splits in FOLD_TUNED.get((n, k), ()):
+def fold_tile_for(n: int, k: int, m: int) -> LinearTile | None:
+    """residual_linear's tile for a GEMM [n, k] of m rows feeding an MLP's RMSNorm, or None.
+    Thresholds at graph bucket sizes, like tile_for."""
+    for max_m, tile in FOLD_TUNED.get((n, k), ()):
         if m <= max_m:
-            return None if tile is None else (tile, splits)
+            return tile
     return None
 
 

@@ -292,31 +292,6 @@ def test_residual_linear_is_the_gemm_plus_the_residual_and_its_norm_parts(m):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("split", [2, 4])
-@pytest.mark.parametrize("m", [5, 40])
-def test_split_residual_linear_adds_up_like_the_norm_kernel(m, split):
-    """residual_linear(split_k=S): the last split of each column program (a ticket) sums the S
-    partials, so h is bit for bit the add + RMSNorm's sum of the same partials, xg = h * w and
-    the sums of squares follow from h, and the tickets are back at zero after every launch (a
-    second launch computes the same)."""
-    from runner.triton_fused_ops import rmsnorm
-    from runner.triton_linear import _TICKETS, Partials
-
-    tile = LinearTile(64, 32, 32, 4, 2)  # one row block: a ticket per column program
-    x, w, _ = _inputs(m, seed=130)
-    res, g = _rand(m, N, seed=131), _rand(N, seed=132)
-    h, xg, scale = residual_linear(x, w, res, g, 1e-5, tile, split_k=split)
-    _, want_h = rmsnorm(Partials(skinny_linear(x, w, None, tile, split_k=split), x.dtype), g, 1e-5, residual=res)
-    assert torch.equal(h, want_h)
-    assert torch.equal(xg, (h.float() * g.float()).to(torch.bfloat16)) and scale.ssq.shape == (m, 2)
-    hf = h.float()
-    torch.testing.assert_close(scale.ssq, torch.stack([hf[:, :32].square().sum(1), hf[:, 32:].square().sum(1)], 1),
-                               rtol=1e-5, atol=1e-5)
-    assert not _TICKETS[torch.device(DEVICE)].any()
-    h2, xg2, scale2 = residual_linear(x, w, res, g, 1e-5, tile, split_k=split)
-    assert torch.equal(h2, h) and torch.equal(xg2, xg) and torch.equal(scale2.ssq, scale.ssq)
-
-
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_row_scale_multiplies_each_row_before_rounding(gated):
     """row_scale: row r of the result is the GEMM of rsqrt(sum(ssq[r]) / n + eps) * x[r]. With
@@ -338,16 +313,14 @@ def test_row_scale_multiplies_each_row_before_rounding(gated):
 @pytest.mark.parametrize("m", [1, 7, 40])
 def test_post_attention_folds_the_norm_where_the_table_says(m, monkeypatch):
     """TritonOps.post_attention: with a FOLD_TUNED tile for o_proj's shape at M (here 2..64, as
-    the real table's rows; 17..64 in 2 split-K partials added up by a ticket), o_proj runs as
-    residual_linear and gate_up with the row scale (two launches, no norm kernel); M = 1 (a None
-    row) keeps the add + RMSNorm. Either way the MLP output and the residual are TorchOps' within bf16
+    the real table's rows), o_proj runs as residual_linear and gate_up with the row scale (two
+    launches, no norm kernel); M = 1 (a None row) keeps the add + RMSNorm. Either way the MLP output and the residual are TorchOps' within bf16
     tolerance, and folding off (norm_fold=False) takes the unfolded path."""
     import runner.triton_fused_ops as tfo
 
     q, h, inter = 128, 64, 96
     dt = torch.bfloat16
-    monkeypatch.setitem(FOLD_TUNED, (h, q), ((1, None, 1), (16, LinearTile(16, 32, 64, 4, 2), 1),
-                                            (64, LinearTile(64, 32, 32, 4, 2), 2)))
+    monkeypatch.setitem(FOLD_TUNED, (h, q), ((1, None), (64, LinearTile(16, 32, 64, 4, 2))))
     calls = []
     real = tfo.residual_linear
     monkeypatch.setattr(tfo, "residual_linear", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
@@ -376,14 +349,13 @@ _COMPILE_SCRIPT = textwrap.dedent(
     ptr = "*bf16"
     sig = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, out_ptr=ptr, M="i32", N="i32", K="i32", stride_xm="i32",
                stride_wn="i32", stride_om="i32", k_split="i32", res_ptr=ptr, g_ptr=ptr, xg_ptr=ptr,
-               h_ptr=ptr, ticket_ptr="*i32", ssq_ptr="*fp32", stride_rm="i32", ssq_tiles="i32", norm_n="i32",
-               eps="fp32", n_groups="i32")
+               ssq_ptr="*fp32", stride_rm="i32", ssq_tiles="i32", norm_n="i32", eps="fp32", n_groups="i32")
     # (gated, bias, split, residual, row_scale, ragged)
     modes = ((False, False, 1, False, False, False), (False, True, 1, False, False, False),
              (True, False, 1, False, False, False), (False, False, 4, False, False, False),
              (False, False, 1, True, False, False), (True, False, 1, False, True, False),
              (False, False, 4, False, False, True), (True, False, 1, False, False, True),
-             (True, False, 1, False, True, True), (False, False, 2, True, False, False))
+             (True, False, 1, False, True, True))
     for tile in (m.LinearTile(1, 16, 1024, 4, 1), m.LinearTile(1, 4, 1024, 4, 1), m.LinearTile(16, 32, 256, 4, 4),
                  m.LinearTile(64, 64, 128, 8, 4), m.LinearTile(64, 32, 128, 4, 4)):
         for gated, bias, split, residual, row_scale, ragged in modes:
