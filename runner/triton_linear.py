@@ -90,8 +90,8 @@ class LinearTile:
     # columns into ragged groups (boundaries on multiples of 8 columns, each at most block_n
     # wide, the rest of the tile masked); PER_SM, one group per SM of the device where such
     # groups fit in block_n (else plain tiles). Why: a program streams its weights at ~30-45
-    # GB/s, so a GEMM of cdiv(N, block_n) = 128 programs on 132 SMs leaves bandwidth unused and
-    # ends on the programs that started last (ncu and the engine A/B in deploy/RESULTS.md, s19)
+    # GB/s, so a GEMM of cdiv(N, block_n) = 128 long programs on 132 SMs leaves four SMs' share
+    # of the bandwidth unused (ncu and the engine A/B in deploy/RESULTS.md, s19)
     groups: int = 0
 
 

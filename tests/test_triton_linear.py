@@ -252,6 +252,9 @@ def test_ragged_column_groups_compute_every_column(m, groups, block_n):
     wg = _rand(2 * N, K, seed=111, scale=0.05)
     torch.testing.assert_close(skinny_linear(x, wg, None, tile, gated=True).float(),
                                skinny_linear(x, wg, None, plain, gated=True).float(), rtol=2e-2, atol=2e-2)
+    scale = RowScale(_rand(m, 3, seed=114, dtype=torch.float32).abs() + 0.5, K, 1e-5)  # gate_up in the norm fold
+    torch.testing.assert_close(skinny_linear(x, wg, None, tile, gated=True, row_scale=scale).float(),
+                               skinny_linear(x, wg, None, plain, gated=True, row_scale=scale).float(), rtol=2e-2, atol=2e-2)
     res, g = _rand(m, N, seed=112), _rand(N, seed=113)
     h, xg, scale = residual_linear(x, w, res, g, 1e-5, tile)
     assert scale.ssq.shape == (m, groups) and torch.equal(xg, (h.float() * g.float()).to(torch.bfloat16))
