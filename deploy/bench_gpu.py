@@ -484,6 +484,7 @@ def run_attn_modes(batches=(1, 8, 32, 64, 128), ctx: int = 350, layers: int = 28
     and the table read in chunks ahead of the tile loop with several tiles and stage counts."""
     from bench_gemm import _time_graph
 
+    from runner.gpu_info import num_sms
     from runner.models.llama import RotaryEmbedding
     from runner.triton_attention import DecodeRope, TritonPagedAttention, paged_decode_attention
     from runner.triton_pdl import pdl_available
@@ -495,7 +496,7 @@ def run_attn_modes(batches=(1, 8, 32, 64, 128), ctx: int = 350, layers: int = 28
     chunk = {"table_chunk": 128}
     out = {}
     for B in batches:
-        split_bn = 32 if B * hkv < torch.cuda.get_device_properties(0).multi_processor_count else 64
+        split_bn = 32 if B * hkv < num_sms("cuda") else 64
         modes = {"automatic": {}, "table per tile (s16)": {"table_chunk": 0, "block_n": split_bn, "num_stages": 3},
                  "chunked": dict(chunk, block_n=split_bn, num_stages=3), "chunked st4": dict(chunk, num_stages=4),
                  "chunked bn32 st4": dict(chunk, block_n=32, num_stages=4),

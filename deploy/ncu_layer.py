@@ -8,8 +8,8 @@ cudaProfilerStart/Stop, so that
         python3 deploy/ncu_layer.py --batch 64
 
 profiles exactly one launch of each kernel (ncu replays each one in isolation: no PDL overlap,
-caches flushed between passes, so weights and KV come from HBM). Also profiles a plain
-device-to-device copy of the same size as gate_up's weight, the ceiling the bound is taken from.
+caches flushed between passes, so weights and KV come from HBM). The cache, block table and
+lengths are the attention benchmarks' (deploy/bench_gpu.py `_attn_case`).
 
 Why: the step's kernels run at 2.2-3.5 TB/s against ~4.2 copy bandwidth at batch 64, and the
 engine-level timings (skip variants, critical-path profiles) say how much each costs but not
@@ -24,7 +24,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_gpu import _attn_case  # noqa: E402
 
 from runner.config import RopeConfig  # noqa: E402
 from runner.models.llama import RotaryEmbedding  # noqa: E402
@@ -54,22 +57,14 @@ def main() -> None:
     qkv, o_proj, gate_up, down = lin((hq + 2 * hkv) * d, H), lin(H, hq * d), lin(2 * I, H), lin(H, I)
     w1 = torch.ones(H, device=dev, dtype=dt)
     w2 = torch.ones(H, device=dev, dtype=dt)
-    nblk = -(-(ctx + 1) // bs)
-    cache = torch.randn(2, B * nblk + 1, bs, hkv, d, device=dev, dtype=dt)
-    table = (torch.randperm(B * nblk) + 1).view(B, nblk).to(torch.int32)
-    tables = torch.zeros(B, 128, dtype=torch.int32)
-    tables[:, :nblk] = table
-    tables = tables.to(dev)
-    seq_lens = torch.full((B,), ctx + 1, dtype=torch.int32, device=dev)
+    # ctx cached tokens plus this step's, whose slot the fused RoPE + KV write fills
+    (cache,), (tables,), seq_lens, _ = _attn_case(B, ctx + 1, 1, 128, seed=B)
     pos = seq_lens.long() - 1
     slots = tables[:, ctx // bs].long() * bs + ctx % bs
     rot = RotaryEmbedding(d, 2048, RopeConfig(theta=500000.0))
     cos, sin = rot.cos.to(dev), rot.sin.to(dev)
-    h = torch.randn(B, H, device=dev, dtype=dt)
     residual = torch.randn(B, H, device=dev, dtype=dt)
     down_out = ops.linear(torch.randn(B, I, device=dev, dtype=dt), down, into_norm=True)  # partials, as in a step
-    copy_src = torch.empty_like(gate_up.weight)
-    copy_dst = torch.empty_like(gate_up.weight)
 
     def layer() -> None:
         x, res = ops.add_rmsnorm(down_out, residual, w1, 1e-5)
@@ -79,7 +74,6 @@ def main() -> None:
         out = paged_decode_attention(q, cache, tables, seq_lens, d**-0.5, pdl=ops.pdl,
                                      rope=DecodeRope(k, v, cos, sin, pos, slots))
         ops.post_attention(out.reshape(B, hq * d), o_proj, res, w2, 1e-5, gate_up, down)
-        copy_dst.copy_(copy_src)
 
     layer()  # compile
     torch.cuda.synchronize()
@@ -87,7 +81,7 @@ def main() -> None:
     layer()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
-    print(f"batch {B} ctx {ctx}: profiled one layer; h {tuple(h.shape)}")
+    print(f"batch {B} ctx {ctx}: profiled one layer")
 
 
 if __name__ == "__main__":
