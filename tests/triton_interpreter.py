@@ -104,16 +104,19 @@ def has_nvidia_backend() -> bool:
     return True
 
 
-def compile_sm90(fn, sig: dict, consts: dict, **options):
+def compile_sm90(fn, sig: dict, consts: dict, divisible: tuple[str, ...] = (), **options):
     """Compile one @triton.jit kernel for sm_90 without a GPU: `sig` types the runtime
-    arguments ("*bf16", "i32", ...), `consts` fixes the constexprs, `options` are the launch
-    options (num_warps, num_stages, launch_pdl, ...). Returns the compiled kernel (its .asm).
-    For the scripts compile_offline runs."""
+    arguments ("*bf16", "i32", ...), `consts` fixes the constexprs, `divisible` names the
+    arguments to specialise as multiples of 16 (pointers: 16-byte aligned), as a launch on the
+    GPU does for such values (without it the loads cannot become cp.async, and Triton does not
+    software-pipeline the loops), `options` are the launch options (num_warps, num_stages,
+    launch_pdl, ...). Returns the compiled kernel (its .asm). For the scripts compile_offline runs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    src = ASTSource(fn, dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts)
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible}
+    src = ASTSource(fn, dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
