@@ -337,8 +337,7 @@ def skip_op(model, name: str) -> None:
 
 def parse_split_override(item: str) -> tuple[tuple[int, int], tuple]:
     """'split:N:K=MAX_M:bm/bn/bk/warps/stages[/late[/groups]]/splits+MAX_M:none+...' -> the SPLIT_TUNED key
-    and its rows (all of them, in increasing MAX_M; 'none': not split up to that M; splits 0: stream-K,
-    runner/triton_stream_k.py)."""
+    and its rows (all of them, in increasing MAX_M; 'none': not split up to that M)."""
     lhs, rhs = item.removeprefix("split:").split("=")
     n, k = map(int, lhs.split(":"))
     rows = []

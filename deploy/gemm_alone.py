@@ -6,8 +6,7 @@ given on the command line (split-K and ragged column groups included), each in a
         --tiles "64/128/128/4/4/0/0/3;64/128/128/4/4/0/44/3"
 
 A tile is bm/bn/bk/warps/stages/late/groups/splits (deploy/bench_gpu.py parse_tile plus the split
-count; splits 0: stream-K over every SM, or over `groups` programs). A split tile's time is the
-partials' GEMM alone: whoever consumes them adds its sum.
+count). A split tile's time is the partials' GEMM alone: whoever consumes them adds its sum.
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ def main() -> None:
     ap.add_argument("--tiles", default="", help="';'-separated bm/bn/bk/warps/stages/late/groups/splits")
     args = ap.parse_args()
 
-    from runner.triton_linear import STREAM_K, skinny_linear
-    from runner.triton_stream_k import stream_k_linear
+    from runner.triton_linear import skinny_linear
 
     n, k = map(int, args.shape.split("x"))
     copies, launches = 8, 28
@@ -46,13 +44,8 @@ def main() -> None:
         fields = [int(f) for f in spec.split("/")]
         tile, splits = parse_tile(fields[:7]), fields[7] if len(fields) > 7 else 1
         try:
-            if splits == STREAM_K:
-                def launch(i, t=tile):
-                    return stream_k_linear(x, ws[i], t)
-            else:
-                def launch(i, t=tile, s=splits):
-                    return skinny_linear(x, ws[i], None, t, gated=args.gated, split_k=s)
-            us = _time_graph(launch, copies, launches)
+            us = _time_graph(lambda i, t=tile, s=splits: skinny_linear(x, ws[i], None, t, gated=args.gated, split_k=s),
+                             copies, launches)
         except Exception as e:  # noqa: BLE001 - a tile that does not fit is a result
             print(f"{args.shape} M={args.m} {spec}: {type(e).__name__} {str(e)[:100]}")
             continue

@@ -34,7 +34,6 @@ from runner.triton_argmax import row_argmax
 from runner.triton_linear import (
     GATED,
     PLAIN,
-    STREAM_K,
     TUNED,
     LinearTile,
     Partials,
@@ -47,7 +46,6 @@ from runner.triton_linear import (
     tile_for,
 )
 from runner.triton_pdl import pdl_enter
-from runner.triton_stream_k import stream_k_linear
 
 # SiLU*mul: columns per program. 1024 bf16 = 2 KiB per operand: at T=1 and I=8192 that still
 # spreads over 8 programs; at large T the grid is big anyway.
@@ -449,11 +447,7 @@ class TritonOps:
         if into_norm and self.split_k and lin.bias is None and self._skinny_dtypes(x, lin.weight):
             split = split_tile_for(*lin.weight.shape, x.shape[0])
             if split is not None:
-                tile, splits = split
-                if splits == STREAM_K:
-                    parts = stream_k_linear(x, lin.weight, tile, pdl=self.pdl)
-                else:
-                    parts = skinny_linear(x, lin.weight, None, tile, split_k=splits, pdl=self.pdl)
+                parts = skinny_linear(x, lin.weight, None, split[0], split_k=split[1], pdl=self.pdl)
                 return Partials(parts, x.dtype)
         tile = self._tile(PLAIN, x, lin)
         if tile is None:

@@ -454,9 +454,6 @@ TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
 # re-measured in s19-run7, alternated on fresh models): batch 12 / 16 2.408-2.415 / 2.439-2.444 ms
 # against 2.448-2.449 / 2.466-2.469; at 17..32 rows 4 splits of 32 x 64 x 128 still lose (batch
 # 24 / 32 2.648-2.649 / 2.693-2.699 against 2.617-2.622 / 2.669-2.673).
-# A split count of STREAM_K: the tile's iterations spread evenly over every SM instead
-# (runner/triton_stream_k.py), with as many partials as the partition needs.
-STREAM_K = 0
 SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...]] = {
     (3072, 3072): ((8, LinearTile(16, 64, 64, 4, 4, True), 8), (32, None, 1), (64, LinearTile(64, 64, 128, 4, 4), 2)),
     (3072, 8192): ((8, LinearTile(16, 32, 128, 4, 4, True), 4), (16, LinearTile(16, 32, 128, 4, 4, True), 4), (32, None, 1),
@@ -493,9 +490,8 @@ def fold_tile_for(n: int, k: int, m: int) -> LinearTile | None:
 
 
 def split_tile_for(n: int, k: int, m: int) -> tuple[LinearTile, int] | None:
-    """(tile, splits) for a plain GEMM [n, k] of m rows whose consumer sums partials, or None;
-    splits == STREAM_K: a stream-K launch of that tile. Thresholds at graph bucket sizes, like
-    tile_for."""
+    """(tile, splits) for a plain GEMM [n, k] of m rows whose consumer sums partials, or None.
+    Thresholds at graph bucket sizes, like tile_for."""
     if m <= 1:
         return None
     for max_m, tile, splits in SPLIT_TUNED.get((n, k), ()):

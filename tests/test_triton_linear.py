@@ -36,7 +36,6 @@ from runner.triton_linear import (  # noqa: E402
     PER_SM,
     PLAIN,
     SPLIT_TUNED,
-    STREAM_K,
     TUNED,
     LinearTile,
     RowScale,
@@ -48,7 +47,6 @@ from runner.triton_linear import (  # noqa: E402
     split_tile_for,
     tile_for,
 )
-from runner.triton_stream_k import stream_k_linear  # noqa: E402
 
 DEVICE = "cuda" if _CUDA else "cpu"
 if not _CUDA:
@@ -229,13 +227,10 @@ def test_tuned_split_rows_sum_to_the_gemm(m):
         for _, tile, splits in rows:
             if tile is None:
                 continue
-            k = 2 * max(splits, 1) * tile.block_k
+            k = 2 * splits * tile.block_k
             x, w = _rand(m, k, seed=60), _rand(N, k, seed=61, scale=0.05)
-            if splits == STREAM_K:  # its own tests: tests/test_triton_stream_k.py
-                parts = stream_k_linear(x, w, tile)
-            else:
-                parts = skinny_linear(x, w, None, tile, split_k=splits)
-                assert parts.shape == (splits, m, N)
+            parts = skinny_linear(x, w, None, tile, split_k=splits)
+            assert parts.shape == (splits, m, N)
             torch.testing.assert_close(parts.sum(0), x.float() @ w.float().T, atol=1e-3, rtol=1e-3)
 
 
