@@ -264,16 +264,17 @@ def render_critical_path(chain: dict, batch: int) -> str:
 
 
 def parse_tile(fields: list[int]) -> "LinearTile":
-    """bm, bn, bk, warps, stages[, late_trigger 0/1[, groups]] -> LinearTile (late_trigger as the
-    bool it is; groups: ragged column groups, 0 = plain tiles)."""
+    """bm, bn, bk, warps, stages[, late_trigger 0/1[, groups[, tma 0/1]]] -> LinearTile (late_trigger
+    and tma as the bools they are; groups: ragged column groups, 0 = plain tiles)."""
     from runner.triton_linear import LinearTile
 
     late = bool(fields[5]) if len(fields) > 5 else False
-    return LinearTile(*fields[:5], late, *fields[6:7])
+    groups = fields[6] if len(fields) > 6 else 0
+    return LinearTile(*fields[:5], late, groups, bool(fields[7]) if len(fields) > 7 else False)
 
 
 def parse_tile_override(item: str) -> tuple[tuple[int, int, int], int, "LinearTile | None"]:
-    """'tile:KIND:N:K:MAX_M=bm/bn/bk/warps/stages[/late[/groups]]' (or '=none': cuBLAS) -> the TUNED key,
+    """'tile:KIND:N:K:MAX_M=bm/bn/bk/warps/stages[/late[/groups[/tma]]]' (or '=none': cuBLAS) -> the TUNED key,
     the row's max_m and its tile; KIND is plain or gated."""
     from runner.triton_linear import GATED, PLAIN
 
@@ -336,7 +337,7 @@ def skip_op(model, name: str) -> None:
 
 
 def parse_split_override(item: str) -> tuple[tuple[int, int], tuple]:
-    """'split:N:K=MAX_M:bm/bn/bk/warps/stages[/late[/groups]]/splits+MAX_M:none+...' -> the SPLIT_TUNED key
+    """'split:N:K=MAX_M:bm/bn/bk/warps/stages[/late[/groups[/tma]]]/splits+MAX_M:none+...' -> the SPLIT_TUNED key
     and its rows (all of them, in increasing MAX_M; 'none': not split up to that M)."""
     lhs, rhs = item.removeprefix("split:").split("=")
     n, k = map(int, lhs.split(":"))

@@ -5,8 +5,8 @@ given on the command line (split-K and ragged column groups included), each in a
     python3 deploy/gemm_alone.py --shape 5120x3072 --m 64 \\
         --tiles "64/128/128/4/4/0/0/3;64/128/128/4/4/0/44/3"
 
-A tile is bm/bn/bk/warps/stages/late/groups/splits (deploy/bench_gpu.py parse_tile plus the split
-count). A split tile's time is the partials' GEMM alone: whoever consumes them adds its sum.
+A tile is bm/bn/bk/warps/stages/late/groups[/tma]/splits (deploy/bench_gpu.py parse_tile, then the
+split count last). A split tile's time is the partials' GEMM alone: whoever consumes them adds its sum.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--shape", required=True, help="NxK of the weight (nn.Linear layout)")
     ap.add_argument("--m", type=int, default=64)
     ap.add_argument("--gated", action="store_true", help="the gated gate_up epilogue (Triton tiles only)")
-    ap.add_argument("--tiles", default="", help="';'-separated bm/bn/bk/warps/stages/late/groups/splits")
+    ap.add_argument("--tiles", default="", help="';'-separated bm/bn/bk/warps/stages/late/groups[/tma]/splits")
     args = ap.parse_args()
 
     from runner.triton_linear import skinny_linear
@@ -42,7 +42,7 @@ def main() -> None:
     print(f"{args.shape} M={args.m} cuBLAS: {us:.2f} us ({gbytes / us * 1e3:.2f} TB/s)")
     for spec in filter(None, args.tiles.split(";")):
         fields = [int(f) for f in spec.split("/")]
-        tile, splits = parse_tile(fields[:7]), fields[7] if len(fields) > 7 else 1
+        tile, splits = (parse_tile(fields[:-1]), fields[-1]) if len(fields) > 7 else (parse_tile(fields), 1)
         try:
             us = _time_graph(lambda i, t=tile, s=splits: skinny_linear(x, ws[i], None, t, gated=args.gated, split_k=s),
                              copies, launches)

@@ -55,6 +55,11 @@ squares, qkv / gate_up normalising x as they load it, with the norm kernel's rou
 ~9 us per layer; with only qkv (GEMV) fused, 2.177; with gate_up as a GEMV, 2.238 against 2.284 for
 that GEMV unfused, both slower than the MMA tile unfused. s14: o_proj and down at M = 1 as split
 GEMVs (fp32 partials for the norm, 2 to 8 splits): batch 1 2.136-2.243 ms against 2.107-2.110.
+s20: o_proj / down at 64 rows as stream-K (every SM takes the same run of the flattened tile x K
+iterations, 1-7 partial slots per column tile; code in ea51184): alone 9.7 / 18.1 us against 8.5 /
+17.0, engine batch 64 3.068-3.145 ms against 2.976-2.993; and Triton's warp-specialised TMA loop
+(`tl.range(warp_specialize=True)`, deploy/ws_probe.py) slower than the same loop without it at
+every shape (M = 64: o_proj 9.1 against 7.5 us, down 18.4 against 16.7).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from runner.gpu_info import num_sms
 from runner.triton_pdl import pdl_enter, pdl_trigger, pdl_wait
@@ -93,6 +99,11 @@ class LinearTile:
     # GB/s, so a GEMM of cdiv(N, block_n) = 128 long programs on 132 SMs leaves four SMs' share
     # of the bandwidth unused (ncu and the engine A/B in deploy/RESULTS.md, s19)
     groups: int = 0
+    # MMA mode, plain column tiles (groups == 0) over N % block_n == 0: x and W tiles come in
+    # through TMA (host-built tensor descriptors; rows past M arrive as zeros) instead of pointer
+    # loads, the same tiles in the same order (bit for bit the pointer tile's result). Why: the
+    # split o_proj / down tiles at 17..64 rows stream faster (SPLIT_TUNED's comment)
+    tma: bool = False
 
 
 PER_SM = -1  # LinearTile.groups: one ragged column group per SM
@@ -133,6 +144,8 @@ def _skinny_linear_kernel(
     norm_n,  # ROW_SCALE: width of the normalised rows (the hidden size)
     eps,  # ROW_SCALE: the RMSNorm epsilon
     n_groups,  # RAGGED: column groups (the grid's first dimension)
+    x_desc,  # TMA: tensor descriptor of x [M, K], block [BLOCK_M, BLOCK_K] (else unused)
+    w_desc,  # TMA: tensor descriptor of W [N or 2N, K], block [BLOCK_N, BLOCK_K] (else unused)
     GATED: tl.constexpr,  # out = silu(x @ Wgate^T) * (x @ Wup^T)
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -145,6 +158,7 @@ def _skinny_linear_kernel(
     ROW_SCALE: tl.constexpr = False,  # MMA: each row's accumulator times rsqrt(sum(ssq row) / norm_n + eps)
     SSQ_P: tl.constexpr = 1,  # ROW_SCALE: ssq_tiles rounded up to a power of two
     RAGGED: tl.constexpr = False,  # MMA: program pid_n owns column group pid_n of n_groups (LinearTile.groups)
+    TMA: tl.constexpr = False,  # MMA, not RAGGED: x / W tiles through x_desc / w_desc (LinearTile.tma)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -213,11 +227,18 @@ def _skinny_linear_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, k_split, BLOCK_K):
-            a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)  # [BM, BK]
-            w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)  # [BN, BK]
+            if TMA:  # same tiles, same dot order: rows past M and W rows past N arrive as zeros
+                a = x_desc.load([pid_m * BLOCK_M, k_lo + k0])
+                w = w_desc.load([pid_n * BLOCK_N, k_lo + k0])
+            else:
+                a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)  # [BM, BK]
+                w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)  # [BN, BK]
             acc = tl.dot(a, tl.trans(w), acc)
             if GATED:
-                wu = tl.load(w_ptrs + up_shift + k0, mask=n_mask[:, None], other=0.0)
+                if TMA:
+                    wu = w_desc.load([N + pid_n * BLOCK_N, k_lo + k0])
+                else:
+                    wu = tl.load(w_ptrs + up_shift + k0, mask=n_mask[:, None], other=0.0)
                 acc_u = tl.dot(a, tl.trans(wu), acc_u)
         if SPLIT_K > 1:
             part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
@@ -342,6 +363,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, tile: LinearTile) -> None:
     assert tile.block_m > 1 or m <= 1, (m, tile)
     assert tile.block_m > 1 or not tile.late_trigger, "late_trigger: MMA tiles only"
     assert tile.block_m > 1 or not tile.groups, "groups: MMA tiles only"
+    if tile.tma:
+        assert tile.block_m > 1 and not tile.groups, f"tma: plain MMA tiles only, {tile}"
+        for t in (x, weight):  # TMA: 16-byte aligned base and row stride
+            assert t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0, (t.shape, t.stride())
 
 
 def _column_groups(n: int, tile: LinearTile, device: torch.device) -> int:
@@ -361,16 +386,23 @@ def _launch(x, weight, bias, out, tile: LinearTile, m: int, n: int, k: int, *, g
             RESIDUAL=False, ROW_SCALE=False, SSQ_P=1) -> None:
     groups = _column_groups(n, tile, x.device)
     grid = (groups or triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split_k)
+    if tile.tma:  # host-built: the descriptor goes into the launch (and a captured graph) by value
+        # whole column tiles only: a gated tile's up rows start at N + its first column
+        assert n % tile.block_n == 0, f"tma: N {n} not a multiple of {tile}"
+        x_desc = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
+        w_desc = TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k])
+    else:
+        x_desc = w_desc = x
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(-2), k // split_k,
         weight if res_ptr is None else res_ptr, weight if g_ptr is None else g_ptr,
         weight if xg_ptr is None else xg_ptr, out if ssq_ptr is None else ssq_ptr,
-        stride_rm, ssq_tiles, norm_n, eps, max(groups, 1),
+        stride_rm, ssq_tiles, norm_n, eps, max(groups, 1), x_desc, w_desc,
         GATED=gated, HAS_BIAS=bias is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_GDC=pdl, SPLIT_K=split_k,
         LATE_TRIGGER=tile.late_trigger, RESIDUAL=RESIDUAL, ROW_SCALE=ROW_SCALE, SSQ_P=SSQ_P, RAGGED=groups > 0,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
+        TMA=tile.tma, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -452,12 +484,20 @@ TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
 # trigger the next launch late (module docstring); the M = 64 rows do not (every MMA tile late:
 # batch 64 3.115 ms against 3.104-3.117, s14-run5). down at 9..16 rows in 4 splits (cuBLAS before;
 # re-measured in s19-run7, alternated on fresh models): batch 12 / 16 2.408-2.415 / 2.439-2.444 ms
-# against 2.448-2.449 / 2.466-2.469; at 17..32 rows 4 splits of 32 x 64 x 128 still lose (batch
-# 24 / 32 2.648-2.649 / 2.693-2.699 against 2.617-2.622 / 2.669-2.673).
+# against 2.448-2.449 / 2.466-2.469; at 17..32 rows 4 splits of 32 x 64 x 128 pointer tiles still
+# lose (batch 24 / 32 2.648-2.649 / 2.693-2.699 against 2.617-2.622 / 2.669-2.673). From 17 rows
+# both run as TMA tiles (LinearTile.tma; s20): alone, o_proj at M = 32 / 64 8.64 / 7.56 us against
+# cuBLAS 9.58 / the 4-stage pointer split 8.39, down 15.63 / 16.24 against cuBLAS 18.42 / the
+# pointer split 16.79 (s20-run3); engine, alternated on fresh models (s20-run4), batch 24 / 32 /
+# 64 2.558-2.559 / 2.595-2.596 / 2.970-2.973 ms against 2.625-2.631 / 2.666-2.668 / 2.983-2.987,
+# batch 8 / 16 unchanged. TMA lost elsewhere: the M <= 16 split and fold tiles (batch 8 / 16
+# 2.349-2.353 / 2.447-2.450), gate_up at 64 rows (128 TMA tiles instead of the 132 ragged
+# groups: 2.992), qkv at 64 (3.008 against cuBLAS's 2.984-2.990), s20-run3/4.
 SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...]] = {
-    (3072, 3072): ((8, LinearTile(16, 64, 64, 4, 4, True), 8), (32, None, 1), (64, LinearTile(64, 64, 128, 4, 4), 2)),
-    (3072, 8192): ((8, LinearTile(16, 32, 128, 4, 4, True), 4), (16, LinearTile(16, 32, 128, 4, 4, True), 4), (32, None, 1),
-                   (64, LinearTile(64, 128, 128, 4, 4), 4)),
+    (3072, 3072): ((8, LinearTile(16, 64, 64, 4, 4, True), 8), (32, LinearTile(32, 64, 128, 4, 4, tma=True), 2),
+                   (64, LinearTile(64, 64, 128, 4, 6, tma=True), 2)),
+    (3072, 8192): ((8, LinearTile(16, 32, 128, 4, 4, True), 4), (16, LinearTile(16, 32, 128, 4, 4, True), 4),
+                   (32, LinearTile(32, 128, 128, 4, 4, tma=True), 4), (64, LinearTile(64, 128, 128, 4, 4, tma=True), 4)),
 }
 
 

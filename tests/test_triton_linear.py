@@ -228,9 +228,10 @@ def test_tuned_split_rows_sum_to_the_gemm(m):
             if tile is None:
                 continue
             k = 2 * splits * tile.block_k
-            x, w = _rand(m, k, seed=60), _rand(N, k, seed=61, scale=0.05)
+            n = 2 * tile.block_n if tile.tma else N  # TMA tiles take whole column tiles
+            x, w = _rand(m, k, seed=60), _rand(n, k, seed=61, scale=0.05)
             parts = skinny_linear(x, w, None, tile, split_k=splits)
-            assert parts.shape == (splits, m, N)
+            assert parts.shape == (splits, m, n)
             torch.testing.assert_close(parts.sum(0), x.float() @ w.float().T, atol=1e-3, rtol=1e-3)
 
 
@@ -262,6 +263,30 @@ def test_ragged_column_groups_compute_every_column(m, groups, block_n):
     torch.testing.assert_close(scale.ssq.sum(1), h.float().square().sum(1), rtol=1e-5, atol=1e-5)
     with pytest.raises(AssertionError):
         skinny_linear(x, w, b, LinearTile(16, 8, 32, 4, 2, groups=2))  # 24-column groups in 8-wide tiles
+
+
+@pytest.mark.parametrize("m", [5, 16, 33])
+def test_tma_tiles_equal_pointer_tiles(m):
+    """LinearTile.tma only changes how the x and W tiles are loaded: the plain GEMM, the gated
+    epilogue, split-K partials, residual_linear and the row scale come out bit for bit as with
+    pointer loads (rows past M arrive as zeros either way)."""
+    n, k = 64, 128  # N a multiple of block_n, as TMA tiles need
+    x, w, res = _rand(m, k, seed=80), _rand(n, k, seed=81, scale=0.05), _rand(m, n, seed=82)
+    g = _rand(n, seed=83)
+    bm = 16 if m <= 16 else 64
+    ptr, tma = LinearTile(bm, 16, 32, 4, 2), LinearTile(bm, 16, 32, 4, 2, tma=True)
+    for kw in ({}, {"gated": True}, {"split_k": 2}):
+        assert torch.equal(skinny_linear(x, w, None, tma, **kw), skinny_linear(x, w, None, ptr, **kw)), kw
+    h0, xg0, s0 = residual_linear(x, w, res, g, 1e-6, ptr)
+    h1, xg1, s1 = residual_linear(x, w, res, g, 1e-6, tma)
+    assert torch.equal(h0, h1) and torch.equal(xg0, xg1) and torch.equal(s0.ssq, s1.ssq)
+    w2 = _rand(2 * n, n, seed=84, scale=0.05)
+    assert torch.equal(skinny_linear(xg1, w2, None, tma, gated=True, row_scale=s1),
+                       skinny_linear(xg0, w2, None, ptr, gated=True, row_scale=s0))
+    with pytest.raises(AssertionError, match="tma"):  # a partial column tile: TMA tiles need whole ones
+        skinny_linear(x, _rand(48, k, seed=85), None, LinearTile(bm, 32, 32, 4, 2, tma=True))
+    with pytest.raises(AssertionError, match="tma"):
+        skinny_linear(x, w, None, LinearTile(bm, 16, 32, 4, 2, False, 3, tma=True))
 
 
 def test_per_sm_groups_follow_the_device_and_fall_back_to_tiles():
@@ -352,7 +377,10 @@ _COMPILE_SCRIPT = textwrap.dedent(
     ptr = "*bf16"
     sig = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, out_ptr=ptr, M="i32", N="i32", K="i32", stride_xm="i32",
                stride_wn="i32", stride_om="i32", k_split="i32", res_ptr=ptr, g_ptr=ptr, xg_ptr=ptr,
-               ssq_ptr="*fp32", stride_rm="i32", ssq_tiles="i32", norm_n="i32", eps="fp32", n_groups="i32")
+               ssq_ptr="*fp32", stride_rm="i32", ssq_tiles="i32", norm_n="i32", eps="fp32", n_groups="i32",
+               x_desc=ptr, w_desc=ptr)
+    div = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "K", "stride_xm", "stride_wn", "stride_om", "k_split", "res_ptr",
+           "g_ptr", "xg_ptr", "ssq_ptr", "stride_rm")
     # (gated, bias, split, residual, row_scale, ragged)
     modes = ((False, False, 1, False, False, False), (False, True, 1, False, False, False),
              (True, False, 1, False, False, False), (False, False, 4, False, False, False),
@@ -371,6 +399,14 @@ _COMPILE_SCRIPT = textwrap.dedent(
             sig_ = dict(sig, out_ptr="*fp32") if split > 1 else sig
             compile_sm90(m._skinny_linear_kernel, sig_, consts, num_warps=tile.num_warps,
                          num_stages=tile.num_stages, launch_pdl=True)
+            if tile.block_m > 1 and not ragged:  # the TMA loads, with the arguments a launch specialises
+                descs = dict(x_desc=f"tensordesc<bf16[{tile.block_m}, {tile.block_k}]>",
+                             w_desc=f"tensordesc<bf16[{tile.block_n}, {tile.block_k}]>")
+                k = compile_sm90(m._skinny_linear_kernel, dict(sig_, **descs), dict(consts, TMA=True), div,
+                                 num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=True)
+                # software-pipelined: one TMA copy per operand per stage (x, W, and W's up half)
+                copies = (3 if gated else 2) * tile.num_stages
+                assert k.asm["ttgir"].count("async_tma_copy_global_to_local") == copies, (tile, gated, split)
     print("compiled")
     """
 )
