@@ -490,14 +490,18 @@ TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
 # cuBLAS 9.58 / the 4-stage pointer split 8.39, down 15.63 / 16.24 against cuBLAS 18.42 / the
 # pointer split 16.79 (s20-run3); engine, alternated on fresh models (s20-run4), batch 24 / 32 /
 # 64 2.558-2.559 / 2.595-2.596 / 2.970-2.973 ms against 2.625-2.631 / 2.666-2.668 / 2.983-2.987,
-# batch 8 / 16 unchanged. TMA lost elsewhere: the M <= 16 split and fold tiles (batch 8 / 16
+# batch 8 / 16 unchanged. At 33..64 rows down then gains from 2 splits of 64 x 64 x 128 in 6
+# stages (half the partials for the norm to add: alone 16.5 us against 16.2 for 4 splits) and
+# o_proj from 5 stages: batch 48 / 64 2.753-2.766 / 2.910-2.919 ms against 2.791-2.804 /
+# 2.963-2.971 (s20-run6/7); around that table (s20-run9, 2.915-2.918) these late-trigger, 8-warp
+# and 64-wide-K variants lost (2.919-2.943). TMA lost elsewhere: the M <= 16 split and fold tiles (batch 8 / 16
 # 2.349-2.353 / 2.447-2.450), gate_up at 64 rows (128 TMA tiles instead of the 132 ragged
 # groups: 2.992), qkv at 64 (3.008 against cuBLAS's 2.984-2.990), s20-run3/4.
 SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...]] = {
     (3072, 3072): ((8, LinearTile(16, 64, 64, 4, 4, True), 8), (32, LinearTile(32, 64, 128, 4, 4, tma=True), 2),
-                   (64, LinearTile(64, 64, 128, 4, 6, tma=True), 2)),
+                   (64, LinearTile(64, 64, 128, 4, 5, tma=True), 2)),
     (3072, 8192): ((8, LinearTile(16, 32, 128, 4, 4, True), 4), (16, LinearTile(16, 32, 128, 4, 4, True), 4),
-                   (32, LinearTile(32, 128, 128, 4, 4, tma=True), 4), (64, LinearTile(64, 128, 128, 4, 4, tma=True), 4)),
+                   (32, LinearTile(32, 128, 128, 4, 4, tma=True), 4), (64, LinearTile(64, 64, 128, 4, 6, tma=True), 2)),
 }
 
 
