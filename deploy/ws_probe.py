@@ -97,7 +97,13 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=64)
     args = ap.parse_args()
 
-    from runner.triton_linear import GATED, PLAIN, skinny_linear, split_tile_for, tile_for
+    from runner.triton_linear import (
+        GATED,
+        PLAIN,
+        skinny_linear,
+        split_tile_for,
+        tile_for,
+    )
 
     def alloc(size: int, align: int, stream):  # device-side descriptor scratch (unused with host descriptors)
         return torch.empty(size, device="cuda", dtype=torch.int8)
@@ -111,14 +117,15 @@ def main() -> None:
         if gated:
             g_, u_ = ref.float().split(n // 2, dim=-1)
             ref = (F.silu(g_.bfloat16()).float() * u_.bfloat16().float()).bfloat16()
-        res = {"cuBLAS": _time_graph(lambda i: F.linear(x, ws[i]), copies, launches)}
+        res = {"cuBLAS": _time_graph(lambda i, x=x, ws=ws: F.linear(x, ws[i]), copies, launches)}
         split = None if gated else split_tile_for(n, k, m)
         tile = tile_for(GATED if gated else PLAIN, n, k, m)
         if split is not None and name in ("o_proj", "down"):
             res[f"engine split {split[1]}"] = _time_graph(
-                lambda i: skinny_linear(x, ws[i], None, split[0], split_k=split[1]), copies, launches)
+                lambda i, x=x, ws=ws, t=split[0], s=split[1]: skinny_linear(x, ws[i], None, t, split_k=s), copies, launches)
         elif tile is not None:
-            res["engine tile"] = _time_graph(lambda i: skinny_linear(x, ws[i], None, tile, gated=gated), copies, launches)
+            res["engine tile"] = _time_graph(lambda i, x=x, ws=ws, t=tile, g=gated: skinny_linear(x, ws[i], None, t, gated=g),
+                                             copies, launches)
         for spec in tiles:
             bn, bk, stages, warps, splits = map(int, spec.split("/"))
             for wsp in (False, True):
