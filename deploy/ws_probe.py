@@ -121,11 +121,13 @@ def main() -> None:
         split = None if gated else split_tile_for(n, k, m)
         tile = tile_for(GATED if gated else PLAIN, n, k, m)
         if split is not None and name in ("o_proj", "down"):
-            res[f"engine split {split[1]}"] = _time_graph(
-                lambda i, x=x, ws=ws, t=split[0], s=split[1]: skinny_linear(x, ws[i], None, t, split_k=s), copies, launches)
+            def engine(i, x=x, ws=ws, t=split[0], s=split[1]):
+                return skinny_linear(x, ws[i], None, t, split_k=s)
+            res[f"engine split {split[1]}"] = _time_graph(engine, copies, launches)
         elif tile is not None:
-            res["engine tile"] = _time_graph(lambda i, x=x, ws=ws, t=tile, g=gated: skinny_linear(x, ws[i], None, t, gated=g),
-                                             copies, launches)
+            def engine(i, x=x, ws=ws, t=tile, g=gated):
+                return skinny_linear(x, ws[i], None, t, gated=g)
+            res["engine tile"] = _time_graph(engine, copies, launches)
         for spec in tiles:
             bn, bk, stages, warps, splits = map(int, spec.split("/"))
             for wsp in (False, True):
