@@ -517,7 +517,9 @@ SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...
 # against 2.007, s18-run8), 17..32 (a tie, 2.651-2.679 against 2.656-2.665) and 33..64: unsplit,
 # o_proj over 64 rows streams too few weight bytes per program (every tile tried, 16-64 columns
 # wide, 4-12 stages, 4 or 8 warps, 16-64 rows per program: 3.109-3.369 ms against 3.003-3.011
-# for 2 split-K partials + the norm launch, s18-run1/3/6; profile: o_proj 18.3 us against 8.4).
+# for 2 split-K partials + the norm launch, s18-run1/3/6; profile: o_proj 18.3 us against 8.4;
+# s20-run11, o_proj as an unsplit 64 x 32 x 128 TMA tile, 8.4 us alone: batch 64 3.063-3.071 ms
+# against 2.920-2.929).
 FOLD_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None], ...]] = {
     (3072, 3072): ((1, None), (8, LinearTile(16, 32, 128, 4, 5)), (16, LinearTile(16, 32, 128, 4, 5)), (32, None),
                    (64, None)),

@@ -228,17 +228,19 @@ def test_attention_prefetch_keeps_tokens(model_dir):
     assert run_staggered(with_prefetch, prompts, GREEDY) == run_staggered(without, prompts, GREEDY)
 
 
-def test_split_k_into_norm_keeps_graphs_equal_and_hf_close(model_dir, monkeypatch):
+@pytest.mark.parametrize("tma", [False, True])
+def test_split_k_into_norm_keeps_graphs_equal_and_hf_close(model_dir, monkeypatch, tma):
     """o_proj / down as split-K partials summed by the add + RMSNorm (the tile table pointed at
-    this tiny model's shapes; the real table only has Orpheus-3B's): graphs + async give the
-    same tokens as eager, and bf16 hidden states / logits stay within tolerance of transformers."""
+    this tiny model's shapes; the real table only has Orpheus-3B's), with pointer or TMA loads
+    (LinearTile.tma, as the real table's 17..64-row tiles): graphs + async give the same tokens
+    as eager, and bf16 hidden states / logits stay within tolerance of transformers."""
     import runner.triton_fused_ops as tfo
     from runner import triton_linear
     from runner.triton_linear import LinearTile
 
     cfg = load_hf(model_dir).config
     q_size = cfg.num_attention_heads * getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
-    tile = LinearTile(16, 32, 32, 4, 2)
+    tile = LinearTile(16, 32, 32, 4, 2, tma=tma)
     monkeypatch.setattr(triton_linear, "SPLIT_TUNED", {(cfg.hidden_size, q_size): ((64, tile, 2),),
                                                        (cfg.hidden_size, cfg.intermediate_size): ((64, tile, 4),)})
     splits = []
@@ -249,7 +251,8 @@ def test_split_k_into_norm_keeps_graphs_equal_and_hf_close(model_dir, monkeypatc
     assert 4 in splits  # down (o_proj too where it has no bias)
 
 
-def test_norm_fold_keeps_graphs_equal_and_hf_close(model_dir, monkeypatch):
+@pytest.mark.parametrize("tma", [False, True])
+def test_norm_fold_keeps_graphs_equal_and_hf_close(model_dir, monkeypatch, tma):
     """o_proj adding the residual and gate_up finishing the post-attention RMSNorm (the FOLD_TUNED
     table pointed at this tiny model's o_proj at every M up to 64; the real table only has
     Orpheus-3B's, at 2..16 rows): graphs + async give the same tokens as eager, and bf16 hidden
@@ -260,7 +263,8 @@ def test_norm_fold_keeps_graphs_equal_and_hf_close(model_dir, monkeypatch):
 
     cfg = load_hf(model_dir).config
     q_size = cfg.num_attention_heads * getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
-    monkeypatch.setattr(triton_linear, "FOLD_TUNED", {(cfg.hidden_size, q_size): ((64, LinearTile(16, 32, 64, 4, 2)),)})
+    monkeypatch.setattr(triton_linear, "FOLD_TUNED",
+                        {(cfg.hidden_size, q_size): ((64, LinearTile(16, 32, 64, 4, 2, tma=tma)),)})
     rows = []
     real = tfo.residual_linear
     monkeypatch.setattr(tfo, "residual_linear", lambda x, *a, **k: rows.append(x.shape[0]) or real(x, *a, **k))
