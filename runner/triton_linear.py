@@ -13,7 +13,8 @@ Two modes, picked by the tile:
   (double buffering in registers), and the first slice before the PDL wait, since no kernel
   writes weights. fp32 FMA.
 * MMA (block_m >= 16): `tl.dot` on [block_m, block_k] x [block_k, block_n] tiles, Triton's
-  software pipeline (`num_stages`) streaming W through shared memory.
+  software pipeline (`num_stages`) streaming W through shared memory, its tiles loaded by
+  pointer or, with `LinearTile.tma`, by the TMA unit (the split o_proj / down from 17 rows).
 
 Each output element is one program's dot product over K in a fixed order, so a row's result
 depends on neither M nor the other rows (graph padding cannot change it). The one exception to
