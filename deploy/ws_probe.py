@@ -29,6 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_gemm import _inputs, _time_graph  # noqa: E402
 
+from runner.triton_linear import (  # noqa: E402
+    GATED,
+    PLAIN,
+    silu_mul,
+    skinny_linear,
+    split_tile_for,
+    tile_for,
+)
+
 
 @triton.jit
 def _probe_kernel(x_desc, w_desc, out_ptr, M, N, k_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -54,10 +63,8 @@ def _probe_kernel(x_desc, w_desc, out_ptr, M, N, k_split, BLOCK_M: tl.constexpr,
     offs = rows[:, None] * N + cols[None, :]
     if SPLIT_K > 1:
         tl.store(out_ptr + split * M * N + offs, acc, mask=mask)
-    elif GATED:
-        g = acc.to(tl.bfloat16).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(tl.bfloat16).to(tl.float32)
-        tl.store(out_ptr + offs, (act * acc_u.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16), mask=mask)
+    elif GATED:  # the engine's SiLU*mul roundings (runner/triton_linear.py silu_mul)
+        tl.store(out_ptr + offs, silu_mul(acc.to(tl.bfloat16), acc_u.to(tl.bfloat16)), mask=mask)
     else:
         tl.store(out_ptr + offs, acc.to(tl.bfloat16), mask=mask)
 
@@ -96,14 +103,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, default=64)
     args = ap.parse_args()
-
-    from runner.triton_linear import (
-        GATED,
-        PLAIN,
-        skinny_linear,
-        split_tile_for,
-        tile_for,
-    )
 
     def alloc(size: int, align: int, stream):  # device-side descriptor scratch (unused with host descriptors)
         return torch.empty(size, device="cuda", dtype=torch.int8)
