@@ -46,7 +46,6 @@ import triton.language as tl
 from runner.attention import NO_PLAN_BACKENDS, AttentionMetadata, TorchPagedAttention, write_kv
 from runner.gpu_info import num_sms
 from runner.triton_fused_ops import rope_rows
-from runner.triton_l2 import l2_prefetch_share, prefetch_chunk
 from runner.triton_pdl import pdl_enter
 
 # Finite "minus infinity" for the running max; see the module docstring. (constexpr: jit
@@ -82,9 +81,6 @@ SHORT_WAVE_PROGRAMS_PER_SM = 2
 SHORT_WAVE_STAGES = 4
 # Fused RoPE only while B * Hkv programs fit in about one wave (TritonPagedAttention.decode_rope_fused)
 _FUSED_ROPE_PROGRAMS_PER_SM = 4
-# Fused-RoPE decode launches given `l2_prefetch` (the layer's o_proj weight) send it to L2 before
-# their wait with this triton_l2 policy (0: not at all). Bench variants set it.
-L2_PREFETCH = 0
 
 
 @triton.jit
@@ -208,10 +204,6 @@ def _paged_decode_kernel(
     stride_cos,
     stride_sin,
     max_pos,
-    # L2_PF > 0: bytes [pid * pf_chunk, (pid + 1) * pf_chunk) of pf_ptr go to L2 (runner/triton_l2.py)
-    pf_ptr,
-    pf_total,
-    pf_chunk,
     GROUP: tl.constexpr,  # Hq // Hkv
     GROUP_P: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot minimum)
     HEAD_DIM: tl.constexpr,
@@ -227,14 +219,10 @@ def _paged_decode_kernel(
     # FOLD_CURRENT only: everything but q and this token's k/v is loaded before the PDL wait
     PREFETCH: tl.constexpr,
     TABLE_P: tl.constexpr = 0,  # > 0: the block table is read TABLE_P entries at a time ahead of the tiles
-    L2_PF: tl.constexpr = 0,  # the next GEMM's weights into L2 first thing: 0 off, else triton_l2's POLICY
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # Weights are never written by a kernel: issued before the wait, the prefetch runs while this
-    # launch walks its chain of dependent loads to the first K/V tile (DRAM idle then).
-    l2_prefetch_share(pf_ptr, pf_total, pf_chunk, (b * tl.num_programs(1) + kvh) * NUM_SPLITS + split, L2_PF)
     offs_g = tl.arange(0, GROUP_P)
     offs_d = tl.arange(0, HEAD_DIM)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
@@ -497,7 +485,6 @@ def paged_decode_attention(
     num_stages: int | None = None,  # None: choose_tiling
     prefetch: bool = True,  # with `rope`: load all but q/k/v before the PDL wait (prefetches())
     table_chunk: int | None = None,  # block-table entries read ahead of the tiles; None: choose_tiling
-    l2_prefetch: torch.Tensor | None = None,  # with `rope`: a weight to send to L2 (L2_PREFETCH)
 ) -> torch.Tensor:  # [B, Hq, D], q's dtype unless `out` is given
     """Attention of one query token per sequence over positions [0, seq_lens[b]) of its paged KV.
 
@@ -561,12 +548,6 @@ def paged_decode_attention(
     fold = rope is not None and splits > 1
     chunk = auto_chunk if table_chunk is None else table_chunk
     table_p = max(triton.next_power_of_2(chunk), bn // bs) if chunk > 0 else 0  # a tile never straddles chunks
-    pf_policy = L2_PREFETCH if rope is not None and l2_prefetch is not None else 0
-    if pf_policy:
-        assert l2_prefetch.is_contiguous() and l2_prefetch.data_ptr() % 16 == 0, l2_prefetch.shape
-        pf = (l2_prefetch, l2_prefetch.nbytes, prefetch_chunk(l2_prefetch.nbytes, bsz * hkv * splits))
-    else:
-        pf = (q, 0, 0)  # never touched
     _paged_decode_kernel[(bsz, hkv, splits)](
         q, kv_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
         scale * _LOG2E,
@@ -574,12 +555,12 @@ def paged_decode_attention(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
         block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        hq, max_blocks, *rope_args, *pf,
+        hq, max_blocks, *rope_args,
         GROUP=group, GROUP_P=group_p, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=bn,
         NUM_SPLITS=splits, DOT_PREC=dot_prec, LOOP_STAGES=stages,
         num_warps=num_warps or _NUM_WARPS, num_stages=stages, USE_GDC=pdl, launch_pdl=pdl,
         FUSED_ROPE=rope is not None, ROUND=q.dtype != torch.float32, FOLD_CURRENT=fold,
-        PREFETCH=fold and prefetch and prefetches(splits), TABLE_P=table_p, L2_PF=pf_policy,
+        PREFETCH=fold and prefetch and prefetches(splits), TABLE_P=table_p,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(bsz, hq)](
@@ -697,7 +678,6 @@ class TritonPagedAttention:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,  # pure decode (meta.pure_decode)
         scale: float,
-        l2_prefetch: torch.Tensor | None = None,  # the weight read next (o_proj's), for L2_PREFETCH
     ) -> torch.Tensor:  # [B, Hq, D]
         """RoPE, KV write and attention of a pure-decode step in one launch (plus the split
         merge): the K/V the RoPE + KV write kernel would write, and its `forward_prewritten_kv`
@@ -705,7 +685,6 @@ class TritonPagedAttention:
         assert meta.pure_decode and q.shape[0] == meta.seq_lens.shape[0], (q.shape, meta.seq_lens.shape)
         rope = DecodeRope(k, v, cos, sin, positions, meta.slot_mapping)
         return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                      num_splits=self.num_splits, pdl=self.pdl, rope=rope, prefetch=self.prefetch,
-                                      l2_prefetch=l2_prefetch)
+                                      num_splits=self.num_splits, pdl=self.pdl, rope=rope, prefetch=self.prefetch)
 
     __call__ = forward

@@ -521,23 +521,16 @@ _COMPILE_SCRIPT = textwrap.dedent(
                stride_btc="i32", stride_ob="i32", stride_oh="i32", stride_od="i32", num_q_heads="i32",
                max_blocks="i32", knew_ptr="*bf16", vnew_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32",
                pos_ptr="*i64", slot_ptr="*i64", stride_knb="i32", stride_knh="i32", stride_vnb="i32",
-               stride_vnh="i32", stride_cos="i32", stride_sin="i32", max_pos="i32", pf_ptr="*bf16", pf_total="i64",
-               pf_chunk="i64")
+               stride_vnh="i32", stride_cos="i32", stride_sin="i32", max_pos="i32")
     for splits in (1, 32):
         for fused in (False, True):
             consts = dict(GROUP=3, GROUP_P=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=splits,
                           DOT_PREC="tf32", LOOP_STAGES=3, USE_GDC=True, FUSED_ROPE=fused, ROUND=True,
-                          FOLD_CURRENT=fused and splits > 1, L2_PF=0)
+                          FOLD_CURRENT=fused and splits > 1)
             for prefetch in (False, True) if fused and splits > 1 else (False,):
                 for table_p in (0, 128):
                     compile_sm90(m._paged_decode_kernel, sig, dict(consts, PREFETCH=prefetch, TABLE_P=table_p),
                                  num_warps=4, num_stages=3, launch_pdl=True)
-            # the L2 prefetch of the next GEMM's weight: one bulk prefetch (thread 0), in either policy
-            for policy, hint in ((1, False), (2, True)) if fused else ():
-                ptx = compile_sm90(m._paged_decode_kernel, sig, dict(consts, PREFETCH=False, TABLE_P=0, L2_PF=policy),
-                                   num_warps=4, num_stages=3, launch_pdl=True).asm["ptx"]
-                lines = [ln for ln in ptx.splitlines() if "cp.async.bulk.prefetch.L2" in ln]
-                assert len(lines) == 1 and ("L2::cache_hint" in lines[0]) == hint, lines
     merge_sig = dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", out_ptr="*bf16",
                      stride_ob="i32", stride_oh="i32", stride_od="i32", num_q_heads="i32")
     compile_sm90(m._merge_splits_kernel, merge_sig, dict(HEAD_DIM=128, NUM_SPLITS=32, SPLITS_P=32, USE_GDC=True),

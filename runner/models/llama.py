@@ -140,8 +140,7 @@ class Attention(nn.Module):
         rot = self._rotary[0]
         # rope may rotate q/k in place (TritonOps): the pre-RoPE q/k are not used again.
         if self.rope_in_attention and meta.pure_decode and self.attn.decode_rope_fused(t, self.num_kv_heads, x.device):
-            out = self.attn.forward_decode_rope(q, k, v, rot.cos, rot.sin, positions, kv_cache, meta, self.scale,
-                                                l2_prefetch=self.o_proj.weight)
+            out = self.attn.forward_decode_rope(q, k, v, rot.cos, rot.sin, positions, kv_cache, meta, self.scale)
         elif self.fuse_kv_write:
             q, k = self.ops.rope_write_kv(q, k, v, rot.cos, rot.sin, positions, kv_cache, meta.slot_mapping)
             out = self.attn.forward_prewritten_kv(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
