@@ -4,9 +4,11 @@ given on the command line (split-K and ragged column groups included), each in a
 
     python3 deploy/gemm_alone.py --shape 5120x3072 --m 64 \\
         --tiles "64/128/128/4/4/0/0/3;64/128/128/4/4/0/44/3"
+    python3 deploy/gemm_alone.py --shape 3072x3072 --m 64 --residual --tiles "64/32/128/4/6/0/0/1"
 
 A tile is bm/bn/bk/warps/stages/late/groups[/tma]/splits (deploy/bench_gpu.py parse_tile, then the
 split count last). A split tile's time is the partials' GEMM alone: whoever consumes them adds its sum.
+--residual also times each unsplit tile as residual_linear (the residual epilogue of the norm fold).
 """
 
 from __future__ import annotations
@@ -30,9 +32,13 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=64)
     ap.add_argument("--gated", action="store_true", help="the gated gate_up epilogue (Triton tiles only)")
     ap.add_argument("--tiles", default="", help="';'-separated bm/bn/bk/warps/stages/late/groups[/tma]/splits")
+    ap.add_argument("--residual", action="store_true",
+                    help="also each unsplit tile as residual_linear (o_proj with the add + RMSNorm's first half)")
     args = ap.parse_args()
 
-    from runner.triton_linear import skinny_linear
+    import torch
+
+    from runner.triton_linear import residual_linear, skinny_linear
 
     n, k = map(int, args.shape.split("x"))
     copies, launches = 8, 28
@@ -50,6 +56,10 @@ def main() -> None:
             print(f"{args.shape} M={args.m} {spec}: {type(e).__name__} {str(e)[:100]}")
             continue
         print(f"{args.shape} M={args.m} {spec}: {us:.2f} us ({gbytes / us * 1e3:.2f} TB/s)")
+        if args.residual and splits == 1 and not args.gated:
+            res, g = torch.randn(args.m, n, device=x.device, dtype=x.dtype), torch.ones(n, device=x.device, dtype=x.dtype)
+            us = _time_graph(lambda i, t=tile, r=res, g=g: residual_linear(x, ws[i], r, g, 1e-5, t), copies, launches)
+            print(f"{args.shape} M={args.m} {spec} residual_linear: {us:.2f} us ({gbytes / us * 1e3:.2f} TB/s)")
 
 
 if __name__ == "__main__":

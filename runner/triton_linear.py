@@ -138,7 +138,7 @@ def _skinny_linear_kernel(
     k_split,  # SPLIT_K: K range of one split (a multiple of BLOCK_K)
     res_ptr,  # RESIDUAL: [M, N] the residual stream, row stride stride_rm
     g_ptr,  # RESIDUAL: [N] the RMSNorm weight
-    xg_ptr,  # RESIDUAL: [M, N] contiguous out, (out * g) in the model dtype
+    xg_ptr,  # RESIDUAL: [M, N] out, row stride stride_om (as out), (out * g) in the model dtype
     ssq_ptr,  # RESIDUAL: [M, ssq_tiles] fp32 out, column pid_n; ROW_SCALE: read, ssq_tiles per row
     stride_rm,
     ssq_tiles,  # columns of ssq_ptr per row (RESIDUAL: the grid's column-block count)
@@ -254,7 +254,11 @@ def _skinny_linear_kernel(
             hf = h.to(tl.float32)  # masked columns are 0
             tl.store(ssq_ptr + rows.to(tl.int64) * ssq_tiles + pid_n, tl.sum(hf * hf, axis=1), mask=m_mask)
             g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            xg_ptrs = xg_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
+            # xg's row stride is h's (stride_om, which a launch specialises as a multiple of 16),
+            # not N (never specialised): with `rows * N` here ptxas serialises the K loop's MMAs
+            # at 64-row tiles (C7514, "non wgmma instructions reading accumulator registers"), and
+            # o_proj at 64 rows took 16.3 us instead of 10.5 (s21-run3)
+            xg_ptrs = xg_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
             tl.store(xg_ptrs, (hf * g[None, :]).to(dt), mask=m_mask[:, None] & n_mask[None, :])
         else:
             if ROW_SCALE:  # before the bias and the rounding: (rstd * x) @ W^T, then + b
@@ -349,7 +353,7 @@ def residual_linear(
     assert norm_weight.shape == (n,) and norm_weight.is_contiguous(), norm_weight.shape
     tiles = _column_groups(n, tile, x.device) or triton.cdiv(n, tile.block_n)
     h = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    xg = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    xg = torch.empty(m, n, device=x.device, dtype=x.dtype)  # h's row stride (the kernel's stride_om)
     ssq = torch.empty(m, tiles, device=x.device, dtype=torch.float32)
     if m:
         _launch(x, weight, None, h, tile, m, n, k, gated=False, pdl=pdl, split_k=1, res_ptr=residual, g_ptr=norm_weight,

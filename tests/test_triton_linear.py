@@ -415,3 +415,61 @@ _COMPILE_SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(not has_nvidia_backend(), reason="triton's NVIDIA backend is not installed")
 def test_kernel_compiles_for_sm90_with_pdl():
     compile_offline(_COMPILE_SCRIPT, timeout=600)
+
+
+# Every MMA tile the tables name, compiled as a GPU launch specialises it (M and N never, the
+# pointers, K and the strides as multiples of 16), then run through Triton's own ptxas: no tile
+# may have its MMAs serialised (ptxas C7514, "wgmma.mma_async instructions are serialized"), a
+# silent ~0.24 us per K step. It hid the 64-row residual tile for three sessions: xg's row
+# stride was N, and residual_linear at 64 rows took 16.3 us against 10.5 (deploy/RESULTS.md s21).
+_SERIALISED_SCRIPT = textwrap.dedent(
+    """
+    import os
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nv
+    from runner import triton_linear as m
+    from tests.triton_interpreter import compile_sm90
+
+    ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+    ptr = "*bf16"
+    sig = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, out_ptr=ptr, M="i32", N="i32", K="i32", stride_xm="i32",
+               stride_wn="i32", stride_om="i32", k_split="i32", res_ptr=ptr, g_ptr=ptr, xg_ptr=ptr,
+               ssq_ptr="*fp32", stride_rm="i32", ssq_tiles="i32", norm_n="i32", eps="fp32", n_groups="i32",
+               x_desc=ptr, w_desc=ptr)
+    div = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "K", "stride_xm", "stride_wn", "stride_om", "k_split", "res_ptr",
+           "g_ptr", "xg_ptr", "ssq_ptr", "stride_rm")
+    cases = [(t, dict(SPLIT_K=s)) for rows in m.SPLIT_TUNED.values() for _, t, s in rows if t is not None]
+    for (kind, _, _), rows in m.TUNED.items():
+        gated = kind == m.GATED
+        cases += [(t, dict(GATED=gated)) for _, t in rows if t is not None and t.block_m > 1]
+        cases += [(t, dict(GATED=True, ROW_SCALE=True)) for _, t in rows if gated and t is not None and t.block_m > 1]
+    cases += [(t, dict(RESIDUAL=True)) for rows in m.FOLD_TUNED.values() for _, t in rows if t is not None]
+    cases.append((m.LinearTile(64, 32, 128, 4, 6, tma=True), dict(RESIDUAL=True)))  # the s21 case
+    with tempfile.TemporaryDirectory() as tmp:
+        for tile, mode in cases:
+            consts = dict(GATED=False, HAS_BIAS=False, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                          BLOCK_K=tile.block_k, USE_GDC=True, SPLIT_K=1, LATE_TRIGGER=tile.late_trigger,
+                          RESIDUAL=False, ROW_SCALE=False, SSQ_P=1, RAGGED=tile.groups != 0, TMA=tile.tma)
+            consts.update(mode, SSQ_P=128 if mode.get("ROW_SCALE") else 1)
+            sig_ = dict(sig, out_ptr="*fp32") if consts["SPLIT_K"] > 1 else dict(sig)
+            if tile.tma:
+                sig_.update(x_desc=f"tensordesc<bf16[{tile.block_m}, {tile.block_k}]>",
+                            w_desc=f"tensordesc<bf16[{tile.block_n}, {tile.block_k}]>")
+            k = compile_sm90(m._skinny_linear_kernel, sig_, consts, div, num_warps=tile.num_warps,
+                             num_stages=tile.num_stages, launch_pdl=True)
+            src = os.path.join(tmp, "k.ptx")
+            with open(src, "w") as f:
+                f.write(k.asm["ptx"])
+            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", src + ".cubin"], capture_output=True,
+                                 text=True, check=True)
+            assert "C7514" not in out.stdout + out.stderr, (tile, mode, out.stderr[-600:])
+    print("compiled")
+    """
+)
+
+
+@pytest.mark.skipif(not has_nvidia_backend(), reason="triton's NVIDIA backend is not installed")
+def test_no_table_tile_has_its_mmas_serialised():
+    compile_offline(_SERIALISED_SCRIPT, timeout=600)
