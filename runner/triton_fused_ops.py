@@ -77,12 +77,16 @@ def _rmsnorm_kernel(
     USE_GDC: tl.constexpr,  # launched with PDL (runner/triton_pdl.py)
     NUM_PARTS: tl.constexpr = 0,  # > 0: x is a split-K GEMM's fp32 partials (runner/triton_linear.Partials)
 ):
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    # The norm weight is never written by a kernel (runner/triton_pdl.py), so it is loaded before
+    # the wait, where its latency hides; after the row's reduction (two CTA barriers) it was one
+    # more dependent round trip on every norm's critical path.
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     pdl_enter(USE_GDC)
     r = tl.program_id(0).to(tl.int64)  # int64: prefill offsets can pass 2^31 on big batches
     ro = r // rows_inner
     ri = r % rows_inner
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < n_cols
     if NUM_PARTS > 0:
         # the GEMM's output: its partials summed in split order in fp32, rounded once to the
         # model dtype (triton_linear.materialize computes the same)
@@ -104,7 +108,6 @@ def _rmsnorm_kernel(
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / n_cols  # masked columns are 0
     normed = (xf * tl.math.rsqrt(var + eps)).to(dt)  # torch: .to(dtype)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     out = w.to(tl.float32) * normed.to(tl.float32)  # exact for 16-bit inputs, rounded once below
     tl.store(out_ptr + r * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 

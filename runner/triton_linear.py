@@ -211,6 +211,8 @@ def _skinny_linear_kernel(
         # MMA. Split s (SPLIT_K > 1) sums the K range [s * k_split, (s + 1) * k_split) into its
         # own fp32 partial, which the consumer adds in split order (deterministic, no atomics);
         # unsplit, k_split == K. One K loop for both, so both round the same way.
+        if RESIDUAL:  # the norm weight is never written by a kernel: loaded before the wait
+            g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         pdl_wait(USE_GDC)
         if not LATE_TRIGGER:
             pdl_trigger(USE_GDC)
@@ -253,7 +255,6 @@ def _skinny_linear_kernel(
             tl.store(out_ptrs, h, mask=m_mask[:, None] & n_mask[None, :])
             hf = h.to(tl.float32)  # masked columns are 0
             tl.store(ssq_ptr + rows.to(tl.int64) * ssq_tiles + pid_n, tl.sum(hf * hf, axis=1), mask=m_mask)
-            g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             # xg's row stride is h's (stride_om, which a launch specialises as a multiple of 16),
             # not N (never specialised): with `rows * N` here ptxas serialises the K loop's MMAs
             # at 64-row tiles (C7514, "non wgmma instructions reading accumulator registers"), and
