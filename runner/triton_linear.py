@@ -100,8 +100,8 @@ class LinearTile:
     # GB/s, so a GEMM of cdiv(N, block_n) = 128 long programs on 132 SMs leaves four SMs' share
     # of the bandwidth unused (ncu and the engine A/B in deploy/RESULTS.md, s19)
     groups: int = 0
-    # MMA mode, plain column tiles (groups == 0) over N % block_n == 0: x and W tiles come in
-    # through TMA (host-built tensor descriptors; rows past M arrive as zeros) instead of pointer
+    # MMA mode, plain column tiles (groups == 0; gated: N % block_n == 0): x and W tiles come in
+    # through TMA (host-built tensor descriptors; rows past M or N arrive as zeros) instead of pointer
     # loads, the same tiles in the same order (bit for bit the pointer tile's result). Why: the
     # split o_proj / down tiles at 17..64 rows stream faster (SPLIT_TUNED's comment)
     tma: bool = False
@@ -393,8 +393,9 @@ def _launch(x, weight, bias, out, tile: LinearTile, m: int, n: int, k: int, *, g
     groups = _column_groups(n, tile, x.device)
     grid = (groups or triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split_k)
     if tile.tma:  # host-built: the descriptor goes into the launch (and a captured graph) by value
-        # whole column tiles only: a gated tile's up rows start at N + its first column
-        assert n % tile.block_n == 0, f"tma: N {n} not a multiple of {tile}"
+        # a gated tile's up rows start at N + its first column: whole column tiles only there
+        # (plain tiles past N read zero rows, and their columns are masked at the store)
+        assert not gated or n % tile.block_n == 0, f"tma: gated N {n} not a multiple of {tile}"
         x_desc = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
         w_desc = TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k])
     else:
