@@ -264,14 +264,13 @@ def render_critical_path(chain: dict, batch: int) -> str:
 
 
 def parse_tile(fields: list[int]) -> "LinearTile":
-    """bm, bn, bk, warps, stages[, late_trigger 0/1[, groups[, tma 0/1[, l2_ahead]]]] -> LinearTile
-    (late_trigger and tma as the bools they are; groups: ragged column groups, 0 = plain tiles)."""
+    """bm, bn, bk, warps, stages[, late_trigger 0/1[, groups[, tma 0/1]]] -> LinearTile (late_trigger
+    and tma as the bools they are; groups: ragged column groups, 0 = plain tiles)."""
     from runner.triton_linear import LinearTile
 
     late = bool(fields[5]) if len(fields) > 5 else False
     groups = fields[6] if len(fields) > 6 else 0
-    tma = bool(fields[7]) if len(fields) > 7 else False
-    return LinearTile(*fields[:5], late, groups, tma, fields[8] if len(fields) > 8 else 0)
+    return LinearTile(*fields[:5], late, groups, bool(fields[7]) if len(fields) > 7 else False)
 
 
 def parse_tile_override(item: str) -> tuple[tuple[int, int, int], int, "LinearTile | None"]:

@@ -65,7 +65,6 @@ every shape (M = 64: o_proj 9.1 against 7.5 us, down 18.4 against 16.7).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -106,11 +105,6 @@ class LinearTile:
     # loads, the same tiles in the same order (bit for bit the pointer tile's result). Why: the
     # split o_proj / down tiles at 17..64 rows stream faster (SPLIT_TUNED's comment)
     tma: bool = False
-    # MMA mode: each program asks for its first l2_ahead K slices of weight rows to be brought
-    # into L2 before its PDL wait (one bulk prefetch per row; weights are never written by a
-    # kernel). Why: a program that is resident early waits there for its predecessor, while DRAM
-    # idles; the prefetch lets its weight stream start then (bench variants measure it)
-    l2_ahead: int = 0
 
 
 PER_SM = -1  # LinearTile.groups: one ragged column group per SM
@@ -125,18 +119,6 @@ def silu_mul(g, u):
     gf = g.to(tl.float32)
     act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
     return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-
-
-# The interpreter runs no inline PTX: a prefetch is only a hint, so it is left out there.
-_ON_GPU = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
-
-
-@triton.jit
-def _l2_prefetch_rows(ptrs, nbytes):
-    """One `cp.async.bulk.prefetch.L2` (sm_90) of `nbytes` (a multiple of 16) from each address
-    of `ptrs` (16-byte aligned): fire and forget, the thread does not wait for the bytes."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                              [ptrs, nbytes.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 # M varies per eager step: not specialising on it (== 1, % 16) keeps one variant per tile (N: so
@@ -178,7 +160,6 @@ def _skinny_linear_kernel(
     SSQ_P: tl.constexpr = 1,  # ROW_SCALE: ssq_tiles rounded up to a power of two
     RAGGED: tl.constexpr = False,  # MMA: program pid_n owns column group pid_n of n_groups (LinearTile.groups)
     TMA: tl.constexpr = False,  # MMA, not RAGGED: x / W tiles through x_desc / w_desc (LinearTile.tma)
-    L2_AHEAD: tl.constexpr = 0,  # MMA: K slices of weight rows sent to L2 before the wait (LinearTile.l2_ahead)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -230,14 +211,6 @@ def _skinny_linear_kernel(
         # MMA. Split s (SPLIT_K > 1) sums the K range [s * k_split, (s + 1) * k_split) into its
         # own fp32 partial, which the consumer adds in split order (deterministic, no atomics);
         # unsplit, k_split == K. One K loop for both, so both round the same way.
-        k_lo = tl.program_id(2) * k_split
-        if L2_AHEAD > 0 and _ON_GPU:  # this program's rows (masked ones: its first), K [k_lo, k_lo + L2_AHEAD * BLOCK_K)
-            first = offs_n - tl.arange(0, BLOCK_N)
-            rows_w = w_ptr + tl.where(n_mask, offs_n, first).to(tl.int64) * stride_wn + k_lo
-            nbytes = tl.minimum(k_split, L2_AHEAD * BLOCK_K) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-            _l2_prefetch_rows(rows_w, nbytes)
-            if GATED:
-                _l2_prefetch_rows(rows_w + up_shift, nbytes)
         if RESIDUAL:  # the norm weight is never written by a kernel: loaded before the wait
             g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         pdl_wait(USE_GDC)
@@ -251,6 +224,7 @@ def _skinny_linear_kernel(
             sq = tl.load(ssq_ptr + rows.to(tl.int64)[:, None] * ssq_tiles + t_cols[None, :],
                          mask=m_mask[:, None] & (t_cols < ssq_tiles)[None, :], other=0.0)
             rstd = tl.math.rsqrt(tl.sum(sq, axis=1) / norm_n + eps)  # [BM]
+        k_lo = tl.program_id(2) * k_split
         x_ptrs += k_lo
         w_ptrs += k_lo
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -435,8 +409,7 @@ def _launch(x, weight, bias, out, tile: LinearTile, m: int, n: int, k: int, *, g
         GATED=gated, HAS_BIAS=bias is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_GDC=pdl, SPLIT_K=split_k,
         LATE_TRIGGER=tile.late_trigger, RESIDUAL=RESIDUAL, ROW_SCALE=ROW_SCALE, SSQ_P=SSQ_P, RAGGED=groups > 0,
-        TMA=tile.tma, L2_AHEAD=tile.l2_ahead, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        launch_pdl=pdl,
+        TMA=tile.tma, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
 
 
