@@ -526,7 +526,10 @@ SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...
 # wide, 4-12 stages, 4 or 8 warps, 16-64 rows per program: 3.109-3.369 ms against 3.003-3.011
 # for 2 split-K partials + the norm launch, s18-run1/3/6; profile: o_proj 18.3 us against 8.4;
 # s20-run11, o_proj as an unsplit 64 x 32 x 128 TMA tile, 8.4 us alone: batch 64 3.063-3.071 ms
-# against 2.920-2.929).
+# against 2.920-2.929). Much of that was ptxas serialising the 64-row residual tile's MMAs (the
+# xg stride, fixed in s21: residual_linear alone 16.3 -> 12.75 us, plain tile 10.4); with the
+# fix the fold still loses a little: batch 32 / 64 2.624-2.627 / 2.927-2.933 against 2.599 /
+# 2.917-2.922 (s21-run5).
 FOLD_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None], ...]] = {
     (3072, 3072): ((1, None), (8, LinearTile(16, 32, 128, 4, 5)), (16, LinearTile(16, 32, 128, 4, 5)), (32, None),
                    (64, None)),
