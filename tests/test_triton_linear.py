@@ -374,11 +374,10 @@ def test_post_attention_folds_the_norm_where_the_table_says(m, monkeypatch):
             torch.testing.assert_close(tfo.materialize(mlp_out).float(), want_mlp.float(), rtol=3e-2, atol=3e-2)
 
 
-_COMPILE_SCRIPT = textwrap.dedent(
+# _skinny_linear_kernel's runtime arguments for compile_sm90, and those a launch specialises as
+# multiples of 16 at the engine's shapes (M and N never: do_not_specialize)
+_KERNEL_SIG = textwrap.dedent(
     """
-    from runner import triton_linear as m
-    from tests.triton_interpreter import compile_sm90
-
     ptr = "*bf16"
     sig = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, out_ptr=ptr, M="i32", N="i32", K="i32", stride_xm="i32",
                stride_wn="i32", stride_om="i32", k_split="i32", res_ptr=ptr, g_ptr=ptr, xg_ptr=ptr,
@@ -386,6 +385,14 @@ _COMPILE_SCRIPT = textwrap.dedent(
                x_desc=ptr, w_desc=ptr)
     div = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "K", "stride_xm", "stride_wn", "stride_om", "k_split", "res_ptr",
            "g_ptr", "xg_ptr", "ssq_ptr", "stride_rm")
+    """
+)
+
+_COMPILE_SCRIPT = _KERNEL_SIG + textwrap.dedent(
+    """
+    from runner import triton_linear as m
+    from tests.triton_interpreter import compile_sm90
+
     # (gated, bias, split, residual, row_scale, ragged)
     modes = ((False, False, 1, False, False, False), (False, True, 1, False, False, False),
              (True, False, 1, False, False, False), (False, False, 4, False, False, False),
@@ -427,7 +434,7 @@ def test_kernel_compiles_for_sm90_with_pdl():
 # may have its MMAs serialised (ptxas C7514, "wgmma.mma_async instructions are serialized"), a
 # silent ~0.24 us per K step. It hid the 64-row residual tile for three sessions: xg's row
 # stride was N, and residual_linear at 64 rows took 16.3 us against 10.5 (deploy/RESULTS.md s21).
-_SERIALISED_SCRIPT = textwrap.dedent(
+_SERIALISED_SCRIPT = _KERNEL_SIG + textwrap.dedent(
     """
     import os
     import subprocess
@@ -438,13 +445,6 @@ _SERIALISED_SCRIPT = textwrap.dedent(
     from tests.triton_interpreter import compile_sm90
 
     ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
-    ptr = "*bf16"
-    sig = dict(x_ptr=ptr, w_ptr=ptr, b_ptr=ptr, out_ptr=ptr, M="i32", N="i32", K="i32", stride_xm="i32",
-               stride_wn="i32", stride_om="i32", k_split="i32", res_ptr=ptr, g_ptr=ptr, xg_ptr=ptr,
-               ssq_ptr="*fp32", stride_rm="i32", ssq_tiles="i32", norm_n="i32", eps="fp32", n_groups="i32",
-               x_desc=ptr, w_desc=ptr)
-    div = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "K", "stride_xm", "stride_wn", "stride_om", "k_split", "res_ptr",
-           "g_ptr", "xg_ptr", "ssq_ptr", "stride_rm")
     cases = [(t, dict(SPLIT_K=s)) for rows in m.SPLIT_TUNED.values() for _, t, s in rows if t is not None]
     for (kind, _, _), rows in m.TUNED.items():
         gated = kind == m.GATED
