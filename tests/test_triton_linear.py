@@ -374,8 +374,9 @@ def test_post_attention_folds_the_norm_where_the_table_says(m, monkeypatch):
             torch.testing.assert_close(tfo.materialize(mlp_out).float(), want_mlp.float(), rtol=3e-2, atol=3e-2)
 
 
-# _skinny_linear_kernel's runtime arguments for compile_sm90, and those a launch specialises as
-# multiples of 16 at the engine's shapes (M and N never: do_not_specialize)
+# _skinny_linear_kernel's runtime arguments for compile_sm90, those a launch specialises as
+# multiples of 16 at the engine's shapes (M and N never: do_not_specialize), and one launch's
+# (signature, constexprs) from its tile (`launch`)
 _KERNEL_SIG = textwrap.dedent(
     """
     ptr = "*bf16"
@@ -385,6 +386,19 @@ _KERNEL_SIG = textwrap.dedent(
                x_desc=ptr, w_desc=ptr)
     div = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "K", "stride_xm", "stride_wn", "stride_om", "k_split", "res_ptr",
            "g_ptr", "xg_ptr", "ssq_ptr", "stride_rm")
+
+    def launch(tile, split=1, tma=False, **mode):
+        # mode: GATED / HAS_BIAS / RESIDUAL / ROW_SCALE / RAGGED / LATE_TRIGGER, else the tile's or off
+        consts = dict(GATED=False, HAS_BIAS=False, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                      BLOCK_K=tile.block_k, USE_GDC=True, SPLIT_K=split, LATE_TRIGGER=tile.late_trigger,
+                      RESIDUAL=False, ROW_SCALE=False, RAGGED=tile.groups != 0, TMA=tma)
+        consts.update(mode)
+        consts["SSQ_P"] = 128 if consts["ROW_SCALE"] else 1
+        sig_ = dict(sig, out_ptr="*fp32") if split > 1 else dict(sig)
+        if tma:
+            sig_.update(x_desc=f"tensordesc<bf16[{tile.block_m}, {tile.block_k}]>",
+                        w_desc=f"tensordesc<bf16[{tile.block_n}, {tile.block_k}]>")
+        return sig_, consts
     """
 )
 
@@ -404,17 +418,12 @@ _COMPILE_SCRIPT = _KERNEL_SIG + textwrap.dedent(
         for gated, bias, split, residual, row_scale, ragged in modes:
             if (split > 1 or residual or row_scale or ragged) and tile.block_m == 1:
                 continue
-            consts = dict(GATED=gated, HAS_BIAS=bias, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                          BLOCK_K=tile.block_k, USE_GDC=True, SPLIT_K=split,
-                          LATE_TRIGGER=tile.block_m > 1 and gated, RESIDUAL=residual, ROW_SCALE=row_scale,
-                          SSQ_P=128 if row_scale else 1, RAGGED=ragged)
-            sig_ = dict(sig, out_ptr="*fp32") if split > 1 else sig
-            compile_sm90(m._skinny_linear_kernel, sig_, consts, num_warps=tile.num_warps,
+            mode = dict(GATED=gated, HAS_BIAS=bias, LATE_TRIGGER=tile.block_m > 1 and gated, RESIDUAL=residual,
+                        ROW_SCALE=row_scale, RAGGED=ragged)
+            compile_sm90(m._skinny_linear_kernel, *launch(tile, split, **mode), num_warps=tile.num_warps,
                          num_stages=tile.num_stages, launch_pdl=True)
             if tile.block_m > 1 and not ragged:  # the TMA loads, with the arguments a launch specialises
-                descs = dict(x_desc=f"tensordesc<bf16[{tile.block_m}, {tile.block_k}]>",
-                             w_desc=f"tensordesc<bf16[{tile.block_n}, {tile.block_k}]>")
-                k = compile_sm90(m._skinny_linear_kernel, dict(sig_, **descs), dict(consts, TMA=True), div,
+                k = compile_sm90(m._skinny_linear_kernel, *launch(tile, split, tma=True, **mode), div,
                                  num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=True)
                 # software-pipelined: one TMA copy per operand per stage (x, W, and W's up half)
                 copies = (3 if gated else 2) * tile.num_stages
@@ -445,7 +454,7 @@ _SERIALISED_SCRIPT = _KERNEL_SIG + textwrap.dedent(
     from tests.triton_interpreter import compile_sm90
 
     ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
-    cases = [(t, dict(SPLIT_K=s)) for rows in m.SPLIT_TUNED.values() for _, t, s in rows if t is not None]
+    cases = [(t, dict(split=s)) for rows in m.SPLIT_TUNED.values() for _, t, s in rows if t is not None]
     for (kind, _, _), rows in m.TUNED.items():
         gated = kind == m.GATED
         cases += [(t, dict(GATED=gated)) for _, t in rows if t is not None and t.block_m > 1]
@@ -454,16 +463,8 @@ _SERIALISED_SCRIPT = _KERNEL_SIG + textwrap.dedent(
     cases.append((m.LinearTile(64, 32, 128, 4, 6, tma=True), dict(RESIDUAL=True)))  # the s21 case
     with tempfile.TemporaryDirectory() as tmp:
         for tile, mode in cases:
-            consts = dict(GATED=False, HAS_BIAS=False, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                          BLOCK_K=tile.block_k, USE_GDC=True, SPLIT_K=1, LATE_TRIGGER=tile.late_trigger,
-                          RESIDUAL=False, ROW_SCALE=False, SSQ_P=1, RAGGED=tile.groups != 0, TMA=tile.tma)
-            consts.update(mode, SSQ_P=128 if mode.get("ROW_SCALE") else 1)
-            sig_ = dict(sig, out_ptr="*fp32") if consts["SPLIT_K"] > 1 else dict(sig)
-            if tile.tma:
-                sig_.update(x_desc=f"tensordesc<bf16[{tile.block_m}, {tile.block_k}]>",
-                            w_desc=f"tensordesc<bf16[{tile.block_n}, {tile.block_k}]>")
-            k = compile_sm90(m._skinny_linear_kernel, sig_, consts, div, num_warps=tile.num_warps,
-                             num_stages=tile.num_stages, launch_pdl=True)
+            k = compile_sm90(m._skinny_linear_kernel, *launch(tile, tma=tile.tma, **mode), div,
+                             num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=True)
             src = os.path.join(tmp, "k.ptx")
             with open(src, "w") as f:
                 f.write(k.asm["ptx"])
