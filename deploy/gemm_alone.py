@@ -17,6 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,14 +37,13 @@ def main() -> None:
                     help="also each unsplit tile as residual_linear (o_proj with the add + RMSNorm's first half)")
     args = ap.parse_args()
 
-    import torch
-
     from runner.triton_linear import residual_linear, skinny_linear
 
     n, k = map(int, args.shape.split("x"))
     copies, launches = 8, 28
     ws, x = _inputs(n, k, args.m, copies)
     gbytes = n * k * 2 / 1e9
+    res, g = torch.randn(args.m, n, device=x.device, dtype=x.dtype), torch.ones(n, device=x.device, dtype=x.dtype)
     us = _time_graph(lambda i: F.linear(x, ws[i]), copies, launches)
     print(f"{args.shape} M={args.m} cuBLAS: {us:.2f} us ({gbytes / us * 1e3:.2f} TB/s)")
     for spec in filter(None, args.tiles.split(";")):
@@ -57,8 +57,7 @@ def main() -> None:
             continue
         print(f"{args.shape} M={args.m} {spec}: {us:.2f} us ({gbytes / us * 1e3:.2f} TB/s)")
         if args.residual and splits == 1 and not args.gated:
-            res, g = torch.randn(args.m, n, device=x.device, dtype=x.dtype), torch.ones(n, device=x.device, dtype=x.dtype)
-            us = _time_graph(lambda i, t=tile, r=res, g=g: residual_linear(x, ws[i], r, g, 1e-5, t), copies, launches)
+            us = _time_graph(lambda i, t=tile: residual_linear(x, ws[i], res, g, 1e-5, t), copies, launches)
             print(f"{args.shape} M={args.m} {spec} residual_linear: {us:.2f} us ({gbytes / us * 1e3:.2f} TB/s)")
 
 
