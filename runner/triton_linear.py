@@ -160,6 +160,7 @@ def _skinny_linear_kernel(
     SSQ_P: tl.constexpr = 1,  # ROW_SCALE: ssq_tiles rounded up to a power of two
     RAGGED: tl.constexpr = False,  # MMA: program pid_n owns column group pid_n of n_groups (LinearTile.groups)
     TMA: tl.constexpr = False,  # MMA, not RAGGED: x / W tiles through x_desc / w_desc (LinearTile.tma)
+    EVEN_N: tl.constexpr = False,  # not RAGGED and N % BLOCK_N == 0: every column of every tile is valid
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -211,6 +212,13 @@ def _skinny_linear_kernel(
         # MMA. Split s (SPLIT_K > 1) sums the K range [s * k_split, (s + 1) * k_split) into its
         # own fp32 partial, which the consumer adds in split order (deterministic, no atomics);
         # unsplit, k_split == K. One K loop for both, so both round the same way.
+        # The stores' (and the residual load's) mask. N is never specialised, so `offs_n < N` has
+        # no known run of equal values along the columns and every access masked by it compiles to
+        # scalar (st.global.b16 / .b32); masked by rows only they are 16-byte vectors.
+        if EVEN_N:
+            mn_mask = m_mask[:, None]
+        else:
+            mn_mask = m_mask[:, None] & n_mask[None, :]
         if RESIDUAL:  # the norm weight is never written by a kernel: loaded before the wait
             g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         pdl_wait(USE_GDC)
@@ -218,7 +226,7 @@ def _skinny_linear_kernel(
             pdl_trigger(USE_GDC)
         if RESIDUAL:  # issued before the K loop, so its latency hides under the weight stream
             res = tl.load(res_ptr + rows.to(tl.int64)[:, None] * stride_rm + offs_n[None, :],
-                          mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+                          mask=mn_mask, other=0.0)
         if ROW_SCALE:  # the rows' RMSNorm factors from the producer's per-tile sums of squares
             t_cols = tl.arange(0, SSQ_P)
             sq = tl.load(ssq_ptr + rows.to(tl.int64)[:, None] * ssq_tiles + t_cols[None, :],
@@ -244,15 +252,17 @@ def _skinny_linear_kernel(
                     wu = tl.load(w_ptrs + up_shift + k0, mask=n_mask[:, None], other=0.0)
                 acc_u = tl.dot(a, tl.trans(wu), acc_u)
         if SPLIT_K > 1:
-            part = out_ptr + tl.program_id(2).to(tl.int64) * M * N
-            out_ptrs = part + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
-            tl.store(out_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+            # partials [SPLIT_K, M, N] contiguous, addressed through stride_om (== N, which a launch
+            # never specialises; stride_om it does, as a multiple of 16)
+            part = out_ptr + tl.program_id(2).to(tl.int64) * M * stride_om
+            out_ptrs = part + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+            tl.store(out_ptrs, acc, mask=mn_mask)
         elif RESIDUAL:
             # The add + RMSNorm's first half, with its roundings (runner/triton_fused_ops.py
             # _rmsnorm_kernel): the GEMM output in the model dtype, plus the residual, rounded.
             h = (acc.to(dt).to(tl.float32) + res.to(tl.float32)).to(dt)
             out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, h, mask=m_mask[:, None] & n_mask[None, :])
+            tl.store(out_ptrs, h, mask=mn_mask)
             hf = h.to(tl.float32)  # masked columns are 0
             tl.store(ssq_ptr + rows.to(tl.int64) * ssq_tiles + pid_n, tl.sum(hf * hf, axis=1), mask=m_mask)
             # xg's row stride is h's (stride_om, which a launch specialises as a multiple of 16),
@@ -260,7 +270,7 @@ def _skinny_linear_kernel(
             # at 64-row tiles (C7514, "non wgmma instructions reading accumulator registers"), and
             # o_proj at 64 rows took 16.3 us instead of 10.5 (s21-run3)
             xg_ptrs = xg_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-            tl.store(xg_ptrs, (hf * g[None, :]).to(dt), mask=m_mask[:, None] & n_mask[None, :])
+            tl.store(xg_ptrs, (hf * g[None, :]).to(dt), mask=mn_mask)
         else:
             if ROW_SCALE:  # before the bias and the rounding: (rstd * x) @ W^T, then + b
                 acc = acc * rstd[:, None]
@@ -272,7 +282,7 @@ def _skinny_linear_kernel(
             else:
                 y = acc.to(dt)
             out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, y, mask=m_mask[:, None] & n_mask[None, :])
+            tl.store(out_ptrs, y, mask=mn_mask)
         if LATE_TRIGGER:
             pdl_trigger(USE_GDC)
 
@@ -409,7 +419,8 @@ def _launch(x, weight, bias, out, tile: LinearTile, m: int, n: int, k: int, *, g
         GATED=gated, HAS_BIAS=bias is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_GDC=pdl, SPLIT_K=split_k,
         LATE_TRIGGER=tile.late_trigger, RESIDUAL=RESIDUAL, ROW_SCALE=ROW_SCALE, SSQ_P=SSQ_P, RAGGED=groups > 0,
-        TMA=tile.tma, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
+        TMA=tile.tma, EVEN_N=groups == 0 and n % tile.block_n == 0, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
 
 

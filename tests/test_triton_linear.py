@@ -308,6 +308,35 @@ def test_per_sm_groups_follow_the_device_and_fall_back_to_tiles():
                                skinny_linear(x, w, None, LinearTile(16, 16, 32, 4, 2)).float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("m", [5, 21])
+def test_whole_column_tiles_store_by_row_mask_only(m):
+    """N % block_n == 0 (EVEN_N): the stores and the residual load are masked by rows only (so
+    they vectorise); the results are those of the column-masked path (a 16-wide tile over N = 48
+    against the same tile over N = 40, whose last block is masked, on the same first 40 columns),
+    and rows past M are never written (the outputs live inside larger buffers here)."""
+    x, w, _ = _inputs(m, seed=130)
+    res, g = _rand(m, N, seed=131), _rand(N, seed=132)
+    tile = LinearTile(16, 16, 32, 4, 2)
+    cut = N - 8  # 40: not a multiple of 16
+    for split in (1, 2):
+        even = skinny_linear(x, w, None, tile, split_k=split)
+        masked = skinny_linear(x, w[:cut], None, tile, split_k=split)
+        assert torch.equal(even[..., :cut], masked)
+    h, xg, scale = residual_linear(x, w, res, g, 1e-5, tile)
+    h_m, xg_m, _ = residual_linear(x, w[:cut], res[:, :cut].contiguous(), g[:cut].contiguous(), 1e-5, tile)
+    assert torch.equal(h[:, :cut], h_m) and torch.equal(xg[:, :cut], xg_m)
+    torch.testing.assert_close(scale.ssq.sum(1), h.float().square().sum(1), rtol=1e-5, atol=1e-5)
+    # nothing past M rows or N columns is written: out is a view into a sentinel-filled buffer
+    from runner import triton_linear as tl_mod
+
+    for n in (N, cut):
+        big = torch.full((m + 16, N + 16), 7.0, device=DEVICE, dtype=torch.bfloat16)
+        tl_mod._launch(x, w[:n], None, big[:m, :n], tile, m, n, K, gated=False, pdl=False, split_k=1)
+        assert torch.equal(big[:m, :n], skinny_linear(x, w[:n], None, tile))
+        big[:m, :n] = 7.0
+        assert bool((big == 7.0).all()), n
+
+
 @pytest.mark.parametrize("m", [5, 40])
 def test_residual_linear_is_the_gemm_plus_the_residual_and_its_norm_parts(m):
     """residual_linear: h is the same tile's GEMM rounded, plus the residual, rounded (the add +
@@ -391,7 +420,7 @@ _KERNEL_SIG = textwrap.dedent(
         # mode: GATED / HAS_BIAS / RESIDUAL / ROW_SCALE / RAGGED / LATE_TRIGGER, else the tile's or off
         consts = dict(GATED=False, HAS_BIAS=False, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
                       BLOCK_K=tile.block_k, USE_GDC=True, SPLIT_K=split, LATE_TRIGGER=tile.late_trigger,
-                      RESIDUAL=False, ROW_SCALE=False, RAGGED=tile.groups != 0, TMA=tma)
+                      RESIDUAL=False, ROW_SCALE=False, RAGGED=tile.groups != 0, TMA=tma, EVEN_N=tile.groups == 0)
         consts.update(mode)
         consts["SSQ_P"] = 128 if consts["ROW_SCALE"] else 1
         sig_ = dict(sig, out_ptr="*fp32") if split > 1 else dict(sig)
