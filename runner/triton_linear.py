@@ -100,10 +100,11 @@ class LinearTile:
     # GB/s, so a GEMM of cdiv(N, block_n) = 128 long programs on 132 SMs leaves four SMs' share
     # of the bandwidth unused (ncu and the engine A/B in deploy/RESULTS.md, s19)
     groups: int = 0
-    # MMA mode, plain column tiles (groups == 0; gated: N % block_n == 0): x and W tiles come in
-    # through TMA (host-built tensor descriptors; rows past M or N arrive as zeros) instead of pointer
-    # loads, the same tiles in the same order (bit for bit the pointer tile's result). Why: the
-    # split o_proj / down tiles at 17..64 rows stream faster (SPLIT_TUNED's comment)
+    # MMA mode (gated column tiles: N % block_n == 0, or ragged groups): x and W tiles come in
+    # through TMA (host-built tensor descriptors; rows past M or the weight's arrive as zeros, rows
+    # of other columns are loaded and their results masked) instead of pointer loads, the same
+    # tiles in the same order (bit for bit the pointer tile's result). Why: the split o_proj /
+    # down tiles at 17..64 rows stream faster (SPLIT_TUNED's comment)
     tma: bool = False
 
 
@@ -159,7 +160,7 @@ def _skinny_linear_kernel(
     ROW_SCALE: tl.constexpr = False,  # MMA: each row's accumulator times rsqrt(sum(ssq row) / norm_n + eps)
     SSQ_P: tl.constexpr = 1,  # ROW_SCALE: ssq_tiles rounded up to a power of two
     RAGGED: tl.constexpr = False,  # MMA: program pid_n owns column group pid_n of n_groups (LinearTile.groups)
-    TMA: tl.constexpr = False,  # MMA, not RAGGED: x / W tiles through x_desc / w_desc (LinearTile.tma)
+    TMA: tl.constexpr = False,  # MMA: x / W tiles through x_desc / w_desc (LinearTile.tma)
     EVEN_N: tl.constexpr = False,  # not RAGGED and N % BLOCK_N == 0: every column of every tile is valid
 ):
     pid_n = tl.program_id(0)
@@ -171,10 +172,12 @@ def _skinny_linear_kernel(
         # hi - lo <= BLOCK_N, checked on the host)
         lo = tl.multiple_of((pid_n * (N // 8) // n_groups) * 8, 8)
         hi = ((pid_n + 1) * (N // 8) // n_groups) * 8
+        n0 = lo
         offs_n = lo + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
     else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
@@ -238,16 +241,18 @@ def _skinny_linear_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, k_split, BLOCK_K):
-            if TMA:  # same tiles, same dot order: rows past M and W rows past N arrive as zeros
+            if TMA:  # same tiles, same dot order: rows past M and W rows past the weight's arrive
+                # as zeros; a ragged group's or a last tile's rows past its columns are other
+                # columns' weights, whose results the stores mask
                 a = x_desc.load([pid_m * BLOCK_M, k_lo + k0])
-                w = w_desc.load([pid_n * BLOCK_N, k_lo + k0])
+                w = w_desc.load([n0, k_lo + k0])
             else:
                 a = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)  # [BM, BK]
                 w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)  # [BN, BK]
             acc = tl.dot(a, tl.trans(w), acc)
             if GATED:
                 if TMA:
-                    wu = w_desc.load([N + pid_n * BLOCK_N, k_lo + k0])
+                    wu = w_desc.load([N + n0, k_lo + k0])
                 else:
                     wu = tl.load(w_ptrs + up_shift + k0, mask=n_mask[:, None], other=0.0)
                 acc_u = tl.dot(a, tl.trans(wu), acc_u)
@@ -380,7 +385,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, tile: LinearTile) -> None:
     assert tile.block_m > 1 or not tile.late_trigger, "late_trigger: MMA tiles only"
     assert tile.block_m > 1 or not tile.groups, "groups: MMA tiles only"
     if tile.tma:
-        assert tile.block_m > 1 and not tile.groups, f"tma: plain MMA tiles only, {tile}"
+        assert tile.block_m > 1, f"tma: MMA tiles only, {tile}"
         for t in (x, weight):  # TMA: 16-byte aligned base and row stride
             assert t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0, (t.shape, t.stride())
 
@@ -403,9 +408,10 @@ def _launch(x, weight, bias, out, tile: LinearTile, m: int, n: int, k: int, *, g
     groups = _column_groups(n, tile, x.device)
     grid = (groups or triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split_k)
     if tile.tma:  # host-built: the descriptor goes into the launch (and a captured graph) by value
-        # a gated tile's up rows start at N + its first column: whole column tiles only there
-        # (plain tiles past N read zero rows, and their columns are masked at the store)
-        assert not gated or n % tile.block_n == 0, f"tma: gated N {n} not a multiple of {tile}"
+        # a gated tile's up rows start at N + its first column: whole column tiles (or ragged
+        # groups) only there (plain tiles past N read zero rows, and their columns are masked at
+        # the store)
+        assert not gated or groups or n % tile.block_n == 0, f"tma: gated N {n} not a multiple of {tile}"
         x_desc = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
         w_desc = TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k])
     else:

@@ -269,7 +269,7 @@ def test_ragged_column_groups_compute_every_column(m, groups, block_n):
 def test_tma_tiles_equal_pointer_tiles(m):
     """LinearTile.tma only changes how the x and W tiles are loaded: the plain GEMM, the gated
     epilogue, split-K partials, residual_linear and the row scale come out bit for bit as with
-    pointer loads (rows past M arrive as zeros either way)."""
+    pointer loads (rows past M arrive as zeros either way), in column tiles and ragged groups."""
     n, k = 64, 128  # N a multiple of block_n, as gated TMA tiles need
     x, w, res = _rand(m, k, seed=80), _rand(n, k, seed=81, scale=0.05), _rand(m, n, seed=82)
     g = _rand(n, seed=83)
@@ -290,8 +290,13 @@ def test_tma_tiles_equal_pointer_tiles(m):
                        skinny_linear(x, w3, None, LinearTile(bm, 32, 32, 4, 2)))
     with pytest.raises(AssertionError, match="tma"):
         skinny_linear(x, _rand(96, k, seed=86), None, LinearTile(bm, 32, 32, 4, 2, tma=True), gated=True)
-    with pytest.raises(AssertionError, match="tma"):
-        skinny_linear(x, w, None, LinearTile(bm, 16, 32, 4, 2, False, 3, tma=True))
+    # ragged column groups (N = 48 as 5 groups of 8 or 16 columns in 16-wide tiles): a group's
+    # TMA tile also loads the next group's first W rows (gated: up rows from N + its first
+    # column), whose columns the stores mask
+    for kw in ({}, {"gated": True}, {"split_k": 2}):
+        wk = _rand(96 if kw.get("gated") else 48, k, seed=87, scale=0.05)
+        assert torch.equal(skinny_linear(x, wk, None, LinearTile(bm, 16, 32, 4, 2, False, 5, tma=True), **kw),
+                           skinny_linear(x, wk, None, LinearTile(bm, 16, 32, 4, 2, False, 5), **kw)), kw
 
 
 def test_per_sm_groups_follow_the_device_and_fall_back_to_tiles():
@@ -420,8 +425,9 @@ _KERNEL_SIG = textwrap.dedent(
         # mode: GATED / HAS_BIAS / RESIDUAL / ROW_SCALE / RAGGED / LATE_TRIGGER, else the tile's or off
         consts = dict(GATED=False, HAS_BIAS=False, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
                       BLOCK_K=tile.block_k, USE_GDC=True, SPLIT_K=split, LATE_TRIGGER=tile.late_trigger,
-                      RESIDUAL=False, ROW_SCALE=False, RAGGED=tile.groups != 0, TMA=tma, EVEN_N=tile.groups == 0)
+                      RESIDUAL=False, ROW_SCALE=False, RAGGED=tile.groups != 0, TMA=tma)
         consts.update(mode)
+        consts.setdefault("EVEN_N", not consts["RAGGED"])  # the engine's N are multiples of its tiles
         consts["SSQ_P"] = 128 if consts["ROW_SCALE"] else 1
         sig_ = dict(sig, out_ptr="*fp32") if split > 1 else dict(sig)
         if tma:
@@ -451,7 +457,7 @@ _COMPILE_SCRIPT = _KERNEL_SIG + textwrap.dedent(
                         ROW_SCALE=row_scale, RAGGED=ragged)
             compile_sm90(m._skinny_linear_kernel, *launch(tile, split, **mode), num_warps=tile.num_warps,
                          num_stages=tile.num_stages, launch_pdl=True)
-            if tile.block_m > 1 and not ragged:  # the TMA loads, with the arguments a launch specialises
+            if tile.block_m > 1:  # the TMA loads, with the arguments a launch specialises
                 k = compile_sm90(m._skinny_linear_kernel, *launch(tile, split, tma=True, **mode), div,
                                  num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=True)
                 # software-pipelined: one TMA copy per operand per stage (x, W, and W's up half)
