@@ -479,14 +479,17 @@ def _largest_block_k(k: int, cap: int) -> int | None:
 # 128-wide K slices in 4 stages (5 x 64 before): alone at M = 64 27.6 us against 29.1; engine,
 # alternated on fresh models (s19-run5), batch 8 / 16 / 32 / 64 2.341-2.342 / 2.465-2.469 /
 # 2.651-2.658 / 2.979-2.981 ms against 2.343-2.351 / 2.485-2.487 / 2.672-2.685 / 3.023-3.025.
-# At M = 1 the ragged tile lost (2.064-2.066 against 2.022-2.023).
+# At M = 1 the ragged tile lost (2.064-2.066 against 2.022-2.023). At 33..64 rows the groups load
+# through TMA (s22-run5, alternated: batch 64 2.894-2.895 ms against 2.908-2.909); at 2..32 TMA
+# groups lost (batch 16 / 32 2.431-2.433 / 2.578-2.579 against 2.403-2.406 / 2.560-2.565), and
+# 64 x 64 x 64 TMA groups in 8 stages lost at 64 (2.927).
 TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
     (PLAIN, 5120, 3072): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, None), (32, None), (64, None)),
     (PLAIN, 3072, 3072): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, LinearTile(16, 32, 128, 4, 5)), (32, None), (64, None)),
     (PLAIN, 16384, 3072): ((1, None), (16, None), (32, None), (64, None)),
     (GATED, 16384, 3072): ((1, LinearTile(16, 64, 128, 4, 4, True)), (16, LinearTile(16, 64, 128, 4, 5, True, PER_SM)),
                            (32, LinearTile(32, 64, 128, 4, 5, True, PER_SM)),
-                           (64, LinearTile(64, 64, 128, 4, 4, True, PER_SM))),
+                           (64, LinearTile(64, 64, 128, 4, 4, True, PER_SM, tma=True))),
     (PLAIN, 3072, 8192): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, None), (32, None), (64, None)),
     # Orpheus-3B's lm_head (TritonOps.head runs only heads named here). M = 1 as the GEMV: alone
     # 210.8 us (4.57 TB/s) against cuBLAS 218.2 on the padded weight; engine batch 1 2.042 ms
