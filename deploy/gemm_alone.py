@@ -7,7 +7,7 @@ given on the command line (split-K and ragged column groups included), each in a
     python3 deploy/gemm_alone.py --shape 3072x3072 --m 64 --residual --tiles "64/32/128/4/6/0/0/1"
 
 A tile is bm/bn/bk/warps/stages/late/groups[/tma]/splits (deploy/bench_gpu.py parse_tile, then the
-split count last). A split tile's time is the partials' GEMM alone: whoever consumes them adds its sum.
+split count last): 8 fields are a pointer tile and its splits, so a TMA tile takes all 9. A split tile's time is the partials' GEMM alone: whoever consumes them adds its sum.
 --residual also times each unsplit tile as residual_linear (the residual epilogue of the norm fold).
 """
 
@@ -39,6 +39,13 @@ def main() -> None:
 
     from runner.triton_linear import residual_linear, skinny_linear
 
+    specs = []  # (spec, tile, splits), checked before anything runs
+    for spec in filter(None, args.tiles.split(";")):
+        fields = [int(f) for f in spec.split("/")]
+        tile, splits = (parse_tile(fields[:-1]), fields[-1]) if len(fields) > 7 else (parse_tile(fields), 1)
+        if splits < 1:  # 8 fields are a 7-field tile + splits: a TMA tile needs all 9 (.../tma/splits)
+            ap.error(f"{spec}: the last field is the split count (>= 1); a TMA tile is bm/bn/bk/w/s/late/groups/1/splits")
+        specs.append((spec, tile, splits))
     n, k = map(int, args.shape.split("x"))
     copies, launches = 8, 28
     ws, x = _inputs(n, k, args.m, copies)
@@ -46,9 +53,7 @@ def main() -> None:
     res, g = torch.randn(args.m, n, device=x.device, dtype=x.dtype), torch.ones(n, device=x.device, dtype=x.dtype)
     us = _time_graph(lambda i: F.linear(x, ws[i]), copies, launches)
     print(f"{args.shape} M={args.m} cuBLAS: {us:.2f} us ({gbytes / us * 1e3:.2f} TB/s)")
-    for spec in filter(None, args.tiles.split(";")):
-        fields = [int(f) for f in spec.split("/")]
-        tile, splits = (parse_tile(fields[:-1]), fields[-1]) if len(fields) > 7 else (parse_tile(fields), 1)
+    for spec, tile, splits in specs:
         try:
             us = _time_graph(lambda i, t=tile, s=splits: skinny_linear(x, ws[i], None, t, gated=args.gated, split_k=s),
                              copies, launches)

@@ -482,9 +482,14 @@ def _largest_block_k(k: int, cap: int) -> int | None:
 # At M = 1 the ragged tile lost (2.064-2.066 against 2.022-2.023). At 33..64 rows the groups load
 # through TMA (s22-run5, alternated: batch 64 2.894-2.895 ms against 2.908-2.909); at 2..32 TMA
 # groups lost (batch 16 / 32 2.431-2.433 / 2.578-2.579 against 2.403-2.406 / 2.560-2.565), and
-# 64 x 64 x 64 TMA groups in 8 stages lost at 64 (2.927).
+# 64 x 64 x 64 TMA groups in 8 stages lost at 64 (2.927). qkv at 49..64 rows is a TMA tile
+# (cuBLAS before): alone 10.59 us against cuBLAS 10.18 (12.06 in s20, before its stores were
+# vectorised), and launched with PDL it lets the attention start under its tail: batch 64
+# 2.867-2.876 ms against 2.890-2.893 (s22-run10, alternated 3 times); at 33..48 it lost (batch 48
+# 2.715 against 2.701-2.707, s22-run9), and 8 warps lost at both.
 TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
-    (PLAIN, 5120, 3072): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, None), (32, None), (64, None)),
+    (PLAIN, 5120, 3072): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, None), (32, None), (48, None),
+                          (64, LinearTile(64, 64, 128, 4, 6, tma=True))),
     (PLAIN, 3072, 3072): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, LinearTile(16, 32, 128, 4, 5)), (32, None), (64, None)),
     (PLAIN, 16384, 3072): ((1, None), (16, None), (32, None), (64, None)),
     (GATED, 16384, 3072): ((1, LinearTile(16, 64, 128, 4, 4, True)), (16, LinearTile(16, 64, 128, 4, 5, True, PER_SM)),
