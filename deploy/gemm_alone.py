@@ -7,7 +7,8 @@ given on the command line (split-K and ragged column groups included), each in a
     python3 deploy/gemm_alone.py --shape 3072x3072 --m 64 --residual --tiles "64/32/128/4/6/0/0/1"
 
 A tile is bm/bn/bk/warps/stages/late/groups[/tma]/splits (deploy/bench_gpu.py parse_tile, then the
-split count last): 8 fields are a pointer tile and its splits, so a TMA tile takes all 9. A split tile's time is the partials' GEMM alone: whoever consumes them adds its sum.
+split count last): 8 fields are a pointer tile and its splits, so a TMA tile takes all 9. A split
+tile's time is the partials' GEMM alone: whoever consumes them adds its sum.
 --residual also times each unsplit tile as residual_linear (the residual epilogue of the norm fold).
 """
 

@@ -14,7 +14,8 @@ Two modes, picked by the tile:
   writes weights. fp32 FMA.
 * MMA (block_m >= 16): `tl.dot` on [block_m, block_k] x [block_k, block_n] tiles, Triton's
   software pipeline (`num_stages`) streaming W through shared memory, its tiles loaded by
-  pointer or, with `LinearTile.tma`, by the TMA unit (the split o_proj / down from 17 rows).
+  pointer or, with `LinearTile.tma`, by the TMA unit (the split o_proj / down from 17 rows,
+  gate_up's ragged groups from 33 rows, qkv from 49).
 
 Each output element is one program's dot product over K in a fixed order, so a row's result
 depends on neither M nor the other rows (graph padding cannot change it). The one exception to
@@ -104,7 +105,8 @@ class LinearTile:
     # through TMA (host-built tensor descriptors; rows past M or the weight's arrive as zeros, rows
     # of other columns are loaded and their results masked) instead of pointer loads, the same
     # tiles in the same order (bit for bit the pointer tile's result). Why: the split o_proj /
-    # down tiles at 17..64 rows stream faster (SPLIT_TUNED's comment)
+    # down tiles at 17..64 rows, gate_up at 33..64 and qkv at 49..64 run faster (SPLIT_TUNED's and
+    # TUNED's comments)
     tma: bool = False
 
 
@@ -528,7 +530,8 @@ TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
 # 2.963-2.971 (s20-run6/7); around that table (s20-run9, 2.915-2.918) these late-trigger, 8-warp
 # and 64-wide-K variants lost (2.919-2.943). TMA lost elsewhere: the M <= 16 split and fold tiles (batch 8 / 16
 # 2.349-2.353 / 2.447-2.450), gate_up at 64 rows (128 TMA tiles instead of the 132 ragged
-# groups: 2.992), qkv at 64 (3.008 against cuBLAS's 2.984-2.990), s20-run3/4.
+# groups: 2.992), qkv at 64 (3.008 against cuBLAS's 2.984-2.990), s20-run3/4; both won in s22,
+# as TMA-fed ragged groups and, with whole-column stores, as a qkv tile (TUNED's comment).
 SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...]] = {
     (3072, 3072): ((8, LinearTile(16, 64, 64, 4, 4, True), 8), (32, LinearTile(32, 64, 128, 4, 4, tma=True), 2),
                    (64, LinearTile(64, 64, 128, 4, 5, tma=True), 2)),
@@ -552,9 +555,9 @@ SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...
 # for 2 split-K partials + the norm launch, s18-run1/3/6; profile: o_proj 18.3 us against 8.4;
 # s20-run11, o_proj as an unsplit 64 x 32 x 128 TMA tile, 8.4 us alone: batch 64 3.063-3.071 ms
 # against 2.920-2.929). Much of that was ptxas serialising the 64-row residual tile's MMAs (the
-# xg stride, fixed in s21: residual_linear alone 16.3 -> 12.75 us, plain tile 10.4); with the
-# fix the fold still loses a little: batch 32 / 64 2.624-2.627 / 2.927-2.933 against 2.599 /
-# 2.917-2.922 (s21-run5).
+# xg stride, fixed in s21: residual_linear alone 16.3 -> 12.75 us, plain 10.4, all as the
+# pointer tile: deploy/RESULTS.md s22's correction); with the fix the fold still loses a little:
+# batch 32 / 64 2.624-2.627 / 2.927-2.933 against 2.599 / 2.917-2.922 (s21-run5).
 FOLD_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None], ...]] = {
     (3072, 3072): ((1, None), (8, LinearTile(16, 32, 128, 4, 5)), (16, LinearTile(16, 32, 128, 4, 5)), (32, None),
                    (64, None)),
