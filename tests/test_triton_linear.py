@@ -477,9 +477,12 @@ def test_kernel_compiles_for_sm90_with_pdl():
 # may have its MMAs serialised (ptxas C7514, "wgmma.mma_async instructions are serialized"), a
 # silent ~0.24 us per K step. It hid the 64-row residual tile for three sessions: xg's row
 # stride was N, and residual_linear at 64 rows took 16.3 us against 10.5 (deploy/RESULTS.md s21).
+# Nor may a tile store its outputs one element per instruction, as every column-masked store did
+# until s22 (the split partials: 32 st.global.b32 per thread instead of 8 vectors).
 _SERIALISED_SCRIPT = _KERNEL_SIG + textwrap.dedent(
     """
     import os
+    import re
     import subprocess
     import tempfile
 
@@ -505,6 +508,10 @@ _SERIALISED_SCRIPT = _KERNEL_SIG + textwrap.dedent(
             out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", src + ".cubin"], capture_output=True,
                                  text=True, check=True)
             assert "C7514" not in out.stdout + out.stderr, (tile, mode, out.stderr[-600:])
+            # every table N is a multiple of its tiles: the outputs leave as vectors, one scalar
+            # store per row only for residual_linear's sums of squares (EVEN_N; s22)
+            scalar = len(re.findall("st[.]global[.]b(?:16|32) ", k.asm["ptx"]))  # not .v2 / .v4
+            assert scalar == (1 if mode.get("RESIDUAL") else 0), (tile, mode, scalar)
     print("compiled")
     """
 )
