@@ -99,8 +99,12 @@ _COMPILE_SCRIPT = textwrap.dedent(
     from runner import triton_argmax as m
     from tests.triton_interpreter import compile_sm90
 
-    compile_sm90(m._piece_max_kernel, dict(x_ptr="*bf16", val_ptr="*fp32", idx_ptr="*i32", V="i32",
-                 stride_x="i32", P="i32"), dict(CHUNK=m.CHUNK, USE_GDC=True), num_warps=4, launch_pdl=True)
+    # as a launch on the padded logits specialises it (aligned pointers, row stride 156992; V never)
+    k = compile_sm90(m._piece_max_kernel, dict(x_ptr="*bf16", val_ptr="*fp32", idx_ptr="*i32", V="i32",
+                     stride_x="i32", P="i32"), dict(CHUNK=m.CHUNK, USE_GDC=True),
+                     ("x_ptr", "val_ptr", "idx_ptr", "stride_x"), num_warps=4, launch_pdl=True)
+    # a whole piece loads as 16-byte vectors (masked by cols < V it was 32 scalar loads per thread)
+    assert k.asm["ptx"].count("ld.global.v4.b32") == m.CHUNK * 2 // 16 // 128, k.asm["ptx"].count("ld.global")
     compile_sm90(m._row_argmax_kernel, dict(val_ptr="*fp32", idx_ptr="*i32", out_ptr="*i64", P="i32"),
                  dict(P_BLOCK=64, USE_GDC=True), num_warps=1, launch_pdl=True)
     print("compiled")
