@@ -361,7 +361,8 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     `swept` takes TUNED from this run's gemm sweep (`swept`, its "tuned" rows); `skip=OP`
     times the step without one per-layer op (skip_op: its critical-path cost); `attn:NAME=INT`
     sets a constant of runner/triton_attention.py (PREFETCH_MIN_SPLITS, TABLE_CHUNK,
-    SHORT_WAVE_PROGRAMS_PER_SM, SHORT_WAVE_STAGES, NUM_STAGES, DEFAULT_BLOCK_N, SPLIT_BLOCK_N); `attn_splits=N`
+    SHORT_WAVE_PROGRAMS_PER_SM, SHORT_WAVE_STAGES, NUM_STAGES, DEFAULT_BLOCK_N, SPLIT_BLOCK_N,
+    _NUM_WARPS); `attn_splits=N`
     fixes the decode attention's split count at every batch size; `fp32_greedy` takes greedy ids
     as argmax over the fp32 logits copy (the path before greedy_ids, s12 and earlier);
     `torch_argmax` takes them with torch.argmax instead of runner/triton_argmax.py."""
@@ -377,7 +378,7 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     base_fold = dict(triton_linear.FOLD_TUNED)
     base_attn = {name: getattr(triton_attention, name) for name in
                  ("PREFETCH_MIN_SPLITS", "TABLE_CHUNK", "SHORT_WAVE_PROGRAMS_PER_SM", "SHORT_WAVE_STAGES",
-                  "NUM_STAGES", "DEFAULT_BLOCK_N", "SPLIT_BLOCK_N")}
+                  "NUM_STAGES", "DEFAULT_BLOCK_N", "SPLIT_BLOCK_N", "_NUM_WARPS")}
 
     def reset() -> None:  # every variant starts from the run's options, and the run ends there
         for name, value in base_attn.items():
