@@ -531,7 +531,9 @@ TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
 # and 64-wide-K variants lost (2.919-2.943). TMA lost elsewhere: the M <= 16 split and fold tiles (batch 8 / 16
 # 2.349-2.353 / 2.447-2.450), gate_up at 64 rows (128 TMA tiles instead of the 132 ragged
 # groups: 2.992), qkv at 64 (3.008 against cuBLAS's 2.984-2.990), s20-run3/4; both won in s22,
-# as TMA-fed ragged groups and, with whole-column stores, as a qkv tile (TUNED's comment).
+# as TMA-fed ragged groups and, with whole-column stores, as a qkv tile (TUNED's comment). Since
+# s23 o_proj's 33..64 row serves the unfolded path only: the default folds the norm there
+# (FOLD_TUNED).
 SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...]] = {
     (3072, 3072): ((8, LinearTile(16, 64, 64, 4, 4, True), 8), (32, LinearTile(32, 64, 128, 4, 4, tma=True), 2),
                    (64, LinearTile(64, 64, 128, 4, 5, tma=True), 2)),
@@ -556,11 +558,17 @@ SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...
 # s20-run11, o_proj as an unsplit 64 x 32 x 128 TMA tile, 8.4 us alone: batch 64 3.063-3.071 ms
 # against 2.920-2.929). Much of that was ptxas serialising the 64-row residual tile's MMAs (the
 # xg stride, fixed in s21: residual_linear alone 16.3 -> 12.75 us, plain 10.4, all as the
-# pointer tile: deploy/RESULTS.md s22's correction); with the fix the fold still loses a little:
-# batch 32 / 64 2.624-2.627 / 2.927-2.933 against 2.599 / 2.917-2.922 (s21-run5).
+# pointer tile: deploy/RESULTS.md s22's correction); with the fix the fold still lost a little:
+# batch 32 / 64 2.624-2.627 / 2.927-2.933 against 2.599 / 2.917-2.922 (s21-run5). Once its h and
+# xg left as 16-byte vectors (EVEN_N, s22) it won at 33..64 rows as that 64 x 32 x 128 TMA tile in
+# 6 stages (9.0 us alone as residual_linear against 7.6 for the 2-split partials, but no norm
+# launch): batch 64 2.820-2.831 ms against 2.855-2.869 with the row at None, batch 48 2.706-2.710
+# against 2.715-2.720, batch 40 a tie (s23-run2/3, alternated on fresh models); 8 stages tied,
+# 64 x 64 x 128 lost (3.034). At 17..32 rows the 32 x 32 x 128 TMA tile still lost (batch 24 / 32
+# 2.511-2.514 / 2.542-2.546 against 2.496-2.503 / 2.529-2.535, s23-run3).
 FOLD_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None], ...]] = {
     (3072, 3072): ((1, None), (8, LinearTile(16, 32, 128, 4, 5)), (16, LinearTile(16, 32, 128, 4, 5)), (32, None),
-                   (64, None)),
+                   (64, LinearTile(64, 32, 128, 4, 6, tma=True))),
 }
 
 

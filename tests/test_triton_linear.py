@@ -497,7 +497,7 @@ _SERIALISED_SCRIPT = _KERNEL_SIG + textwrap.dedent(
         cases += [(t, dict(GATED=gated)) for _, t in rows if t is not None and t.block_m > 1]
         cases += [(t, dict(GATED=True, ROW_SCALE=True)) for _, t in rows if gated and t is not None and t.block_m > 1]
     cases += [(t, dict(RESIDUAL=True)) for rows in m.FOLD_TUNED.values() for _, t in rows if t is not None]
-    cases.append((m.LinearTile(64, 32, 128, 4, 6, tma=True), dict(RESIDUAL=True)))  # the s21 case
+    cases.append((m.LinearTile(64, 32, 128, 4, 6, tma=True), dict(RESIDUAL=True)))  # s21's case (FOLD_TUNED's since s23)
     with tempfile.TemporaryDirectory() as tmp:
         for tile, mode in cases:
             k = compile_sm90(m._skinny_linear_kernel, *launch(tile, tma=tile.tma, **mode), div,
