@@ -11,7 +11,8 @@ materialises a tensor in the model dtype, the kernel rounds to that dtype too (f
 between). A product of two bf16/fp16 values is exact in fp32, so those steps match torch bit for
 bit; what can differ is the fp32 sum-of-squares order in RMSNorm and the exp/rsqrt
 implementations, i.e. occasionally one unit in the last place of the model dtype (and for fp32
-models, a few fp32 ulps). RoPE's products are kept out of FMA contraction (`_mul`).
+models, a few fp32 ulps). RoPE's products are kept out of FMA contraction
+(runner/triton_rope.py).
 
 All launches read only tensor metadata on the host (shapes, strides, dtypes), never values, so
 they can be captured in a CUDA graph once compiled (one eager call per shape/dtype beforehand).
@@ -21,8 +22,6 @@ TRITON_INTERPRET=1 on CPU).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +45,7 @@ from runner.triton_linear import (
     tile_for,
 )
 from runner.triton_pdl import pdl_enter
+from runner.triton_rope import rope_pair
 
 # SiLU*mul: columns per program. 1024 bf16 = 2 KiB per operand: at T=1 and I=8192 that still
 # spreads over 8 programs; at large T the grid is big anyway.
@@ -110,43 +110,6 @@ def _rmsnorm_kernel(
     normed = (xf * tl.math.rsqrt(var + eps)).to(dt)  # torch: .to(dtype)
     out = w.to(tl.float32) * normed.to(tl.float32)  # exact for 16-bit inputs, rounded once below
     tl.store(out_ptr + r * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-# Under the interpreter there is no libdevice (and numpy never contracts); on the GPU the
-# products of RoPE go through mul.rn, which ptxas never fuses into an FMA: with plain `*`, LLVM
-# contracts x1*c - r(x2*s) into one fma.rn.bf16 and the result is no longer torch's r(r(x1*c) -
-# r(x2*s)) (one ulp apart now and then, and differently in different kernels).
-_EXACT_MUL = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
-
-
-@triton.jit
-def _mul(a, b):
-    if _EXACT_MUL:
-        return tl.extra.cuda.libdevice.mul_rn(a, b)
-    else:
-        return a * b
-
-
-@triton.jit
-def rope_pair(x1, x2, c, s, ROUND: tl.constexpr):
-    """Rotate-half RoPE of the two halves (x1, x2) of head vectors: (x1*c - x2*s, x2*c + x1*s) in
-    the model dtype. The one definition of RoPE's roundings, shared by the RoPE kernel and the
-    decode attention kernel's fused RoPE (runner/triton_attention.py), so the two agree bit for bit.
-
-    torch computes q*cos + cat(-x2, x1)*sin with every product and the sum rounded to the model
-    dtype (ROUND); (-a)*b rounds to -(a*b), and p + (-q) == p - q exactly. c, s: fp32, already
-    rounded to the model dtype when ROUND.
-    """
-    dt = x1.dtype
-    f1 = x1.to(tl.float32)
-    f2 = x2.to(tl.float32)
-    if ROUND:
-        o1 = _mul(f1, c).to(dt).to(tl.float32) - _mul(f2, s).to(dt).to(tl.float32)
-        o2 = _mul(f2, c).to(dt).to(tl.float32) + _mul(f1, s).to(dt).to(tl.float32)
-    else:
-        o1 = _mul(f1, c) - _mul(f2, s)
-        o2 = _mul(f2, c) + _mul(f1, s)
-    return o1.to(dt), o2.to(dt)
 
 
 @triton.jit
