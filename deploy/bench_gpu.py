@@ -77,7 +77,7 @@ ORPHEUS_3B = {
 BATCHES = [1, 8, 32, 64, 128, 256]
 # RunnerConfig kernel options of every engine this run builds (--skinny-linear, --pdl, ...)
 KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "attention_prefetch": True, "split_k": True,
-           "norm_fold": True}
+           "norm_fold": True, "qkv_rope": True}
 PROMPT, NEW = 100, 500
 
 
@@ -298,6 +298,10 @@ def skip_op(model, name: str) -> None:
         # unfolded path (a `norm_fold=1` step has no post-attention norm launch to skip; the
         # bench's model always has TritonOps)
         ops.norm_fold = False
+    if name in ("attn", "qkv"):
+        # likewise the qkv GEMM with RoPE and the KV write (ops.qkv_rope_write): time the
+        # separate qkv GEMM and attention launches it replaces
+        ops.qkv_rope = False
     weight_shapes = {"qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size),
                      "o": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
                      "down": (cfg.hidden_size, cfg.intermediate_size)}  # nn.Linear [N, K]

@@ -193,8 +193,12 @@ class RunnerConfig:
     attention_prefetch: bool = True
     split_k: bool = True  # o_proj / down of 2..64 rows as split-K partials summed by the add + RMSNorm
     # o_proj adds the residual and gate_up finishes the post-attention RMSNorm (no norm launch
-    # between them) where runner/triton_linear.py FOLD_TUNED says so (2..16 rows)
+    # between them) where runner/triton_linear.py FOLD_TUNED says so (2..16 and 33..64 rows)
     norm_fold: bool = True
+    # pure-decode steps: the qkv GEMM rotates q / k and writes this token's K/V to the cache in
+    # its epilogue where its Triton tile runs (runner/triton_qkv_rope.py; 49..64 rows here), and
+    # the attention kernel after it only attends
+    qkv_rope: bool = True
     # also capture pure-decode graphs that keep every layer's output, so a decode step with a
     # hidden-state request replays a graph instead of running eagerly (host-bound: every stream
     # of the batch waits). Memory: (layers + 1) x max_num_seqs x hidden x dtype in the graph pool

@@ -22,6 +22,12 @@ Contract shared by both (shapes: T tokens, hidden H, heads Hq/Hkv, head_dim D, i
 * rope_write_kv(q, k, v, cos, sin, positions, kv_cache, slot_mapping) -> (q', k')
       rope, then the rotated k and v written to their flat slots of kv_cache
       [2, NB, BS, Hkv, D] (same contract as runner.attention.write_kv).
+* qkv_rope_write(x [T, H], qkv_proj [(Hq + 2 Hkv) D, H], num_q_heads, cos, sin, positions,
+      kv_cache, slot_mapping) -> q' [T, Hq, D] | None
+      linear(x, qkv_proj), then rope_write_kv of its q / k / v views, as one launch where the
+      ops have such a kernel for this shape (TritonOps: runner/triton_qkv_rope.py); only q
+      comes back, k and v are in the cache. None: no such kernel here, the caller runs the two
+      (TorchOps always)
 * silu_and_mul(gate_up [T, 2I]) -> [T, I]            silu(gate) * up, gate = first half
 * linear(x [T, K], lin: nn.Linear [N, K], into_norm=False) -> [T, N]   x @ W^T + b
       into_norm=True: the result only feeds add_rmsnorm (as its x) or materialize, and
@@ -120,6 +126,11 @@ class TorchOps:
         write_kv(k, v, kv_cache, slot_mapping)
         return q, k
 
+    def qkv_rope_write(self, x: torch.Tensor, qkv_proj: torch.nn.Linear, num_q_heads: int, cos: torch.Tensor,
+                       sin: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> torch.Tensor | None:
+        return None  # no single-launch form: linear + rope_write_kv
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
         return F.silu(gate) * up
@@ -147,17 +158,18 @@ class TorchOps:
 
 
 def make_ops(device: torch.device | str, skinny_linear: bool = True, pdl: bool = True, split_k: bool = True,
-             norm_fold: bool = True):
+             norm_fold: bool = True, qkv_rope: bool = True):
     """Fused Triton kernels on CUDA, plain torch elsewhere (chosen once, at construction).
 
     On CUDA: `skinny_linear` runs decode-sized 16-bit GEMMs in Triton (runner/triton_linear.py),
     `split_k` lets o_proj / down hand split-K partials to the add + RMSNorm, `norm_fold` lets
-    post_attention finish the post-attention RMSNorm inside gate_up, `pdl` launches the kernels
-    with programmatic dependent launch where the GPU has it."""
+    post_attention finish the post-attention RMSNorm inside gate_up, `qkv_rope` lets
+    qkv_rope_write rotate q / k and write the cache in the qkv GEMM's epilogue, `pdl` launches
+    the kernels with programmatic dependent launch where the GPU has it."""
     if torch.device(device).type == "cuda":
         from runner.triton_fused_ops import TritonOps  # needs triton, present with CUDA torch
         from runner.triton_pdl import pdl_available
 
         return TritonOps(pdl=pdl and pdl_available(device), skinny_linear=skinny_linear, split_k=split_k,
-                         norm_fold=norm_fold)
+                         norm_fold=norm_fold, qkv_rope=qkv_rope)
     return TorchOps()

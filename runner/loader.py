@@ -164,7 +164,7 @@ def kernels_for(runner: RunnerConfig) -> tuple[object, object]:
     attn = make_attention_backend(dev, pdl=runner.pdl, rope_in_attention=runner.rope_in_attention,
                                   attention_prefetch=runner.attention_prefetch)
     return attn, make_ops(dev, skinny_linear=runner.skinny_linear, pdl=runner.pdl, split_k=runner.split_k,
-                          norm_fold=runner.norm_fold)
+                          norm_fold=runner.norm_fold, qkv_rope=runner.qkv_rope)
 
 
 @torch.no_grad()

@@ -584,6 +584,9 @@ class TritonPagedAttention:
     """
 
     accepts_prewritten_kv = True
+    # `forward_decode_cached`: a pure-decode step whose K/V the qkv GEMM already wrote
+    # (runner/triton_qkv_rope.py) only attends
+    decodes_from_cache = True
     supports_token_rows = True  # AttentionMetadata.token_*: short prefills as decode rows
     # `forward_decode_rope`: pure-decode steps rotate q/k and write the cache inside the kernel
     # (one launch per layer fewer) where `decode_rope_fused` says so; off with
@@ -649,6 +652,19 @@ class TritonPagedAttention:
         return paged_decode_attention(
             q, kv_cache, meta.block_tables, meta.seq_lens, scale, num_splits=self.num_splits, pdl=self.pdl
         )
+
+    def forward_decode_cached(
+        self,
+        q: torch.Tensor,  # [B, Hq, D], rotated
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D], this step's K/V included
+        meta: AttentionMetadata,  # pure decode (meta.pure_decode)
+        scale: float,
+    ) -> torch.Tensor:  # [B, Hq, D]
+        """A pure-decode step whose RoPE and K/V write were done before (ops.qkv_rope_write): the
+        decode kernel alone, the same launch `forward_prewritten_kv` makes for such a step."""
+        assert meta.pure_decode and q.shape[0] == meta.seq_lens.shape[0], (q.shape, meta.seq_lens.shape)
+        return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, num_splits=self.num_splits,
+                                      pdl=self.pdl)
 
     def decode_rope_fused(self, batch: int, num_kv_heads: int, device: torch.device) -> bool:
         """Whether a pure-decode step of `batch` rows runs RoPE + KV write inside the kernel (a

@@ -45,6 +45,7 @@ from runner.triton_linear import (
     tile_for,
 )
 from runner.triton_pdl import pdl_enter
+from runner.triton_qkv_rope import qkv_rope_write
 from runner.triton_rope import rope_pair
 
 # SiLU*mul: columns per program. 1024 bf16 = 2 KiB per operand: at T=1 and I=8192 that still
@@ -357,16 +358,18 @@ class TritonOps:
     otherwise F.linear (cuBLAS). `split_k`: a `linear(..., into_norm=True)` (o_proj, down) may
     return split-K `Partials` where SPLIT_TUNED says so; `add_rmsnorm` sums them. `norm_fold`:
     `post_attention` runs o_proj as residual_linear and finishes the RMSNorm inside gate_up where
-    FOLD_TUNED says so. All fixed at construction; the tile (or none) per call from the GEMM's
-    shape and M.
+    FOLD_TUNED says so. `qkv_rope`: `qkv_rope_write` runs the qkv GEMM with RoPE and the KV
+    write in its epilogue (runner/triton_qkv_rope.py) wherever qkv's tile is an MMA tile. All
+    fixed at construction; the tile (or none) per call from the GEMM's shape and M.
     """
 
     def __init__(self, pdl: bool = False, skinny_linear: bool = True, split_k: bool = True,
-                 norm_fold: bool = True) -> None:
+                 norm_fold: bool = True, qkv_rope: bool = True) -> None:
         self.pdl = pdl
         self.skinny = skinny_linear
         self.split_k = skinny_linear and split_k
         self.norm_fold = skinny_linear and norm_fold
+        self.qkv_rope = skinny_linear and qkv_rope
 
     @staticmethod
     def _skinny_dtypes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -405,6 +408,23 @@ class TritonOps:
         slot_mapping: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_(q, k, cos, sin, positions, v=v, kv_cache=kv_cache, slot_mapping=slot_mapping, pdl=self.pdl)
+
+    def qkv_rope_write(self, x: torch.Tensor, qkv_proj: torch.nn.Linear, num_q_heads: int, cos: torch.Tensor,
+                       sin: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> torch.Tensor | None:
+        """One launch where qkv runs as an MMA tile of the table (no bias, the cache in the model
+        dtype, head_dim / 2 a multiple of the tile's half-width); else None (from shapes and
+        dtypes only, so an eager step and its graph bucket agree). Why: the attention kernel
+        after it then starts on K/V at once (runner/triton_qkv_rope.py). H200, Orpheus-3B,
+        batch 64 (qkv's TMA tile at 49..64 rows), alternated 3 times on fresh models
+        (deploy/RESULTS.md s23-run10): 2.845-2.847 ms per step against 2.858-2.869 without."""
+        if not self.qkv_rope or qkv_proj.bias is not None or kv_cache.dtype != x.dtype:
+            return None
+        tile = self._tile(PLAIN, x, qkv_proj)
+        if tile is None or tile.block_m == 1 or tile.groups or (kv_cache.shape[-1] // 2) % (tile.block_n // 2):
+            return None
+        return qkv_rope_write(x, qkv_proj.weight, tile, cos, sin, positions, kv_cache, slot_mapping, num_q_heads,
+                              pdl=self.pdl)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(gate_up, pdl=self.pdl)

@@ -121,6 +121,10 @@ class Attention(nn.Module):
         # ... and one that `fuses_decode_rope` does RoPE + KV write + attention of a pure-decode
         # step in a single launch (at the batch sizes where its `decode_rope_fused` says so).
         self.rope_in_attention = self.fuse_kv_write and attn.fuses_decode_rope
+        # ... and one that `decodes_from_cache` can take a pure-decode step whose RoPE and K/V
+        # write the ops did in the qkv GEMM (ops.qkv_rope_write, where they have that kernel;
+        # not with per-head q/k norms, which come between the GEMM and RoPE)
+        self.qkv_rope = bool(getattr(attn, "decodes_from_cache", False)) and not cfg.qk_norm
         # Shared, not owned: a plain attribute keeps it out of this module's state_dict.
         self._rotary = (rotary,)
 
@@ -128,6 +132,12 @@ class Attention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
+        rot = self._rotary[0]
+        if self.qkv_rope and meta.pure_decode:
+            q = self.ops.qkv_rope_write(x, self.qkv_proj, self.num_heads, rot.cos, rot.sin, positions, kv_cache,
+                                        meta.slot_mapping)
+            if q is not None:  # q rotated, this token's K/V in the cache
+                return self.attn.forward_decode_cached(q, kv_cache, meta, self.scale).reshape(t, self.q_size)
         qkv = self.ops.linear(x, self.qkv_proj)  # [T, q_size + 2*kv_size]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         # Strided views into qkv (row stride q_size + 2*kv_size); the ops handle the strides.
@@ -137,7 +147,6 @@ class Attention(nn.Module):
         if self.qk_norm:  # Qwen3: per-head RMSNorm over head_dim, before RoPE
             q = self.ops.rmsnorm(q, self.q_norm.weight, self.q_norm.eps)
             k = self.ops.rmsnorm(k, self.k_norm.weight, self.k_norm.eps)
-        rot = self._rotary[0]
         # rope may rotate q/k in place (TritonOps): the pre-RoPE q/k are not used again.
         if self.rope_in_attention and meta.pure_decode and self.attn.decode_rope_fused(t, self.num_kv_heads, x.device):
             out = self.attn.forward_decode_rope(q, k, v, rot.cos, rot.sin, positions, kv_cache, meta, self.scale)
