@@ -22,7 +22,8 @@ the kernel is built around reading those bytes once and nothing else:
   The split count and tile length depend on (B, Hkv, SM count) only, never on the table's
   width, so an eager step and a graph replay of the same rows compute the same values.
 * Pure decode may also fuse RoPE and the KV write (`DecodeRope`,
-  `TritonPagedAttention.decode_rope_fused`). Split 32 ways (batch 1), it also issues every load
+  `TritonPagedAttention.decode_rope_fused`), unless the qkv GEMM before it has done both in its
+  epilogue (runner/triton_qkv_rope.py; then `forward_decode_cached` only attends). Split 32 ways (batch 1), it also issues every load
   the step's earlier kernels do not write (seq_len, block table, first K/V tile, RoPE rows)
   before the PDL wait, so they run under the qkv GEMM's tail (`prefetches`).
 
