@@ -322,7 +322,7 @@ def skinny_linear(
     eager call per shape has compiled it)."""
     m = x.shape[0]
     n, k = weight.shape
-    _check(x, weight, tile)
+    check_operands(x, weight, tile)
     if gated:
         assert n % 2 == 0 and bias is None, "gated: weight rows gate | up, no bias"
         n //= 2
@@ -365,7 +365,7 @@ def residual_linear(
     GEMM on the normalised rows."""
     m = x.shape[0]
     n, k = weight.shape
-    _check(x, weight, tile)
+    check_operands(x, weight, tile)
     assert tile.block_m > 1, "residual_linear: MMA tile"
     assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1, residual.shape
     assert norm_weight.shape == (n,) and norm_weight.is_contiguous(), norm_weight.shape
@@ -379,7 +379,9 @@ def residual_linear(
     return h, xg, RowScale(ssq, n, eps)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, tile: LinearTile) -> None:
+def check_operands(x: torch.Tensor, weight: torch.Tensor, tile: LinearTile) -> None:
+    """x [M, K] and weight [N, K] fit `tile` (layouts, K, and what TMA needs): every launcher of
+    a tile checks them here (also runner/triton_qkv_rope.py)."""
     m, k = x.shape[0], weight.shape[1]
     assert x.dim() == 2 and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, x.stride(), weight.stride())
     assert x.shape[1] == k and k % tile.block_k == 0, (x.shape, weight.shape, tile)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from runner.triton_linear import LinearTile
+from runner.triton_linear import LinearTile, check_operands
 from runner.triton_pdl import pdl_trigger, pdl_wait
 from runner.triton_rope import rope_pair
 
@@ -161,9 +161,10 @@ def qkv_rope_write(
     n = weight.shape[0]
     half = d // 2
     bn = tile.block_n // 2
-    assert n == (num_q_heads + 2 * hkv) * d and weight.shape[1] == k, (weight.shape, num_q_heads, hkv, d)
-    assert tile.block_m > 1 and half % bn == 0 and k % tile.block_k == 0, (tile, d, k)
-    assert x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype == kv_cache.dtype
+    check_operands(x, weight, tile)
+    assert n == (num_q_heads + 2 * hkv) * d, (weight.shape, num_q_heads, hkv, d)
+    assert tile.block_m > 1 and half % bn == 0, (tile, d)
+    assert x.dtype == weight.dtype == kv_cache.dtype, (x.dtype, weight.dtype, kv_cache.dtype)
     assert cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape and cos.shape[1] == d
     assert cos.stride(1) == 1 and sin.stride(1) == 1 and positions.shape == (m,) and slot_mapping.shape == (m,)
     flat = kv_cache.view(2, nb * bs, hkv, d)  # needs contiguous blocks, like write_kv
@@ -172,8 +173,6 @@ def qkv_rope_write(
     if m == 0:
         return q.view(0, num_q_heads, d)
     if tile.tma:  # host-built: the descriptor goes into the launch (and a captured graph) by value
-        for t in (x, weight):  # TMA: 16-byte aligned base and row stride
-            assert t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0, (t.shape, t.stride())
         x_desc = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
         w_desc = TensorDescriptor.from_tensor(weight, [bn, tile.block_k])
     else:

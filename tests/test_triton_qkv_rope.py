@@ -29,6 +29,8 @@ from tests.triton_interpreter import (
 _CUDA = interpret_without_cuda()
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
 
+from runner.config import RopeConfig
+from runner.models.llama import RotaryEmbedding
 from runner.triton_fused_ops import TritonOps, rope_
 from runner.triton_linear import PLAIN, TUNED, LinearTile, skinny_linear
 from runner.triton_qkv_rope import _qkv_rope_kernel, qkv_rope_write
@@ -47,10 +49,9 @@ def _rand(*shape, seed, dtype=torch.bfloat16, scale=1.0):
 
 
 def _tables(p: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    f = torch.outer(torch.arange(p, dtype=torch.float32), inv)
-    emb = torch.cat((f, f), dim=-1)  # cat(f, f) rows, as RotaryEmbedding's
-    return emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+    """The model's own fp32 [P, D] cos / sin tables (cat(f, f) rows)."""
+    rot = RotaryEmbedding(d, p, RopeConfig())
+    return rot.cos.to(DEVICE), rot.sin.to(DEVICE)
 
 
 def _case(m: int, seed: int):
