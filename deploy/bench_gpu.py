@@ -361,7 +361,8 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     GPU state): `variants` = ';'-separated variants, each ','-separated RunnerConfig kernel
     overrides and tile-table rows, e.g. "default;rope_in_attention=0;tile:plain:3072:3072:1=1/8/1024/4/1";
     `split:N:K=...` replaces a SPLIT_TUNED entry (parse_split_override); `fold:N:K:MAX_M=bm/bn/bk/warps/stages[/late]`
-    (or `=none`) replaces that row of FOLD_TUNED;
+    (or `=none`) replaces that row of FOLD_TUNED; `head:V:K:MAX_M=...` (or `=none`) that row of
+    runner/triton_head_argmax.py's HEAD_TUNED;
     `swept` takes TUNED from this run's gemm sweep (`swept`, its "tuned" rows); `skip=OP`
     times the step without one per-layer op (skip_op: its critical-path cost); `attn:NAME=INT`
     sets a constant of runner/triton_attention.py (PREFETCH_MIN_SPLITS, TABLE_CHUNK,
@@ -373,13 +374,14 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     from bench_gemm import load_tuned_rows
     from triton.runtime.errors import OutOfResources
 
-    from runner import triton_attention, triton_linear
+    from runner import triton_attention, triton_head_argmax, triton_linear
     from runner.sampling_params import SamplingParams
 
     base = dict(KERNELS)
     base_tuned = dict(triton_linear.TUNED)
     base_split = dict(triton_linear.SPLIT_TUNED)
     base_fold = dict(triton_linear.FOLD_TUNED)
+    base_head = dict(triton_head_argmax.HEAD_TUNED)
     base_attn = {name: getattr(triton_attention, name) for name in
                  ("PREFETCH_MIN_SPLITS", "TABLE_CHUNK", "SHORT_WAVE_PROGRAMS_PER_SM", "SHORT_WAVE_STAGES",
                   "NUM_STAGES", "DEFAULT_BLOCK_N", "SPLIT_BLOCK_N", "_NUM_WARPS")}
@@ -395,6 +397,8 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
         triton_linear.SPLIT_TUNED.update(base_split)
         triton_linear.FOLD_TUNED.clear()
         triton_linear.FOLD_TUNED.update(base_fold)
+        triton_head_argmax.HEAD_TUNED.clear()
+        triton_head_argmax.HEAD_TUNED.update(base_head)
 
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     out = {}
@@ -414,6 +418,10 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
                     (_, n, k), max_m, tile = parse_tile_override("tile:plain:" + kv.removeprefix("fold:"))
                     rows = triton_linear.FOLD_TUNED[(n, k)]
                     triton_linear.FOLD_TUNED[(n, k)] = tuple((mm, tile if mm == max_m else t) for mm, t in rows)
+                elif kv.startswith("head:"):
+                    (_, n, k), max_m, tile = parse_tile_override("tile:plain:" + kv.removeprefix("head:"))
+                    rows = triton_head_argmax.HEAD_TUNED[(n, k)]
+                    triton_head_argmax.HEAD_TUNED[(n, k)] = tuple((mm, tile if mm == max_m else t) for mm, t in rows)
                 elif kv.startswith("split:"):
                     key, rows = parse_split_override(kv)
                     triton_linear.SPLIT_TUNED[key] = rows

@@ -10,6 +10,11 @@ A tile is bm/bn/bk/warps/stages/late/groups[/tma]/splits (deploy/bench_gpu.py pa
 split count last): 8 fields are a pointer tile and its splits, so a TMA tile takes all 9. A split
 tile's time is the partials' GEMM alone: whoever consumes them adds its sum.
 --residual also times each unsplit tile as residual_linear (the residual epilogue of the norm fold).
+--head-argmax times greedy ids instead (the lm_head: N is the vocabulary): cuBLAS on the
+zero-padded weight + runner/triton_argmax.py (the engine's path where HEAD_TUNED has no tile),
+then per tile that tile's GEMM + the argmax, and runner/triton_head_argmax.py (one split only).
+
+    python3 deploy/gemm_alone.py --shape 156940x3072 --m 64 --head-argmax --tiles "64/128/128/8/4/0/0/1/1"
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ def main() -> None:
     ap.add_argument("--tiles", default="", help="';'-separated bm/bn/bk/warps/stages/late/groups[/tma]/splits")
     ap.add_argument("--residual", action="store_true",
                     help="also each unsplit tile as residual_linear (o_proj with the add + RMSNorm's first half)")
+    ap.add_argument("--head-argmax", action="store_true", help="greedy ids of an lm_head (module docstring)")
     args = ap.parse_args()
 
     from runner.triton_linear import residual_linear, skinny_linear
@@ -49,6 +55,9 @@ def main() -> None:
         specs.append((spec, tile, splits))
     n, k = map(int, args.shape.split("x"))
     copies, launches = 8, 28
+    if args.head_argmax:
+        head_argmax_alone(n, k, args.m, specs, copies, launches)
+        return
     ws, x = _inputs(n, k, args.m, copies)
     gbytes = n * k * 2 / 1e9
     res, g = torch.randn(args.m, n, device=x.device, dtype=x.dtype), torch.ones(n, device=x.device, dtype=x.dtype)
@@ -65,6 +74,33 @@ def main() -> None:
         if args.residual and splits == 1 and not args.gated:
             us = _time_graph(lambda i, t=tile: residual_linear(x, ws[i], res, g, 1e-5, t), copies, launches)
             print(f"{args.shape} M={args.m} {spec} residual_linear: {us:.2f} us ({gbytes / us * 1e3:.2f} TB/s)")
+
+
+def head_argmax_alone(n: int, k: int, m: int, specs, copies: int, launches: int) -> None:
+    from runner.triton_argmax import row_argmax
+    from runner.triton_head_argmax import head_argmax
+    from runner.triton_linear import skinny_linear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n_pad = -(-n // 64) * 64  # the engine's padded head (LlamaForCausalLM.pad_lm_head)
+    padded = [torch.zeros(n_pad, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    for p in padded:
+        p[:n].normal_(0.0, 0.02, generator=g)
+    ws = [p[:n] for p in padded]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    gbytes = n * k * 2 / 1e9
+    us = _time_graph(lambda i: row_argmax(F.linear(x, padded[i])[:, :n]), copies, launches)
+    print(f"{n}x{k} M={m} cuBLAS (padded) + argmax: {us:.2f} us ({gbytes / us * 1e3:.2f} TB/s)")
+    for spec, tile, splits in specs:
+        assert splits == 1, f"{spec}: the head is not split"
+        for name, fn in (("GEMM + argmax", lambda i, t=tile: row_argmax(skinny_linear(x, ws[i], None, t))),
+                         ("head_argmax", lambda i, t=tile: head_argmax(x, ws[i], t))):
+            try:
+                us = _time_graph(fn, copies, launches)
+            except Exception as e:  # noqa: BLE001 - a tile that does not fit is a result
+                print(f"{n}x{k} M={m} {spec} {name}: {type(e).__name__} {str(e)[:100]}")
+                continue
+            print(f"{n}x{k} M={m} {spec} {name}: {us:.2f} us ({gbytes / us * 1e3:.2f} TB/s)")
 
 
 if __name__ == "__main__":

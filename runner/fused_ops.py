@@ -46,6 +46,9 @@ Contract shared by both (shapes: T tokens, hidden H, heads Hq/Hkv, head_dim D, i
       may be a column view of a wider product
 * argmax(x [N, V]) -> [N] int64                     torch.argmax(x, dim=-1): greedy ids (first
       index of the maximum; x may be a column slice of wider logits)
+* greedy_head(x [N, H], weight [V, H], padded) -> [N] int64   argmax(head(x, weight, padded)):
+      greedy ids; TritonOps may take them in the head GEMM's epilogue without writing the
+      logits (runner/triton_head_argmax.py), from its own GEMM's logits
 
 None of them reads a tensor value on the host, so a decode step stays CUDA-graph capturable.
 """
@@ -155,6 +158,9 @@ class TorchOps:
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
+
+    def greedy_head(self, x: torch.Tensor, weight: torch.Tensor, padded: torch.Tensor | None) -> torch.Tensor:
+        return self.argmax(self.head(x, weight, padded))
 
 
 def make_ops(device: torch.device | str, skinny_linear: bool = True, pdl: bool = True, split_k: bool = True,

@@ -421,7 +421,7 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_sampling(self) -> None:
         """Start-up: the lm_head at every row count a step can sample (1..max_num_seqs, over the
-        constraint's span and the full vocabulary), then the sampler and the token record once
+        constraint's span and the full vocabulary, and as greedy_ids), then the sampler and the token record once
         at max_num_seqs padding rows (the scratch slot; every filter and penalty on).
 
         Why: the first lm_head GEMM at a row count never seen before blocks the host until the
@@ -437,6 +437,7 @@ class ModelRunner:
         for m in range(1, S + 1):
             for span in spans:
                 self.model.compute_logits(h[:m], span)
+            self.model.greedy_ids(h[:m])  # greedy steps: the head's fused argmax (ops.greedy_head)
         # The penalty buffers are allocated here, not at the first request with a penalty: that
         # request would otherwise compile the penalty and counting record kernels mid-serving
         # (a text model on the H200, s10), and their memory is better taken before serving.

@@ -91,6 +91,18 @@ def row_argmax(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     idxs = torch.empty(n, p, device=x.device, dtype=torch.int32)
     _piece_max_kernel[(n, p)](x, vals, idxs, v, x.stride(0), p, CHUNK=CHUNK, USE_GDC=pdl, num_warps=4,
                               launch_pdl=pdl)
-    _row_argmax_kernel[(n,)](vals, idxs, out, p, P_BLOCK=triton.next_power_of_2(p), USE_GDC=pdl, num_warps=1,
-                             launch_pdl=pdl)
+    pick_pieces(vals, idxs, out, pdl)
     return out
+
+
+def pick_pieces(vals: torch.Tensor, idxs: torch.Tensor, out: torch.Tensor, pdl: bool) -> None:
+    """out[r] = idxs[r, p] of the first p with vals[r, p] maximal: the second launch of a
+    piecewise argmax (also runner/triton_head_argmax.py's). vals [N, P] fp32, idxs [N, P] int32,
+    both contiguous, pieces in column order; out [N] int64."""
+    n, p = vals.shape
+    assert vals.is_contiguous() and idxs.is_contiguous() and idxs.shape == (n, p) and out.shape == (n,)
+    p_block = triton.next_power_of_2(p)
+    # one warp reads a row of up to 128 pieces in one go; wider rows (the head's column tiles,
+    # ~1200) take more warps so a thread holds few
+    _row_argmax_kernel[(n,)](vals, idxs, out, p, P_BLOCK=p_block, USE_GDC=pdl,
+                             num_warps=min(8, max(1, p_block // 256)), launch_pdl=pdl)

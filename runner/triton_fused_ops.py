@@ -30,6 +30,7 @@ import triton.language as tl
 
 from runner.fused_ops import torch_head, unfolded_post_attention
 from runner.triton_argmax import row_argmax
+from runner.triton_head_argmax import head_argmax, head_tile_for
 from runner.triton_linear import (
     GATED,
     PLAIN,
@@ -498,3 +499,11 @@ class TritonOps:
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         return row_argmax(x, pdl=self.pdl)
+
+    def greedy_head(self, x: torch.Tensor, weight: torch.Tensor, padded: torch.Tensor | None) -> torch.Tensor:
+        # the argmax in the head GEMM's epilogue where HEAD_TUNED names the shape and row count
+        if self.skinny and self._skinny_dtypes(x, weight):
+            tile = head_tile_for(*weight.shape, x.shape[0])
+            if tile is not None:
+                return head_argmax(x, weight, tile, pdl=self.pdl)
+        return self.argmax(self.head(x, weight, padded))

@@ -298,7 +298,8 @@ class LlamaForCausalLM(nn.Module):
         rows of the weight are independent dot products)."""
         if span is not None:
             return F.linear(hidden, self.lm_head_weight[span[0] : span[1]]).float()
-        logits = self._vocab_logits(hidden)
+        # [N, V] in the model dtype; with a padded head, a view of the [N, V'] product
+        logits = self.ops.head(hidden, self.lm_head_weight, self.lm_head_padded)
         if self.lm_head_padded is not None:
             # Row stride V always: `.float()` keeps a one-row view's padded stride V' (torch
             # counts a [1, V] slice of [1, V'] as contiguous), so one sampled row would reach
@@ -310,12 +311,10 @@ class LlamaForCausalLM(nn.Module):
     def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N] int64: the ids compute_logits(hidden).argmax(-1) gives, without its fp32
         copy of the logits. The same ids: the upcast to fp32 is exact, and argmax returns the
-        first index of the maximum either way (ops.argmax: runner/triton_argmax.py on CUDA)."""
-        return self.ops.argmax(self._vocab_logits(hidden))
-
-    def _vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, V] in the model dtype; with a padded head, a view of the [N, V'] product."""
-        return self.ops.head(hidden, self.lm_head_weight, self.lm_head_padded)
+        first index of the maximum either way (ops.greedy_head: runner/triton_argmax.py on CUDA,
+        or the argmax inside the head GEMM, runner/triton_head_argmax.py, whose GEMM may round a
+        near-tie differently from cuBLAS's)."""
+        return self.ops.greedy_head(hidden, self.lm_head_weight, self.lm_head_padded)
 
     def reset_buffers(self, device: torch.device | str) -> None:
         """Compute the non-parameter state (RoPE tables) on `device`; needed after meta init."""
