@@ -490,10 +490,17 @@ def _largest_block_k(k: int, cap: int) -> int | None:
 # (cuBLAS before): alone 10.59 us against cuBLAS 10.18 (12.06 in s20, before its stores were
 # vectorised), and launched with PDL it lets the attention start under its tail: batch 64
 # 2.867-2.876 ms against 2.890-2.893 (s22-run10, alternated 3 times); at 33..48 it lost (batch 48
-# 2.715 against 2.701-2.707, s22-run9), and 8 warps lost at both.
+# 2.715 against 2.701-2.707, s22-run9), and 8 warps lost at both. Since s23 an MMA qkv tile also
+# brings RoPE and the KV write into its epilogue (TritonOps.qkv_rope_write), which pays at 2..16
+# and 33..48 rows too (s24-run3/4, alternated on fresh models): the 16 x 64 x 128 pointer tile
+# batch 4 / 8 2.194 / 2.266-2.271 ms against 2.225-2.228 / 2.286-2.288, batch 16 a tie
+# (2.384-2.388 against 2.384-2.392); the 64-row TMA tile at 33..48 batch 40 2.734-2.738 against
+# 2.746-2.755, batch 48 a tie (2.710-2.715 against 2.708-2.713). At 17..32 every tile tried lost
+# by ~10 us per layer (batch 24 / 32 2.756-2.818 / 2.793-2.904 against 2.498-2.509 / 2.541-2.552:
+# 32 x 64 x 128 TMA in 6 stages, pointer in 5, 32 x 64 x 64 in 6; not profiled).
 TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = {
-    (PLAIN, 5120, 3072): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, None), (32, None), (48, None),
-                          (64, LinearTile(64, 64, 128, 4, 6, tma=True))),
+    (PLAIN, 5120, 3072): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, LinearTile(16, 64, 128, 4, 5)), (32, None),
+                          (48, LinearTile(64, 64, 128, 4, 6, tma=True)), (64, LinearTile(64, 64, 128, 4, 6, tma=True))),
     (PLAIN, 3072, 3072): ((1, LinearTile(1, 4, 1024, 4, 1)), (16, LinearTile(16, 32, 128, 4, 5)), (32, None), (64, None)),
     (PLAIN, 16384, 3072): ((1, None), (16, None), (32, None), (64, None)),
     (GATED, 16384, 3072): ((1, LinearTile(16, 64, 128, 4, 4, True)), (16, LinearTile(16, 64, 128, 4, 5, True, PER_SM)),
