@@ -418,7 +418,8 @@ class TritonOps:
         dtypes only, so an eager step and its graph bucket agree). Why: the attention kernel
         after it then starts on K/V at once (runner/triton_qkv_rope.py). H200, Orpheus-3B,
         batch 64 (qkv's TMA tile at 49..64 rows), alternated 3 times on fresh models
-        (deploy/RESULTS.md s23-run10): 2.845-2.847 ms per step against 2.858-2.869 without."""
+        (deploy/RESULTS.md s23-run10): 2.845-2.847 ms per step against 2.858-2.869 without;
+        it also makes qkv's tiles pay at 2..16 and 33..48 rows (TUNED's comment, s24)."""
         if not self.qkv_rope or qkv_proj.bias is not None or kv_cache.dtype != x.dtype:
             return None
         tile = self._tile(PLAIN, x, qkv_proj)
