@@ -370,7 +370,8 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     _NUM_WARPS); `attn_splits=N`
     fixes the decode attention's split count at every batch size; `fp32_greedy` takes greedy ids
     as argmax over the fp32 logits copy (the path before greedy_ids, s12 and earlier);
-    `torch_argmax` takes them with torch.argmax instead of runner/triton_argmax.py."""
+    `torch_argmax` takes them with torch.argmax instead of runner/triton_argmax.py (at row counts
+    where HEAD_TUNED leaves the head unfused)."""
     from bench_gemm import load_tuned_rows
     from triton.runtime.errors import OutOfResources
 

@@ -6,7 +6,11 @@ logits (Orpheus: 156940 ids, 20 MB in bf16 at 64 rows) and reads them back in th
 pieces (runner/triton_argmax.py): ~9 us of the argmax plus the write, on every step's critical
 path. Here each program of the lm_head GEMM reduces its own [BLOCK_M, BLOCK_N] tile of logits to
 each row's maximum and its first index, and writes only those (8 bytes per row and tile); the
-second launch (`pick_pieces`) picks, per row, the first tile holding the row's maximum.
+second launch (`pick_pieces`) picks, per row, the first tile holding the row's maximum. H200,
+Orpheus-3B's head at 64 rows alone: 225.7 us (4.27 TB/s of weight bytes) against 247.0 for cuBLAS
++ the argmax, and 245.7 for this tile writing its logits + the argmax; engine batch 16 / 32 / 64,
+alternated on fresh models: 2.367-2.369 / 2.524-2.527 / 2.793-2.802 ms per step against
+2.386-2.394 / 2.532-2.538 / 2.813-2.820 (deploy/RESULTS.md s24-run1).
 
 Numerics: the logits are the GEMM's accumulator rounded to the model dtype, the value
 `skinny_linear` with the same tile would store, so the ids are exactly
@@ -107,7 +111,10 @@ def _head_argmax_kernel(
 # (V, K) -> ((max_m, tile or None), ...) in increasing max_m: the lm_head shapes TritonOps.greedy_head
 # fuses, by row count (thresholds at graph bucket sizes, like triton_linear.tile_for); None, or
 # an M past the last row: the head and runner/triton_argmax.py, two kernels. M = 1 keeps the
-# GEMV head: a [1, V] row of logits is 0.3 MB, little to save.
+# GEMV head: a [1, V] row of logits is 0.3 MB, little to save. Orpheus-3B (s24-run1/2, alone):
+# 16 / 32 / 64 rows 215.8 / 225.4 / 225.7 us against cuBLAS + argmax 232.7 / 235.7 / 247.0; at 64
+# rows 64 x 128 x 64 in 8 stages and 4 warps tied in the engine, ragged groups and pointer loads
+# were slower alone (228.6 / 229.2); at 65..256 rows (128-row tiles) the engine gained nothing.
 HEAD_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None], ...]] = {
     (156940, 3072): ((1, None), (16, LinearTile(16, 128, 128, 4, 4, tma=True)),
                      (32, LinearTile(32, 128, 128, 4, 4, tma=True)), (64, LinearTile(64, 128, 128, 8, 4, tma=True)),
