@@ -164,13 +164,8 @@ def test_model_greedy_ids_through_it(monkeypatch, vocab):
 
 _COMPILE_SCRIPT = textwrap.dedent(
     """
-    import os
-    import subprocess
-    import tempfile
-
-    import triton.backends.nvidia as nv
     from runner import triton_head_argmax as m
-    from tests.triton_interpreter import compile_sm90
+    from tests.triton_interpreter import assert_mma_not_serialised, compile_sm90
 
     tiles = [t for _, t in m.HEAD_TUNED[(156940, 3072)] if t is not None]  # Orpheus-3B's head
     assert tiles
@@ -186,15 +181,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
                          USE_GDC=True), div, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=True)
         ptx = k.asm["ptx"]
         assert "griddepcontrol.wait" in ptx and ("cp.async.bulk.tensor" in ptx) == tile.tma
-        # ptxas must not serialise the K loop's wgmma (warning C7514; tests/test_triton_linear.py)
-        with tempfile.TemporaryDirectory() as tmp:
-            src = os.path.join(tmp, "k.ptx")
-            with open(src, "w") as f:
-                f.write(ptx)
-            ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
-            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", src + ".cubin"], capture_output=True,
-                                 text=True, check=True)
-            assert "C7514" not in out.stdout + out.stderr, out.stderr[-600:]
+        assert_mma_not_serialised(ptx, tile)  # ptxas must not serialise the K loop's wgmma (C7514)
     print("compiled")
     """
 )

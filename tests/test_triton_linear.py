@@ -481,16 +481,11 @@ def test_kernel_compiles_for_sm90_with_pdl():
 # until s22 (the split partials: 32 st.global.b32 per thread instead of 8 vectors).
 _SERIALISED_SCRIPT = _KERNEL_SIG + textwrap.dedent(
     """
-    import os
     import re
-    import subprocess
-    import tempfile
 
-    import triton.backends.nvidia as nv
     from runner import triton_linear as m
-    from tests.triton_interpreter import compile_sm90
+    from tests.triton_interpreter import assert_mma_not_serialised, compile_sm90
 
-    ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
     cases = [(t, dict(split=s)) for rows in m.SPLIT_TUNED.values() for _, t, s in rows if t is not None]
     for (kind, _, _), rows in m.TUNED.items():
         gated = kind == m.GATED
@@ -498,20 +493,14 @@ _SERIALISED_SCRIPT = _KERNEL_SIG + textwrap.dedent(
         cases += [(t, dict(GATED=True, ROW_SCALE=True)) for _, t in rows if gated and t is not None and t.block_m > 1]
     cases += [(t, dict(RESIDUAL=True)) for rows in m.FOLD_TUNED.values() for _, t in rows if t is not None]
     cases.append((m.LinearTile(64, 32, 128, 4, 6, tma=True), dict(RESIDUAL=True)))  # s21's case (FOLD_TUNED's since s23)
-    with tempfile.TemporaryDirectory() as tmp:
-        for tile, mode in cases:
-            k = compile_sm90(m._skinny_linear_kernel, *launch(tile, tma=tile.tma, **mode), div,
-                             num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=True)
-            src = os.path.join(tmp, "k.ptx")
-            with open(src, "w") as f:
-                f.write(k.asm["ptx"])
-            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", src + ".cubin"], capture_output=True,
-                                 text=True, check=True)
-            assert "C7514" not in out.stdout + out.stderr, (tile, mode, out.stderr[-600:])
-            # every table N is a multiple of its tiles: the outputs leave as vectors, one scalar
-            # store per row only for residual_linear's sums of squares (EVEN_N; s22)
-            scalar = len(re.findall("st[.]global[.]b(?:16|32) ", k.asm["ptx"]))  # not .v2 / .v4
-            assert scalar == (1 if mode.get("RESIDUAL") else 0), (tile, mode, scalar)
+    for tile, mode in cases:
+        k = compile_sm90(m._skinny_linear_kernel, *launch(tile, tma=tile.tma, **mode), div,
+                         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=True)
+        assert_mma_not_serialised(k.asm["ptx"], (tile, mode))
+        # every table N is a multiple of its tiles: the outputs leave as vectors, one scalar
+        # store per row only for residual_linear's sums of squares (EVEN_N; s22)
+        scalar = len(re.findall("st[.]global[.]b(?:16|32) ", k.asm["ptx"]))  # not .v2 / .v4
+        assert scalar == (1 if mode.get("RESIDUAL") else 0), (tile, mode, scalar)
     print("compiled")
     """
 )

@@ -172,14 +172,9 @@ def test_model_decodes_the_same_with_it(monkeypatch):
 
 _COMPILE_SCRIPT = textwrap.dedent(
     """
-    import os
-    import subprocess
-    import tempfile
-
-    import triton.backends.nvidia as nv
     from runner import triton_qkv_rope as m
     from runner.triton_linear import TUNED, PLAIN
-    from tests.triton_interpreter import compile_sm90
+    from tests.triton_interpreter import assert_mma_not_serialised, compile_sm90
 
     # Orpheus-3B's qkv rows that take the fused path: its MMA tiles (2..16 and 33..64 rows)
     tiles = {t for _, t in TUNED[(PLAIN, 5120, 3072)] if t is not None and t.block_m > 1}
@@ -200,15 +195,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ptx = k.asm["ptx"]
         assert "griddepcontrol.wait" in ptx and ("cp.async.bulk.tensor" in ptx) == tile.tma
         assert "fma.rn.bf16" not in ptx  # RoPE's products stay out of FMA contraction (runner/triton_rope.py)
-        # ptxas must not serialise the K loop's wgmma (warning C7514; tests/test_triton_linear.py)
-        with tempfile.TemporaryDirectory() as tmp:
-            src = os.path.join(tmp, "k.ptx")
-            with open(src, "w") as f:
-                f.write(ptx)
-            ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
-            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", src + ".cubin"], capture_output=True,
-                                 text=True, check=True)
-            assert "C7514" not in out.stdout + out.stderr, out.stderr[-600:]
+        assert_mma_not_serialised(ptx, tile)  # ptxas must not serialise the K loop's wgmma (C7514)
     print("compiled")
     """
 )

@@ -120,6 +120,26 @@ def compile_sm90(fn, sig: dict, consts: dict, divisible: tuple[str, ...] = (), *
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def assert_mma_not_serialised(ptx: str, what: object = "") -> None:
+    """Assemble `ptx` for sm_90a with Triton's own ptxas and fail on warning C7514 ("wgmma.mma_async
+    instructions are serialized"): a silent ~0.24 us per K step (tests/test_triton_linear.py says
+    where it hid). For the scripts compile_offline runs."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nv
+
+    ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", src + ".cubin"], capture_output=True, text=True,
+                             check=True)
+    assert "C7514" not in out.stdout + out.stderr, (what, out.stderr[-600:])
+
+
 def compile_offline(script: str, timeout: float) -> None:
     """Run a script that compiles kernels for a GPU target, in a subprocess without
     TRITON_INTERPRET (this process may have set it, which turns @triton.jit kernels into
