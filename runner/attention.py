@@ -107,6 +107,7 @@ class TorchPagedAttention:
 
     supports_token_rows = False: it ignores AttentionMetadata.token_* (no decode kernel here).
     fuses_decode_rope = False: the model applies RoPE itself.
+    decodes_from_cache = False: no forward_decode_cached (RoPE + KV write in the qkv GEMM).
 
     Works on any device; cost is O(B * max_seq_len) gathered KV per layer, which is fine on CPU
     and for prefill, and is what the GPU decode kernel will replace.
@@ -114,6 +115,7 @@ class TorchPagedAttention:
 
     supports_token_rows = False
     fuses_decode_rope = False
+    decodes_from_cache = False
 
     def __init__(self, sdpa_backends: list[SDPBackend] | None = None) -> None:
         # None: SDPA picks as it likes (CPU). TritonPagedAttention passes NO_PLAN_BACKENDS.

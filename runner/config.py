@@ -196,8 +196,8 @@ class RunnerConfig:
     # between them) where runner/triton_linear.py FOLD_TUNED says so (2..16 and 33..64 rows)
     norm_fold: bool = True
     # pure-decode steps: the qkv GEMM rotates q / k and writes this token's K/V to the cache in
-    # its epilogue where its Triton tile runs (runner/triton_qkv_rope.py; 49..64 rows here), and
-    # the attention kernel after it only attends
+    # its epilogue where its Triton tile runs (runner/triton_qkv_rope.py; Orpheus-3B: 2..16 and
+    # 33..64 rows), and the attention kernel after it only attends
     qkv_rope: bool = True
     # also capture pure-decode graphs that keep every layer's output, so a decode step with a
     # hidden-state request replays a graph instead of running eagerly (host-bound: every stream

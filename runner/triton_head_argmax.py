@@ -30,10 +30,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from runner.triton_argmax import pick_pieces
-from runner.triton_linear import LinearTile, check_operands
+from runner.triton_linear import LinearTile, check_operands, tile_descriptors
 from runner.triton_pdl import pdl_trigger, pdl_wait
 
 
@@ -151,11 +150,7 @@ def head_argmax(x: torch.Tensor, weight: torch.Tensor, tile: LinearTile, *, pdl:
         return out
     vals = torch.empty(m, p, device=x.device, dtype=torch.float32)
     idxs = torch.empty(m, p, device=x.device, dtype=torch.int32)
-    if tile.tma:  # host-built: the descriptor goes into the launch (and a captured graph) by value
-        x_desc = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
-        w_desc = TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k])
-    else:
-        x_desc = w_desc = x
+    x_desc, w_desc = tile_descriptors(x, weight, tile)
     _head_argmax_kernel[(triton.cdiv(m, tile.block_m), p)](
         x, weight, vals, idxs, m, v, k, x.stride(0), weight.stride(0), p, x_desc, w_desc,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, RAGGED=groups > 0, TMA=tile.tma,

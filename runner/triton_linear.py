@@ -15,7 +15,7 @@ Two modes, picked by the tile:
 * MMA (block_m >= 16): `tl.dot` on [block_m, block_k] x [block_k, block_n] tiles, Triton's
   software pipeline (`num_stages`) streaming W through shared memory, its tiles loaded by
   pointer or, with `LinearTile.tma`, by the TMA unit (the split o_proj / down from 17 rows,
-  gate_up's ragged groups from 33 rows, qkv from 49).
+  gate_up's ragged groups from 33 rows, qkv from 33).
 
 Each output element is one program's dot product over K in a fixed order, so a row's result
 depends on neither M nor the other rows (graph padding cannot change it). The one exception to
@@ -105,7 +105,7 @@ class LinearTile:
     # through TMA (host-built tensor descriptors; rows past M or the weight's arrive as zeros, rows
     # of other columns are loaded and their results masked) instead of pointer loads, the same
     # tiles in the same order (bit for bit the pointer tile's result). Why: the split o_proj /
-    # down tiles at 17..64 rows, gate_up at 33..64 and qkv at 49..64 run faster (SPLIT_TUNED's and
+    # down tiles at 17..64 rows, gate_up at 33..64 and qkv at 33..64 run faster (SPLIT_TUNED's and
     # TUNED's comments)
     tma: bool = False
 
@@ -394,6 +394,18 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor, tile: LinearTile) -> N
             assert t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0, (t.shape, t.stride())
 
 
+def tile_descriptors(x: torch.Tensor, weight: torch.Tensor, tile: LinearTile, w_rows: int | None = None):
+    """(x_desc, w_desc) for a launch of `tile`: TMA tensor descriptors of x [M, K] (block
+    [block_m, block_k]) and of the weight (block [w_rows or block_n, block_k]) when tile.tma,
+    else x twice (the kernels' unused placeholders). Host-built: the descriptors go into the
+    launch (and a captured graph) by value. Every launcher of a tile builds them here (also
+    runner/triton_qkv_rope.py, runner/triton_head_argmax.py)."""
+    if not tile.tma:
+        return x, x
+    return (TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k]),
+            TensorDescriptor.from_tensor(weight, [w_rows or tile.block_n, tile.block_k]))
+
+
 def _column_groups(n: int, tile: LinearTile, device: torch.device) -> int:
     """Ragged column groups of `tile` over n columns on `device`; 0: plain block_n-wide tiles."""
     groups = num_sms(device) if tile.groups == PER_SM else tile.groups
@@ -411,15 +423,11 @@ def _launch(x, weight, bias, out, tile: LinearTile, m: int, n: int, k: int, *, g
             RESIDUAL=False, ROW_SCALE=False, SSQ_P=1) -> None:
     groups = _column_groups(n, tile, x.device)
     grid = (groups or triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split_k)
-    if tile.tma:  # host-built: the descriptor goes into the launch (and a captured graph) by value
-        # a gated tile's up rows start at N + its first column: whole column tiles (or ragged
-        # groups) only there (plain tiles past N read zero rows, and their columns are masked at
-        # the store)
-        assert not gated or groups or n % tile.block_n == 0, f"tma: gated N {n} not a multiple of {tile}"
-        x_desc = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
-        w_desc = TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k])
-    else:
-        x_desc = w_desc = x
+    # TMA: a gated tile's up rows start at N + its first column: whole column tiles (or ragged
+    # groups) only there (plain tiles past N read zero rows, and their columns are masked at the
+    # store)
+    assert not tile.tma or not gated or groups or n % tile.block_n == 0, f"tma: gated N {n} not a multiple of {tile}"
+    x_desc, w_desc = tile_descriptors(x, weight, tile)
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(-2), k // split_k,

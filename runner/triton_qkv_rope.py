@@ -30,9 +30,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from runner.triton_linear import LinearTile, check_operands
+from runner.triton_linear import LinearTile, check_operands, tile_descriptors
 from runner.triton_pdl import pdl_trigger, pdl_wait
 from runner.triton_rope import rope_pair
 
@@ -172,11 +171,7 @@ def qkv_rope_write(
     q = torch.empty(m, num_q_heads * d, device=x.device, dtype=x.dtype)
     if m == 0:
         return q.view(0, num_q_heads, d)
-    if tile.tma:  # host-built: the descriptor goes into the launch (and a captured graph) by value
-        x_desc = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
-        w_desc = TensorDescriptor.from_tensor(weight, [bn, tile.block_k])
-    else:
-        x_desc = w_desc = x
+    x_desc, w_desc = tile_descriptors(x, weight, tile, w_rows=bn)  # a dot's W block: one half's columns
     grid = ((num_q_heads + 2 * hkv) * (half // bn), triton.cdiv(m, tile.block_m))
     _qkv_rope_kernel[grid](
         x, weight, q, flat, cos, sin, positions, slot_mapping,

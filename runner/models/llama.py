@@ -124,7 +124,7 @@ class Attention(nn.Module):
         # ... and one that `decodes_from_cache` can take a pure-decode step whose RoPE and K/V
         # write the ops did in the qkv GEMM (ops.qkv_rope_write, where they have that kernel;
         # not with per-head q/k norms, which come between the GEMM and RoPE)
-        self.qkv_rope = bool(getattr(attn, "decodes_from_cache", False)) and not cfg.qk_norm
+        self.qkv_rope = attn.decodes_from_cache and not cfg.qk_norm
         # Shared, not owned: a plain attribute keeps it out of this module's state_dict.
         self._rotary = (rotary,)
 
