@@ -1,7 +1,7 @@
 """The front end's share of time to first audio when many TTS sessions start at once (no GPU).
 
 The real server app (aiohttp handlers, text segmenter, tokenizer, Speaker, metrics) runs in its
-own process on an engine that answers at once (tests/fake_engine.py: first audio 1 ms after a
+own process on an engine that answers at once (tests/support/fake_engine.py: first audio 1 ms after a
 request, then an 85 ms chunk every `--chunk-ms`, about the real server's pace at 400 streams),
 and `omnistream bench` (the same client as the GPU serving benchmark, another process) starts N
 WebSocket sessions together. Per level it reports the client's TTFA, the server's own (text
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from server.gc_tuning import FRONT_END_GC_THRESHOLDS  # noqa: E402
+
 TEXT = "Hello there, this is one sentence of streaming speech for the benchmark."
 _TTFA = re.compile(r'omnistream_time_to_first_audio_seconds_bucket\{endpoint="/v1/audio/speech/stream",le="([^"]+)"\} (\S+)')
 _GC = re.compile(r'omnistream_gc_pause_seconds_(count|sum)\{generation="\d"\} (\S+)')
@@ -38,11 +38,11 @@ _GC = re.compile(r'omnistream_gc_pause_seconds_(count|sum)\{generation="\d"\} (\
 
 def serve(url_file: str, chunk_ms: float, chunks: int, gc_thresholds: tuple[int, int, int]) -> None:
     """The app on the fake engine until killed (uvloop when installed, heap settled: as `serve` runs)."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    pass
     import server.main  # noqa: F401  (the real front end's modules, in the heap that gets frozen)
-    from fake_engine import FakeEngine, serve as serve_app
-
     from server.gc_tuning import settle_heap
+    from tests.support.fake_engine import FakeEngine
+    from tests.support.fake_engine import serve as serve_app
 
     async def run() -> None:
         eng = FakeEngine(steps=chunks, samples_per_step=2048, audio_from_step=0, step_delay=chunk_ms / 1e3,

@@ -1,9 +1,9 @@
-"""Tile sweep of the skinny decode GEMMs (runner/triton_linear.py) against cuBLAS, on the
+"""Tile sweep of the skinny decode GEMMs (runner/kernels/linear.py) against cuBLAS, on the
 Orpheus-3B shapes, at the graph bucket sizes where the tile can change (M = 1, 16, 32, 64).
 
 For each (GEMM, M) every candidate tile is timed, and so is cuBLAS (F.linear); gate_up with
 the SiLU*mul epilogue (gated) is timed against the faster plain GEMM + the SiLU*mul kernel.
-The winners form a tile table in runner.triton_linear.TUNED's layout, written to
+The winners form a tile table in runner.kernels.linear.TUNED's layout, written to
 gemm_tuned.json and printed as the Python literal that goes into the source.
 
 Timing: a CUDA graph of 24 launches, replayed; weights rotate over enough copies (>= 256 MB in
@@ -31,12 +31,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runner.triton_linear import GATED, KIND_NAMES, PLAIN, LinearTile, skinny_linear  # noqa: E402
+from runner.kernels.linear import GATED, KIND_NAMES, PLAIN, LinearTile, skinny_linear  # noqa: E402
 
 # name: (weight rows, K, whether the gated kind is timed too)
 SHAPES = {"qkv": (5120, 3072, False), "o": (3072, 3072, False), "gate_up": (16384, 3072, True),
           "down": (3072, 8192, False)}
-MS = (1, 16, 32, 64)  # bucket thresholds of runner.triton_linear.tile_for
+MS = (1, 16, 32, 64)  # bucket thresholds of runner.kernels.linear.tile_for
 LAUNCHES = 24
 SMEM_BUDGET = 200 * 1024
 
@@ -130,7 +130,7 @@ def _compile_all(label: str, compile_one, jobs: list, workers: int) -> dict:
 
 
 def run_gemm_sweep(workers: int = 14) -> dict:
-    from runner.triton_fused_ops import silu_and_mul
+    from runner.kernels.fused_ops import silu_and_mul
 
     jobs = [(n, k, m, kind, t) for n, k, gated in SHAPES.values() for m in MS
             for kind in ((PLAIN, GATED) if gated else (PLAIN,)) for t in candidates(m, k)]
@@ -233,7 +233,7 @@ def run_splitk_sweep(workers: int = 14, ms: tuple[int, ...] = (16, 32, 64)) -> d
 
 
 def load_tuned_rows(tuned: list) -> dict:
-    """The sweep's "tuned" rows -> runner.triton_linear.TUNED entries."""
+    """The sweep's "tuned" rows -> runner.kernels.linear.TUNED entries."""
     table = {}
     for kind, n, k, rows in tuned:
         table[(kind, n, k)] = tuple((m, None if t is None else LinearTile(*t)) for m, t in rows)
@@ -241,7 +241,7 @@ def load_tuned_rows(tuned: list) -> dict:
 
 
 def load_tuned(path: str | Path) -> dict:
-    """gemm_tuned.json (the sweep's "tuned") -> runner.triton_linear.TUNED entries."""
+    """gemm_tuned.json (the sweep's "tuned") -> runner.kernels.linear.TUNED entries."""
     return load_tuned_rows(json.loads(Path(path).read_text()))
 
 

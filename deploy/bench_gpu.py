@@ -24,7 +24,7 @@ Sections (all by default; pick with --sections):
   serving    the real server (engine process + aiohttp) with N concurrent WebSocket TTS
              clients reading in real time: TTFA p50/p99, RTF, largest real-time N
   gemm       tile sweep of the skinny decode GEMMs against cuBLAS (deploy/bench_gemm.py);
-             writes gemm_tuned.json, the table runner/triton_linear.py's TUNED holds
+             writes gemm_tuned.json, the table runner/kernels/linear.py's TUNED holds
   splitk     split-K variants of o_proj / down at M = 16..64 against cuBLAS (bench_gemm.py)
   attn       the decode attention kernel alone: tile / split sweep at batch 1 and 64, context
              135 / 350 / 600, and the fused-RoPE launch
@@ -33,8 +33,8 @@ Sections (all by default; pick with --sections):
   variants   greedy decode per kernel variant (--variants), each on a fresh model, same run
   lm_head    the lm_head GEMM alone at M = 1 and 64: cuBLAS against Triton tiles
 
---skinny-linear 0 / --pdl 0 turn the decode kernels of runner/triton_linear.py and
-runner/triton_pdl.py off for an A/B run of the engine sections; --tuned FILE replaces the
+--skinny-linear 0 / --pdl 0 turn the decode kernels of runner/kernels/linear.py and
+runner/kernels/pdl.py off for an A/B run of the engine sections; --tuned FILE replaces the
 tile table with a sweep's gemm_tuned.json.
 
 Writes results.json and results.md into --out and prints the table last.
@@ -56,8 +56,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runner.codec import write_random_snac  # noqa: E402
-from runner.config import CacheConfig, EngineConfig, ModelConfig, RopeConfig, RunnerConfig, SchedulerConfig  # noqa: E402
+from runner.codecs.snac import write_random_snac  # noqa: E402
+from runner.config import (  # noqa: E402
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    RopeConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
 
 ORPHEUS_3B = {
     "architectures": ["LlamaForCausalLM"],
@@ -119,8 +126,8 @@ def engine_config(max_seqs: int, graphs: bool, async_sched: bool) -> EngineConfi
 
 def build_orpheus_model():
     """The random Orpheus-3B-shaped model (bf16) with the current KERNELS options."""
-    from runner.loader import kernels_for
     from runner.models.llama import build_random_model
+    from runner.models.loader import kernels_for
 
     cfg = engine_config(1, True, True)
     attn, ops = kernels_for(cfg.runner)
@@ -141,8 +148,8 @@ def all_decoding(eng) -> bool:
 
 
 def run_engine(model, batches, graphs: bool, async_sched: bool, sampling, timeline_at: int | None = None):
-    from runner.attention import kv_bytes_per_token
-    from runner.engine import Engine
+    from runner.engine.engine import Engine
+    from runner.layers.attention import kv_bytes_per_token
 
     out = {}
     for B in batches:
@@ -266,7 +273,7 @@ def render_critical_path(chain: dict, batch: int) -> str:
 def parse_tile(fields: list[int]) -> "LinearTile":
     """bm, bn, bk, warps, stages[, late_trigger 0/1[, groups[, tma 0/1]]] -> LinearTile (late_trigger
     and tma as the bools they are; groups: ragged column groups, 0 = plain tiles)."""
-    from runner.triton_linear import LinearTile
+    from runner.kernels.linear import LinearTile
 
     late = bool(fields[5]) if len(fields) > 5 else False
     groups = fields[6] if len(fields) > 6 else 0
@@ -276,7 +283,7 @@ def parse_tile(fields: list[int]) -> "LinearTile":
 def parse_tile_override(item: str) -> tuple[tuple[int, int, int], int, "LinearTile | None"]:
     """'tile:KIND:N:K:MAX_M=bm/bn/bk/warps/stages[/late[/groups[/tma]]]' (or '=none': cuBLAS) -> the TUNED key,
     the row's max_m and its tile; KIND is plain or gated."""
-    from runner.triton_linear import GATED, PLAIN
+    from runner.kernels.linear import GATED, PLAIN
 
     lhs, rhs = item.removeprefix("tile:").split("=")
     kind, n, k, max_m = lhs.split(":")
@@ -362,21 +369,23 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     overrides and tile-table rows, e.g. "default;rope_in_attention=0;tile:plain:3072:3072:1=1/8/1024/4/1";
     `split:N:K=...` replaces a SPLIT_TUNED entry (parse_split_override); `fold:N:K:MAX_M=bm/bn/bk/warps/stages[/late]`
     (or `=none`) replaces that row of FOLD_TUNED; `head:V:K:MAX_M=...` (or `=none`) that row of
-    runner/triton_head_argmax.py's HEAD_TUNED;
+    runner/kernels/head_argmax.py's HEAD_TUNED;
     `swept` takes TUNED from this run's gemm sweep (`swept`, its "tuned" rows); `skip=OP`
     times the step without one per-layer op (skip_op: its critical-path cost); `attn:NAME=INT`
-    sets a constant of runner/triton_attention.py (PREFETCH_MIN_SPLITS, TABLE_CHUNK,
+    sets a constant of runner/kernels/attention.py (PREFETCH_MIN_SPLITS, TABLE_CHUNK,
     SHORT_WAVE_PROGRAMS_PER_SM, SHORT_WAVE_STAGES, NUM_STAGES, DEFAULT_BLOCK_N, SPLIT_BLOCK_N,
     _NUM_WARPS); `attn_splits=N`
     fixes the decode attention's split count at every batch size; `fp32_greedy` takes greedy ids
     as argmax over the fp32 logits copy (the path before greedy_ids, s12 and earlier);
-    `torch_argmax` takes them with torch.argmax instead of runner/triton_argmax.py (at row counts
+    `torch_argmax` takes them with torch.argmax instead of runner/kernels/argmax.py (at row counts
     where HEAD_TUNED leaves the head unfused)."""
     from bench_gemm import load_tuned_rows
     from triton.runtime.errors import OutOfResources
 
-    from runner import triton_attention, triton_head_argmax, triton_linear
-    from runner.sampling_params import SamplingParams
+    from runner.kernels import attention as triton_attention
+    from runner.kernels import head_argmax as triton_head_argmax
+    from runner.kernels import linear as triton_linear
+    from streaming.sampling_params import SamplingParams
 
     base = dict(KERNELS)
     base_tuned = dict(triton_linear.TUNED)
@@ -450,7 +459,7 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
                 model.attn.num_splits = attn_splits  # the one backend every layer shares
             if fp32_greedy:
                 model.greedy_ids = lambda h, m=model: m.compute_logits(h).argmax(dim=-1)
-            if torch_argmax:  # greedy ids by torch's reduction (before runner/triton_argmax.py, s14 and earlier)
+            if torch_argmax:  # greedy ids by torch's reduction (before runner/kernels/argmax.py, s14 and earlier)
                 model.ops.argmax = lambda x: x.argmax(dim=-1)
             try:
                 res = run_engine(model, batches, graphs=True, async_sched=True, sampling=greedy)
@@ -499,10 +508,14 @@ def run_attn_modes(batches=(1, 8, 32, 64, 128), ctx: int = 350, layers: int = 28
     and the table read in chunks ahead of the tile loop with several tiles and stage counts."""
     from bench_gemm import _time_graph
 
-    from runner.gpu_info import num_sms
+    from runner.kernels.attention import (
+        DecodeRope,
+        TritonPagedAttention,
+        paged_decode_attention,
+    )
+    from runner.kernels.gpu_info import num_sms
+    from runner.kernels.pdl import pdl_available
     from runner.models.llama import RotaryEmbedding
-    from runner.triton_attention import DecodeRope, TritonPagedAttention, paged_decode_attention
-    from runner.triton_pdl import pdl_available
 
     hkv, d, bs = 8, 128, 16  # _attn_case's shapes
     pdl = pdl_available("cuda")
@@ -544,7 +557,7 @@ def run_attn_modes(batches=(1, 8, 32, 64, 128), ctx: int = 350, layers: int = 28
 
 def run_attn_sweep(batches=(1, 64), ctxs=(135, 350, 600), layers: int = 28, table_width: int = 128,
                    tiles=ATTN_TILES, all_splits: bool = True) -> dict:
-    """Decode attention kernel alone (runner/triton_attention.py), Orpheus heads (24/8, D 128,
+    """Decode attention kernel alone (runner/kernels/attention.py), Orpheus heads (24/8, D 128,
     bf16, block 16), every sequence at `ctx` tokens with scrambled block tables, one cache per
     layer (a graph of `layers` launches, so KV comes from HBM as in a step), block tables as wide
     as the engine's graphs (max_model_len 2048 / block 16; the split count follows the width):
@@ -552,8 +565,8 @@ def run_attn_sweep(batches=(1, 64), ctxs=(135, 350, 600), layers: int = 28, tabl
     also with the fused RoPE + KV write."""
     from bench_gemm import _time_graph
 
+    from runner.kernels.attention import DecodeRope, paged_decode_attention
     from runner.models.llama import RotaryEmbedding
-    from runner.triton_attention import DecodeRope, paged_decode_attention
 
     hkv, d, bs = 8, 128, 16  # _attn_case's shapes
     rot = RotaryEmbedding(d, 2048, RopeConfig(theta=ORPHEUS_3B["rope_theta"]))
@@ -603,11 +616,11 @@ LM_HEAD_TILES = {1: ["1,4,1024,4,1", "1,8,1024,4,1", "1,16,1024,4,1", "1,8,512,4
 def run_lm_head(tiles=LM_HEAD_TILES, launches: int = 8) -> dict:
     """The Orpheus lm_head GEMM alone ([M, 3072] x [156940, 3072]^T, bf16) at M = 1 and 64: cuBLAS
     on the padded weight (the engine's path, LlamaForCausalLM.pad_lm_head) against Triton tiles of
-    runner/triton_linear.py on the unpadded rows; us per launch and TB/s of weight bytes. The
+    runner/kernels/linear.py on the unpadded rows; us per launch and TB/s of weight bytes. The
     weight (0.96 GB) is far above L2, so every launch streams it from HBM."""
     from bench_gemm import _time_graph
 
-    from runner.triton_linear import skinny_linear
+    from runner.kernels.linear import skinny_linear
 
     v, k = ORPHEUS_3B["vocab_size"], 3072
     vp = -(-v // 64) * 64
@@ -633,13 +646,18 @@ def run_lm_head(tiles=LM_HEAD_TILES, launches: int = 8) -> dict:
 
 
 def eng_sampling(n: int):
-    from runner.sampling_params import SamplingParams
+    from streaming.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=n, ignore_eos=True, seed=0)
 
 
 def run_hf(batches, budget_s: float):
-    from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        StoppingCriteria,
+        StoppingCriteriaList,
+    )
 
     cfg = LlamaConfig(
         vocab_size=ORPHEUS_3B["vocab_size"], hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
@@ -687,7 +705,7 @@ def time_decode(dec, frames: int, B: int, repeats: int = 10) -> float:
 
 
 def run_codec():
-    from runner.codec import CodecConfig, CodecStage
+    from runner.codecs.snac import CodecConfig, CodecStage
 
     folder = write_random_snac(Path("/tmp/snac24_random"))  # snac_24khz, random weights
     res = {}
@@ -719,7 +737,7 @@ def make_orpheus_random_folder(root: Path, snac: Path) -> Path:
     an omnistream.json with Orpheus-3B's token layout and the random SNAC 24 kHz."""
     import shutil
 
-    from runner.default_model import ensure_default_model
+    from runner.models.default_model import ensure_default_model
 
     tiny = ensure_default_model("/tmp/omnistream-cache")
     root.mkdir(parents=True, exist_ok=True)
@@ -742,7 +760,7 @@ def serving_model_folder() -> Path:
 
 def in_process_engine(max_num_seqs: int):
     """The serving engine (as `serve` builds it, random weights) in this process."""
-    from runner.engine_proc import EngineProcArgs, build_engine
+    from runner.engine.process import EngineProcArgs, build_engine
 
     return build_engine(EngineProcArgs(model_path=str(serving_model_folder()), input_addr="", output_addr="",
                                        device="cuda", max_num_seqs=max_num_seqs, max_model_len=1024, random_weights=True))
@@ -750,7 +768,7 @@ def in_process_engine(max_num_seqs: int):
 
 def run_ttfa(repeats: int = 8, prompt: list[int] | None = None) -> dict:
     """Engine-only time to first audio at one stream, on the serving model folder."""
-    from runner.sampling_params import SamplingParams
+    from streaming.sampling_params import SamplingParams
 
     eng = in_process_engine(8)
     prompt = prompt or [128259, *range(1000, 1024), 128009, 128260, 128261, 128257]  # ~Orpheus prompt length
@@ -791,8 +809,8 @@ def run_hidden_steps(batch: int = 64, new: int = 120) -> dict:
     batch without a hidden-state request. Median ms over the pure-decode steps."""
     from dataclasses import replace
 
-    from runner.engine import Engine
-    from runner.sampling_params import SamplingParams
+    from runner.engine.engine import Engine
+    from streaming.sampling_params import SamplingParams
 
     model = build_orpheus_model()
     greedy = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
@@ -831,8 +849,8 @@ def run_first_use(max_num_seqs: int = 64) -> dict:
     cost (a CUDA module loaded on first launch, a Triton compile) shows as first >> again, and
     in serving every stream waits for it. Cases: eager prefills (prompts past the 128-token
     token-row limit) alone and joining 8 running decodes, and a hidden-state request."""
-    from runner.compile_log import recording
-    from runner.sampling_params import SamplingParams
+    from runner.engine.compile_log import recording
+    from streaming.sampling_params import SamplingParams
 
     eng = in_process_engine(max_num_seqs)
     t_warm = time.perf_counter()
@@ -884,14 +902,14 @@ def run_first_use(max_num_seqs: int = 64) -> dict:
 
 
 def sdpa_first_use(lengths=(611, 614, 777)) -> dict:
-    """The prefill path's SDPA call alone (runner/attention.py's shapes: one sequence of L
+    """The prefill path's SDPA call alone (runner/layers/attention.py's shapes: one sequence of L
     tokens, 8 KV heads x 3 query heads folded into the query axis, boolean causal mask, bf16)
     at prompt lengths not seen before: ms of the first call and of the second, with SDPA's own
-    backend choice and with runner.attention.NO_PLAN_BACKENDS."""
+    backend choice and with runner.layers.attention.NO_PLAN_BACKENDS."""
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
-    from runner.attention import NO_PLAN_BACKENDS
+    from runner.layers.attention import NO_PLAN_BACKENDS
 
     out = {}
     for name, backends in (("default", None), ("no_plan", NO_PLAN_BACKENDS)):
@@ -917,8 +935,13 @@ def sdpa_first_use(lengths=(611, 614, 777)) -> dict:
 def run_codec_tiles(tiles_list: list[str]) -> dict:
     """Fused SNAC decoder per tile shape, bf16 model: ms per call at the serving shapes and the
     int16 distance from the current default tiles (a tile shape only changes float rounding)."""
-    from runner.codec import CodecConfig, SnacWindowDecoder, float_to_s16, load_snac
-    from runner.snac_kernels import Tiles
+    from runner.codecs.snac import (
+        CodecConfig,
+        SnacWindowDecoder,
+        float_to_s16,
+        load_snac,
+    )
+    from runner.kernels.snac import Tiles
 
     folder = write_random_snac(Path("/tmp/snac24_random"))  # snac_24khz, random weights
     model = load_snac(CodecConfig(path=str(folder)), torch.device("cuda"), torch.bfloat16)
@@ -979,14 +1002,13 @@ def run_profile_serving(n: int, out_dir: Path, steps: int = 10) -> dict:
     """The serving engine (Orpheus-3B-shaped random model, random SNAC 24 kHz, bf16 codec) with
     n audio requests in decode, as a burst of TTS clients leaves it: host ms per phase and the
     kernel-level profile of a few steps (model, sampler and codec streams)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from runner.engine_proc import freeze_startup_heap
-    from runner.sampling_params import SamplingParams
-
     # The same per-request Python on every machine (deploy/bench_host.py, no GPU): the serving
     # edge moves with the host's speed (deploy/RESULTS.md, s7), so each run records it.
     import bench_host
+    from torch.profiler import ProfilerActivity, profile
+
+    from runner.engine.process import freeze_startup_heap
+    from streaming.sampling_params import SamplingParams
 
     probe = bench_host.measure(400, 200)
     log(f"  host probe (bench_host.py, 400 rows, ms): {probe}")
@@ -1075,7 +1097,7 @@ def timed_calls(eng):
     the block runs; yields {call: host seconds summed}, then unwraps them (bench_host.timed_calls)."""
     import bench_host
 
-    import runner.model_runner as mr
+    import runner.engine.model_runner as mr
 
     r = eng.runner
     targets = {
@@ -1191,13 +1213,13 @@ def main() -> int:
                    rope_in_attention=bool(args.rope_in_attention), split_k=bool(args.split_k),
                    norm_fold=bool(args.norm_fold))
     if not args.prefill_warm_up:
-        from runner.engine import Engine
+        from runner.engine.engine import Engine
 
         Engine.warm_up_eager_prefill = lambda self: None  # the A/B baseline: warm-up as before s10
     if args.tuned:
         from bench_gemm import load_tuned
 
-        from runner import triton_linear
+        from runner.kernels import linear as triton_linear
 
         triton_linear.TUNED.clear()
         triton_linear.TUNED.update(load_tuned(args.tuned))
@@ -1205,7 +1227,7 @@ def main() -> int:
                  "command": " ".join(sys.argv), "kernels": dict(KERNELS, tuned=args.tuned),
                  "prefill_warm_up": bool(args.prefill_warm_up)}
     t0 = time.perf_counter()
-    from runner.sampling_params import SamplingParams
+    from streaming.sampling_params import SamplingParams
 
     if "bandwidth" in secs:
         res["bandwidth_Bps"] = bench_bandwidth()

@@ -32,11 +32,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runner.config import SchedulerConfig  # noqa: E402
-from runner.kv_cache import BlockManager  # noqa: E402
-from runner.request import Request  # noqa: E402
-from runner.sampler import SamplingTable  # noqa: E402
-from runner.sampling_params import SamplingParams  # noqa: E402
-from runner.scheduler import Scheduler  # noqa: E402
+from runner.engine.kv_cache import BlockManager  # noqa: E402
+from runner.engine.request import Request  # noqa: E402
+from runner.engine.scheduler import Scheduler  # noqa: E402
+from runner.layers.sampler import SamplingTable  # noqa: E402
+from streaming.sampling_params import SamplingParams  # noqa: E402
 
 
 def reference(reps: int = 9) -> float:
@@ -139,9 +139,9 @@ def measure_engine(n: int, steps: int = 60, repeats: int = 5, warm_steps: int = 
     `repeats` means over `steps` steps."""
     import torch
 
-    from runner.codec import PendingPCM
-    from runner.default_model import ensure_default_model
-    from runner.engine_proc import EngineProcArgs, build_engine
+    from runner.codecs.snac import PendingPCM
+    from runner.engine.process import EngineProcArgs, build_engine
+    from runner.models.default_model import ensure_default_model
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -173,7 +173,7 @@ def measure_engine(n: int, steps: int = 60, repeats: int = 5, warm_steps: int = 
         eng.step()
     assert len(eng.scheduler.running) == n, "every stream must still be decoding"
     gc.collect()
-    gc.freeze()  # as the engine process does once ready (runner/engine_proc.py)
+    gc.freeze()  # as the engine process does once ready (runner/engine/process.py)
     # blocks of steps, each phase's least block mean: the host is shared, and a phase only
     # reads slower than its code runs
     blocks: list[dict[str, float]] = []

@@ -1,5 +1,5 @@
-"""Sampler micro-benchmark: the sort-based reference (tests/test_sampler.py::OldSampler) against
-the sort-free backends of runner/sampler.py, on the Orpheus vocabulary and sampling settings.
+"""Sampler micro-benchmark: the sort-based reference (tests/layers/test_sampler.py::OldSampler) against
+the sort-free backends of runner/layers/sampler.py, on the Orpheus vocabulary and sampling settings.
 
 One sampling step = penalties (repetition 1.1 over a 100-token prompt + outputs) + bias (EOS
 banned, as while min_tokens is unmet) + temperature 0.6 + top-p 0.8 + the exponential race, on
@@ -32,9 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runner.sampler import Sampler, SamplingBatch, SlotState  # noqa: E402
-from runner.sampling_params import SamplingParams  # noqa: E402
-from tests.test_sampler import OldSampler  # noqa: E402  (the reference implementation)
+from runner.layers.sampler import Sampler, SamplingBatch, SlotState  # noqa: E402
+from streaming.sampling_params import SamplingParams  # noqa: E402
+from tests.layers.test_sampler import OldSampler  # noqa: E402  (the reference implementation)
 
 VOCAB = 156940
 EOS = 128258
@@ -171,7 +171,7 @@ def bench(device: torch.device, batches: list[int], kinds: list[str], backends: 
 
 
 def sweep(device: torch.device, batches: list[int], kinds: list[str], reps: int, warmup: int) -> list[dict]:
-    from runner import sampling_kernels
+    from runner.kernels import sampling as sampling_kernels
 
     out = []
     for cfg in SWEEP:

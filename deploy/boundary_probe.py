@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.triton_pdl import pdl_enter
+from runner.kernels.pdl import pdl_enter
 
 # Spin limit of the grid barrier: a barrier that never opens (programs not co-resident) ends
 # the kernel with a wrong result instead of hanging the device.

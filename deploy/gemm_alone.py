@@ -11,8 +11,8 @@ split count last): 8 fields are a pointer tile and its splits, so a TMA tile tak
 tile's time is the partials' GEMM alone: whoever consumes them adds its sum.
 --residual also times each unsplit tile as residual_linear (the residual epilogue of the norm fold).
 --head-argmax times greedy ids instead (the lm_head: N is the vocabulary): cuBLAS on the
-zero-padded weight + runner/triton_argmax.py (the engine's path where HEAD_TUNED has no tile),
-then per tile that tile's GEMM + the argmax, and runner/triton_head_argmax.py (one split only).
+zero-padded weight + runner/kernels/argmax.py (the engine's path where HEAD_TUNED has no tile),
+then per tile that tile's GEMM + the argmax, and runner/kernels/head_argmax.py (one split only).
 
     python3 deploy/gemm_alone.py --shape 156940x3072 --m 64 --head-argmax --tiles "64/128/128/8/4/0/0/1/1"
 """
@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--head-argmax", action="store_true", help="greedy ids of an lm_head (module docstring)")
     args = ap.parse_args()
 
-    from runner.triton_linear import residual_linear, skinny_linear
+    from runner.kernels.linear import residual_linear, skinny_linear
 
     specs = []  # (spec, tile, splits), checked before anything runs
     for spec in filter(None, args.tiles.split(";")):
@@ -77,9 +77,9 @@ def main() -> None:
 
 
 def head_argmax_alone(n: int, k: int, m: int, specs, copies: int, launches: int) -> None:
-    from runner.triton_argmax import row_argmax
-    from runner.triton_head_argmax import head_argmax
-    from runner.triton_linear import skinny_linear
+    from runner.kernels.argmax import row_argmax
+    from runner.kernels.head_argmax import head_argmax
+    from runner.kernels.linear import skinny_linear
 
     g = torch.Generator(device="cuda").manual_seed(0)
     n_pad = -(-n // 64) * 64  # the engine's padded head (LlamaForCausalLM.pad_lm_head)

@@ -39,9 +39,9 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=350, help="tokens per sequence already in the cache")
     args = ap.parse_args()
 
-    from runner.triton_attention import DecodeRope, paged_decode_attention
-    from runner.triton_fused_ops import TritonOps
-    from runner.triton_pdl import pdl_available
+    from runner.kernels.attention import DecodeRope, paged_decode_attention
+    from runner.kernels.fused_ops import TritonOps
+    from runner.kernels.pdl import pdl_available
 
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16

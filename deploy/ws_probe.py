@@ -1,6 +1,6 @@
 """Does a warp-specialised, TMA-fed Triton GEMM stream a decode GEMM's weights faster than the
 engine's pointer tiles? Each decode GEMM alone at one M, in a CUDA graph of 28 launches over 8
-weight copies (deploy/gemm_alone.py's timing): cuBLAS, the engine's tile (runner/triton_linear.py
+weight copies (deploy/gemm_alone.py's timing): cuBLAS, the engine's tile (runner/kernels/linear.py
 tile tables), and this probe's kernel with and without `warp_specialize`.
 
     python3 deploy/ws_probe.py --m 64
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_gemm import _inputs, _time_graph  # noqa: E402
 
-from runner.triton_linear import (  # noqa: E402
+from runner.kernels.linear import (  # noqa: E402
     GATED,
     PLAIN,
     silu_mul,
@@ -63,7 +63,7 @@ def _probe_kernel(x_desc, w_desc, out_ptr, M, N, k_split, BLOCK_M: tl.constexpr,
     offs = rows[:, None] * N + cols[None, :]
     if SPLIT_K > 1:
         tl.store(out_ptr + split * M * N + offs, acc, mask=mask)
-    elif GATED:  # the engine's SiLU*mul roundings (runner/triton_linear.py silu_mul)
+    elif GATED:  # the engine's SiLU*mul roundings (runner/kernels/linear.py silu_mul)
         tl.store(out_ptr + offs, silu_mul(acc.to(tl.bfloat16), acc_u.to(tl.bfloat16)), mask=mask)
     else:
         tl.store(out_ptr + offs, acc.to(tl.bfloat16), mask=mask)

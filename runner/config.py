@@ -183,20 +183,20 @@ class RunnerConfig:
     # run as token rows (every such step replays a graph), else min(this, max_num_seqs)
     max_graph_batch_size: int = 2048
     sampler_backend: str = "auto"  # auto | torch | triton (OMNISTREAM_SAMPLER_BACKEND)
-    # CUDA decode kernels (runner/triton_linear.py, runner/triton_pdl.py); off only for A/B runs
+    # CUDA decode kernels (runner/kernels/linear.py, runner/kernels/pdl.py); off only for A/B runs
     skinny_linear: bool = True  # 16-bit GEMMs of <= 64 rows in Triton (tile table), SiLU*mul in gate_up
     pdl: bool = True  # programmatic dependent launch where the GPU has it (sm90+)
     rope_in_attention: bool = True  # pure-decode RoPE + KV write inside the attention kernel
     # ... and, where that kernel is split 32 ways (batch 1 on 8 KV heads and 132 SMs),
     # its loads that no earlier kernel of the step writes (block table, first K/V tile, RoPE
-    # rows) issued before the PDL wait (runner/triton_attention.py PREFETCH_MIN_SPLITS)
+    # rows) issued before the PDL wait (runner/kernels/attention.py PREFETCH_MIN_SPLITS)
     attention_prefetch: bool = True
     split_k: bool = True  # o_proj / down of 2..64 rows as split-K partials summed by the add + RMSNorm
     # o_proj adds the residual and gate_up finishes the post-attention RMSNorm (no norm launch
-    # between them) where runner/triton_linear.py FOLD_TUNED says so (2..16 and 33..64 rows)
+    # between them) where runner/kernels/linear.py FOLD_TUNED says so (2..16 and 33..64 rows)
     norm_fold: bool = True
     # pure-decode steps: the qkv GEMM rotates q / k and writes this token's K/V to the cache in
-    # its epilogue where its Triton tile runs (runner/triton_qkv_rope.py; Orpheus-3B: 2..16 and
+    # its epilogue where its Triton tile runs (runner/kernels/qkv_rope.py; Orpheus-3B: 2..16 and
     # 33..64 rows), and the attention kernel after it only attends
     qkv_rope: bool = True
     # also capture pure-decode graphs that keep every layer's output, so a decode step with a
@@ -205,7 +205,7 @@ class RunnerConfig:
     # (Orpheus-3B, 512 seqs, bf16: 91 MB), and start-up captures one graph more per bucket.
     # H200, batch 64 with one hidden-state stream: 3.15 ms per step against 12.91 eager and 2.83
     # with no such stream (deploy/RESULTS.md, s10-run1); tokens and hidden states bit for bit
-    # the eager ones (tests/test_gpu.py).
+    # the eager ones (tests/gpu/test_gpu.py).
     hidden_state_graphs: bool = True
 
     @property

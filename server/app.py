@@ -17,16 +17,24 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from server import completions, generate_ws, info, speech, tts_ws
 from server.context import CTX, ServerContext
 from server.engine_api import EngineClientProtocol, EngineOverloaded, EngineUnavailable
-from runner.sampling_params import InvalidRequest
-from server.errors import APIError, engine_unavailable, internal_error, invalid_request, not_found, overloaded, unauthorized
+from server.errors import (
+    APIError,
+    engine_unavailable,
+    internal_error,
+    invalid_request,
+    not_found,
+    overloaded,
+    unauthorized,
+)
 from server.metrics import Metrics
+from server.routes import completions, generate_ws, info, speech, tts_ws
 from server.settings import ServerSettings
 from server.tokenizer import TextTokenizer
-from server.voices import SpeechProfile
+from server.tts.voices import SpeechProfile
 from server.ws_common import close_all
+from streaming.sampling_params import InvalidRequest
 
 log = logging.getLogger(__name__)
 

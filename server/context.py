@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from runner.sampling_params import SamplingParams
 from server.engine_api import EngineClientProtocol
 from server.metrics import Metrics
 from server.settings import ServerSettings
 from server.tokenizer import TextTokenizer
-from server.voices import SpeechProfile
+from server.tts.voices import SpeechProfile
+from streaming.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """What the HTTP/WebSocket front end needs from an engine: one Protocol and its two errors.
 
 The real implementation is `server.engine_client` (ZeroMQ to the engine process); tests use
-`tests.fake_engine.FakeEngine`. Handlers depend on this Protocol only, so either can be
+`tests.support.fake_engine.FakeEngine`. Handlers depend on this Protocol only, so either can be
 plugged into `server.app.build_app`.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Protocol
 
-from runner.ipc import AddRequest, EngineStats, Ready, RequestOutput
+from streaming.ipc import AddRequest, EngineStats, Ready, RequestOutput
 
 
 class EngineOverloaded(Exception):

@@ -1,6 +1,6 @@
 """The front end's asyncio client of the engine process.
 
-It spawns `python -m runner.engine_proc` (no multiprocessing pickling: arguments travel as
+It spawns `python -m runner.engine.process` (no multiprocessing pickling: arguments travel as
 JSON), binds a PUSH socket for requests and a PULL socket for outputs on ipc:// paths in a
 private temp dir, waits for the engine's Ready, then routes every step's outputs to per-request
 bounded queues.
@@ -30,10 +30,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from runner import ipc
-from runner.engine_proc import EngineProcArgs
-from runner.sampling_params import InvalidRequest
+from runner.engine.process import EngineProcArgs
 from server.engine_api import EngineOverloaded, EngineUnavailable
+from streaming import ipc
+from streaming.sampling_params import InvalidRequest
 
 log = logging.getLogger("omnistream.client")
 
@@ -87,7 +87,7 @@ class EngineClient:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")])
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "runner.engine_proc", msgspec.json.encode(args).decode()],
+            [sys.executable, "-m", "runner.engine.process", msgspec.json.encode(args).decode()],
             env=env,
             stdin=subprocess.DEVNULL,
         )

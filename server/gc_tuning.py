@@ -4,7 +4,7 @@ Why: the front end is one event loop serving every stream, so a collection pause
 When hundreds of sessions start together each allocates a few hundred container objects
 (handlers, tasks, queues, buffers) that live until its utterance ends. With Python's default
 thresholds (700, 10, 10) a 400-session burst runs ~100 collections, and once the start-up heap
-is frozen (runner.engine_proc.freeze_startup_heap) the oldest generation holds only what was
+is frozen (runner.engine.process.freeze_startup_heap) the oldest generation holds only what was
 promoted since, so the rule that holds a full collection back until the objects promoted since
 the last one reach a quarter of its survivors holds little back: full collections over all the
 burst's live objects come every hundred young ones. On the 2-core dev box, two bursts
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import Histogram
 from prometheus_client.core import Metric
 
-from runner.engine_proc import freeze_startup_heap, on_gc_pause
+from runner.engine.process import freeze_startup_heap, on_gc_pause
 
 # gc.set_threshold: allocations (net of frees) between young collections, young collections per
 # middle one, middle collections per full one

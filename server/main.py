@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 from aiohttp import web
 
 from runner.config import Env
-from runner.engine_proc import EngineProcArgs
+from runner.engine.process import EngineProcArgs
 from server.gc_tuning import settle_heap
 
 log = logging.getLogger("omnistream")
@@ -56,13 +56,13 @@ def engine_args_from(args: argparse.Namespace, model_path: str, env: Env) -> Eng
 
 
 async def run_server(args: argparse.Namespace) -> None:
-    from runner.default_model import ensure_default_model
+    from runner.models.default_model import ensure_default_model
     from server.app import build_app
     from server.engine_client import EngineClient
+    from server.routes.zmq_gateway import ZmqGateway
     from server.settings import ServerSettings
     from server.tokenizer import TextTokenizer
-    from server.voices import SpeechProfile
-    from server.zmq_gateway import ZmqGateway
+    from server.tts.voices import SpeechProfile
 
     env = Env.read()
     if args.zmq_endpoint != "none" and not args.zmq_allow_remote and not _is_loopback_endpoint(args.zmq_endpoint):

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Mapping
 
-from runner.ipc import RequestOutput
-from runner.sampling_params import InvalidRequest
 from server.engine_api import EngineOverloaded, EngineUnavailable
 from server.errors import APIError, internal_error
 from server.sampling import rejection_error
+from streaming.ipc import RequestOutput
+from streaming.sampling_params import InvalidRequest
 
 
 async def first_output(

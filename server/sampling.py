@@ -12,8 +12,12 @@ from typing import Any, Mapping
 
 import msgspec
 
-from runner.sampling_params import InvalidRequest, SamplingParams, decode_sampling_params
 from server.errors import APIError, invalid_request
+from streaming.sampling_params import (
+    InvalidRequest,
+    SamplingParams,
+    decode_sampling_params,
+)
 
 SPEECH_FIELDS: Mapping[str, str] = {
     "temperature": "temperature",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runner.sampling_params import InvalidRequest, SamplingParams
+from streaming.sampling_params import InvalidRequest, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class ServerSettings:
     ws_max_inflight_utterances: int = 2
     ws_max_pending_segments: int = 64
     ws_heartbeat_s: float | None = 20.0
-    # Text segmentation for streamed text (see server.text_segmenter).
+    # Text segmentation for streamed text (see server.tts.text_segmenter).
     segment_min_clause_chars: int = 40
     segment_max_chars: int = 300
     # Operator override of the speech profile's default sampling (None: use the profile's).

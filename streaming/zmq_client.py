@@ -1,4 +1,4 @@
-"""Python clients of omnistream's ZeroMQ API (sync and asyncio). See server/zmq_gateway.py and
+"""Python clients of omnistream's ZeroMQ API (sync and asyncio). See server/routes/zmq_gateway.py and
 docs/zmq.md for the wire format; any language with ZeroMQ and msgpack can do the same.
 
     with ZmqClient("tcp://127.0.0.1:5555") as c:

@@ -6,7 +6,7 @@ Numerics follow transformers (RMSNorm in fp32, RoPE cos/sin from fp32 tables cas
 model dtype, residual adds in model dtype) so outputs match it within dtype tolerance.
 
 The elementwise work (norms, residual adds, RoPE, SiLU*mul, KV write) goes through an ops
-object fixed at construction (runner/fused_ops.py): plain torch on CPU, fused Triton kernels on
+object fixed at construction (runner/layers/ops.py): plain torch on CPU, fused Triton kernels on
 CUDA. Residual adds are folded into the next RMSNorm ("residual stream"): each layer takes and
 returns (sublayer output, residual) and `add_rmsnorm` forms their sum, which is the same value
 transformers' `h = h + sublayer(norm(h))` produces.
@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.attention import AttentionMetadata, make_attention_backend
 from runner.config import ModelConfig, RopeConfig
-from runner.fused_ops import make_ops, torch_rmsnorm
+from runner.layers.attention import AttentionMetadata, make_attention_backend
+from runner.layers.ops import make_ops, torch_rmsnorm
 
 
 class RMSNorm(nn.Module):
@@ -216,7 +216,7 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Parameter names mirror HF's minus the split projections (qkv_proj, gate_up_proj).
 
-    `attn` (attention backend) and `ops` (elementwise ops, runner/fused_ops.py) default to the
+    `attn` (attention backend) and `ops` (elementwise ops, runner/layers/ops.py) default to the
     variants for the default device; build_empty_model passes the target device's.
     """
 
@@ -311,8 +311,8 @@ class LlamaForCausalLM(nn.Module):
     def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N] int64: the ids compute_logits(hidden).argmax(-1) gives, without its fp32
         copy of the logits. The same ids: the upcast to fp32 is exact, and argmax returns the
-        first index of the maximum either way (ops.greedy_head: runner/triton_argmax.py on CUDA,
-        or the argmax inside the head GEMM, runner/triton_head_argmax.py, whose GEMM may round a
+        first index of the maximum either way (ops.greedy_head: runner/kernels/argmax.py on CUDA,
+        or the argmax inside the head GEMM, runner/kernels/head_argmax.py, whose GEMM may round a
         near-tie differently from cuBLAS's)."""
         return self.ops.greedy_head(hidden, self.lm_head_weight, self.lm_head_padded)
 

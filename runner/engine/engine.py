@@ -1,0 +1,383 @@
+"""In-process engine: add_request / abort_request / step().
+
+One step reads like its description: schedule, execute, sample, emit. With async scheduling the
+emit of step N happens after step N+1 was scheduled and launched, so the device never waits
+for the host to look at step N's tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from runner.config import EngineConfig
+from runner.engine.kv_cache import BlockManager
+from runner.engine.model_runner import AsyncOutput, ModelRunner, StepResult
+from runner.engine.request import FinishReason, Request
+from runner.engine.scheduler import Scheduler, SchedulerOutput
+from runner.families.orpheus import OrpheusCodeConstraint
+from runner.layers.sampler import pick_backend
+from streaming.ipc import EngineStats, RequestOutput
+from streaming.sampling_params import InvalidRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    sched: SchedulerOutput
+    out: AsyncOutput
+
+
+def num_kv_blocks(cfg: EngineConfig, bytes_per_token: int) -> int:
+    """Blocks from an explicit count, a memory budget, or (default) enough for every sequence
+    at full length, capped by 90% of free device memory on CUDA / 2 GiB on the CPU."""
+    c, s = cfg.cache, cfg.scheduler
+    if c.num_blocks is not None:
+        return c.num_blocks
+    per_block = bytes_per_token * c.block_size
+    if c.kv_memory_gb is not None:
+        return max(1, int(c.kv_memory_gb * 2**30) // per_block)
+    want = s.max_num_seqs * -(-s.max_model_len // c.block_size)
+    if cfg.runner.torch_device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(cfg.runner.torch_device)
+        cap = int(free * 0.9) // per_block
+    else:
+        cap = (2 * 2**30) // per_block
+    return max(1, min(want, cap))
+
+
+class Engine:
+    PHASES = ("schedule", "execute", "sample", "emit", "codec")
+
+    def __init__(self, cfg: EngineConfig, model: torch.nn.Module | None = None, codec=None):
+        from runner.layers.attention import kv_bytes_per_token
+        from runner.models.loader import load_model
+
+        self.cfg = cfg
+        self.device = cfg.runner.torch_device
+        if model is None:
+            from runner.models.loader import kernels_for
+
+            attn, ops = kernels_for(cfg.runner)
+            model = load_model(cfg.model, self.device, cfg.runner.torch_dtype, attn=attn, ops=ops)
+        self.model = model
+        self.num_blocks = num_kv_blocks(cfg, kv_bytes_per_token(cfg.model, cfg.runner.torch_dtype))
+        self.blocks = BlockManager(self.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg.scheduler, self.blocks, frozenset(cfg.model.eos_token_ids))
+        self.codec = codec
+        constraint = None
+        if codec is not None:
+            c = codec.cfg
+            constraint = OrpheusCodeConstraint(c.audio_token_offset, c.codebook_size, c.tokens_per_frame, c.end_token_id,
+                                               backend=pick_backend(self.device, cfg.runner.sampler_backend))
+        self.runner = ModelRunner(cfg, self.model, self.num_blocks, constraint, lambda r: r.audio)
+        self.requests: dict[str, Request] = {}
+        self._pending: _Pending | None = None
+        self._finished_out: list[RequestOutput] = []  # outputs produced outside a step (aborts)
+        self._audio_open: dict[int, Request] = {}  # codec streams not yet fully emitted
+        self.step_count = 0
+        # host seconds per phase, summed over steps (the engine process logs them): schedule,
+        # execute (prepare + launch the forward), sample (launch), emit (wait for the step's
+        # ids + bookkeeping), codec (collect + launch windows)
+        self.phase_s = [0.0] * len(self.PHASES)
+        self.last_scheduled = SchedulerOutput()  # what the latest step ran (for the slow-step log)
+        self.num_requests_total = 0
+        self.num_aborted_total = 0
+        self.num_generated_total = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams | None = None,
+        hidden_state_layers: tuple[int, ...] | list[int] = (),
+        audio: bool = False,
+    ) -> None:
+        """Validate and queue a request. Raises InvalidRequest naming the field; the engine and
+        the other requests are unaffected."""
+        sampling = sampling or SamplingParams()
+        m, s = self.cfg.model, self.cfg.scheduler
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest("request_id", "must be a non-empty string")
+        if request_id in self.requests:
+            raise InvalidRequest("request_id", f"{request_id!r} is already in use by a running request")
+        if not prompt_token_ids:
+            raise InvalidRequest("prompt_token_ids", "must not be empty")
+        for i, t in enumerate(prompt_token_ids):
+            if not isinstance(t, int) or not (0 <= t < m.vocab_size):
+                raise InvalidRequest("prompt_token_ids", f"token {t!r} at index {i} is outside the vocabulary [0, {m.vocab_size})")
+        if len(prompt_token_ids) >= s.max_model_len:
+            raise InvalidRequest(
+                "prompt_token_ids", f"prompt of {len(prompt_token_ids)} tokens leaves no room under max_model_len={s.max_model_len}"
+            )
+        if len(prompt_token_ids) + 1 > self.num_blocks * self.cfg.cache.block_size:
+            raise InvalidRequest("prompt_token_ids", "prompt does not fit in the KV cache")
+        sampling.validate(m.vocab_size)
+        layers = tuple(hidden_state_layers)
+        for l in layers:
+            if not (-(m.num_layers + 1) <= l <= m.num_layers):
+                raise InvalidRequest("hidden_state_layers", f"layer {l} out of range [-{m.num_layers + 1}, {m.num_layers}]")
+        if audio:
+            if self.codec is None:
+                raise InvalidRequest("audio", "this engine has no codec stage loaded")
+            end = self.codec.cfg.end_token_id
+            if end not in sampling.stop_token_ids:
+                sampling = msgspec.structs.replace(sampling, stop_token_ids=[*sampling.stop_token_ids, end])
+        req = Request(request_id, list(prompt_token_ids), sampling, layers, audio)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.num_requests_total += 1
+        if audio:
+            self.codec.open(id(req), seed=sampling.seed)
+            self._audio_open[id(req)] = req
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a live request: its blocks and slot are free before the next step. Returns
+        False when the id is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.num_aborted_total += 1
+        if not req.is_finished:
+            self.scheduler.finish(req, FinishReason.ABORT)
+        if self._audio_open.pop(id(req), None) is not None:
+            self.codec.abort(id(req))
+        self._finished_out.append(self._output(req, [], finished=True))
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or self._pending is not None or bool(self._finished_out)
+
+    # ---- the step --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        ph, t0 = self.phase_s, time.perf_counter()
+        sched = self.last_scheduled = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        out = None
+        if not sched.is_empty:
+            self.runner.execute_model(sched)
+            t2 = time.perf_counter()
+            out = self.runner.sample_tokens()
+            self.step_count += 1
+        else:
+            t2 = t1
+        t3 = time.perf_counter()
+        if self.cfg.scheduler.async_scheduling:
+            prev, self._pending = self._pending, (_Pending(sched, out) if out is not None else None)
+        else:
+            prev = _Pending(sched, out) if out is not None else None
+        results = self._emit(prev) if prev is not None else []
+        t4 = time.perf_counter()
+        if self.codec is not None and self._audio_open:
+            # with no model work queued the host would only spin on the codec: wait for it
+            idle = sched.is_empty and self._pending is None
+            results = self._merge(results, self._codec_step(wait=idle))
+        t5 = time.perf_counter()
+        ph[0] += t1 - t0
+        ph[1] += t2 - t1
+        ph[2] += t3 - t2
+        ph[3] += t4 - t3
+        ph[4] += t5 - t4
+        for req in self.scheduler.failed:
+            self._forget(req)
+            if self._audio_open.pop(id(req), None) is not None:
+                self.codec.abort(id(req))
+            self._finished_out.append(self._output(req, [], finished=True))
+        self.scheduler.failed.clear()
+        if self._finished_out:
+            results, self._finished_out = self._finished_out + results, []
+        return results
+
+    def _emit(self, p: _Pending) -> list[RequestOutput]:
+        res: StepResult = p.out.get()
+        accepted = self.scheduler.update_from_output(p.sched, res.sampled)
+        self.num_generated_total += len(accepted)
+        by_req: dict[int, RequestOutput] = {}
+        audio: list[tuple[int, int]] = []  # (codec key, token), handed over in one call
+        closed: list[int] = []
+        for req, tok in accepted:
+            if req.audio:
+                # Tokens of an audio request travel with its next audio chunk or its finish
+                # (_codec_step): a message per token would be ~40x the traffic for no reader.
+                audio.append((id(req), tok))
+                if req.is_finished:
+                    closed.append(id(req))
+                continue
+            o = by_req[id(req)] = self._output(req, [tok], finished=False)
+            if req.is_finished:
+                o.finished, o.finish_reason = True, req.finish_reason.value
+                o.error = req.finish_message or None
+                self._forget(req)
+        if audio:
+            self.codec.push_many(audio)
+            for key in closed:  # after its last token
+                self.codec.close(key)
+        reqs = {id(e.req): e.req for e in p.sched.scheduled} if res.hidden else {}
+        for rid, (first, rows) in res.hidden.items():
+            req = reqs[rid]
+            if req.is_finished and rid not in by_req:
+                continue  # a step scheduled after the request ended (stop, abort): never emitted
+            o = by_req.get(rid) or by_req.setdefault(rid, self._output(req, [], finished=False))
+            o.hidden, o.hidden_positions = rows, (first, first + rows.shape[0])
+        return list(by_req.values())
+
+    def _codec_step(self, wait: bool) -> list[RequestOutput]:
+        """Outputs of audio requests: PCM chunks, errors, completion; each carries the
+        request's tokens accepted since its previous output."""
+        outs = []
+        for key, r in self.codec.step(wait).items():
+            req = self._audio_open.get(key)
+            if req is None:
+                continue
+            o = self._output(req, req.output_token_ids[req.num_output_tokens_sent :], finished=False)
+            req.num_output_tokens_sent = req.num_output_tokens
+            if r.pcm is not None and len(r.pcm):
+                o.audio = r.pcm
+            if r.error is not None:
+                if not req.is_finished:
+                    self.scheduler.finish(req, FinishReason.ERROR, r.error)
+                o.finished, o.finish_reason, o.error = True, FinishReason.ERROR.value, r.error
+            elif r.done:
+                o.finished, o.finish_reason = True, req.finish_reason.value
+                o.error = req.finish_message or None
+            if o.finished:
+                if r.error:
+                    self.codec.abort(key)
+                del self._audio_open[key]
+                self._forget(req)
+            if o.audio is not None or o.finished:
+                outs.append(o)
+        return outs
+
+    @staticmethod
+    def _merge(a: list[RequestOutput], b: list[RequestOutput]) -> list[RequestOutput]:
+        """Fold codec outputs into the step's token outputs (one output per request per step)."""
+        idx = {o.request_id: o for o in a}
+        for o in b:
+            t = idx.get(o.request_id)
+            if t is None:
+                a.append(o)
+                continue
+            t.new_token_ids = t.new_token_ids + o.new_token_ids
+            t.audio = o.audio
+            t.finished, t.finish_reason, t.error = o.finished, o.finish_reason, o.error
+        return a
+
+    def _forget(self, req: Request) -> None:
+        # by identity: the id may already belong to a newer request
+        if self.requests.get(req.request_id) is req:
+            del self.requests[req.request_id]
+
+    def _output(self, req: Request, toks: list[int], finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=toks,
+            finished=finished,
+            finish_reason=req.finish_reason.value if finished and req.finish_reason else None,
+            error=(req.finish_message or None) if finished else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    # ---- start-up ------------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Run one audio request through every path a first real request takes (eager prefill,
+        graphed decode, the sampler's window variant, the codec's windows of every chunk
+        size), so Triton compiles now and not in the first client's time to first audio (the
+        H200 log showed ~2.7 s there); then, on CUDA, the eager prefill path
+        (warm_up_eager_prefill), the lm_head at every row count and the sampler at its largest
+        (ModelRunner.warm_sampling). Counters are reset afterwards; the prefix cache keeps the
+        prompts' blocks, which is harmless."""
+        if self.codec is not None:
+            self._warm_up_audio()
+        if self.device.type == "cuda":
+            self.warm_up_eager_prefill()
+            self.runner.warm_sampling()
+        self.num_requests_total = self.num_generated_total = self.step_count = 0
+        self.phase_s = [0.0] * len(self.PHASES)
+
+    def _run_to_end(self) -> None:
+        while self.has_unfinished:
+            self.step()
+
+    def _warm_up_audio(self) -> None:
+        sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=7 * 26, seed=0)
+        vocab = self.cfg.model.vocab_size
+        self.add_request("__warmup__", [i % vocab for i in range(1, 33)], sp, audio=True)
+        self._run_to_end()
+
+    def warm_up_eager_prefill(self) -> None:
+        """Run the eager prefill path once alone (with hidden states) and once joining running
+        decodes: prompts past MAX_TOKEN_ROW_QUERY, which no decode graph serves. On the H200
+        the first such prompt after start-up took 85-137 ms against 35-56 ms for the next one,
+        and 46-58 ms with this warm-up (probably CUDA modules loaded on first launch;
+        deploy/RESULTS.md, s10), and every stream of the batch waited for it. The lengths (356,
+        461) are not the ones `bench_gpu.py --sections first_use` times (300, 517, 400), so that
+        section measures other shapes than these. Nothing to do where prompts that long cannot
+        occur."""
+        from runner.engine.model_runner import MAX_TOKEN_ROW_QUERY
+
+        longest = self.cfg.scheduler.max_model_len - 4
+        if longest <= MAX_TOKEN_ROW_QUERY:
+            return
+        vocab = self.cfg.model.vocab_size
+        text = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=2, ignore_eos=True, seed=0)
+        audio = self.codec is not None  # decodes as the server runs them: speech, or text
+        decode = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=28, seed=0) if audio \
+            else SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+        def prompt(n: int, salt: int) -> list[int]:
+            return [(salt + 7 * i) % vocab for i in range(min(n, longest))]
+
+        self.add_request("__warmup_prefill__", prompt(2 * MAX_TOKEN_ROW_QUERY + 100, 1), text, hidden_state_layers=(-1,))
+        self._run_to_end()
+        n_decodes = min(8, self.cfg.scheduler.max_num_seqs - 1)
+        if n_decodes < 1:
+            return
+        for i in range(n_decodes):
+            self.add_request(f"__warmup_decode{i}__", prompt(16, 100 + i), decode, audio=audio)
+        self.step()
+        self.step()  # the short prompts are decoding now ...
+        self.add_request("__warmup_join__", prompt(3 * MAX_TOKEN_ROW_QUERY + 77, 2), text)  # ... and a long one joins
+        self._run_to_end()
+
+    # ---- introspection -----------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=self.blocks.num_free_blocks,
+            num_total_blocks=self.num_blocks,
+            num_requests_total=self.num_requests_total,
+            num_aborted_total=self.num_aborted_total,
+            num_preemptions_total=self.scheduler.num_preemptions,
+            num_prefix_cache_hit_tokens=self.blocks.hit_tokens_total,
+            num_generated_tokens_total=self.num_generated_total,
+            step_count=self.step_count,
+            active_request_ids=sorted(self.requests),
+        )
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
+        """Convenience for tests and benchmarks: run prompts to completion, return output ids."""
+        sps = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
+        ids = [f"gen-{self.num_requests_total + i}" for i in range(len(prompts))]
+        for rid, p, sp in zip(ids, prompts, sps):
+            self.add_request(rid, p, sp)
+        got: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished:
+            for o in self.step():
+                got[o.request_id].extend(o.new_token_ids)
+        return [got[r] for r in ids]
+

@@ -1,0 +1,332 @@
+"""The engine process: one per device, started by the server as a child (`python -m
+runner.engine.process ARGS_JSON`), talking ZeroMQ.
+
+Threads:
+  input thread   PULL socket -> decode -> inbound queue (so IPC never waits on the GPU)
+  busy loop      (main thread) apply inbound messages, step the engine, hand outputs over
+  output thread  outputs -> multipart msgpack frames -> PUSH socket
+
+A ready handshake (`Ready`) is sent after the model, KV cache and codec are loaded. SIGTERM /
+SIGINT stop the loop cleanly; a crash in the loop is reported as `EngineDead` before exiting.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from streaming import ipc
+from streaming.sampling_params import InvalidRequest
+
+log = logging.getLogger("omnistream.engine")
+
+SLOW_STEP_S = 0.1  # steps longer than this are logged one by one
+
+
+class EngineProcArgs(msgspec.Struct, forbid_unknown_fields=True):
+    model_path: str
+    input_addr: str  # the front end binds PUSH here; we connect PULL
+    output_addr: str  # the front end binds PULL here; we connect PUSH
+    codec_path: str | None = None
+    device: str | None = None
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    admission_wait_ms: float = 0.0
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_memory_gb: float | None = None
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    async_scheduling: bool = True
+    cuda_graphs: bool = True
+    hidden_state_graphs: bool = True  # RunnerConfig.hidden_state_graphs
+    # benchmarks only: config.json gives the shape, weights are random (no safetensors read)
+    random_weights: bool = False
+    # torch CPU threads (CPU engines only); None: half the cores, at most 4. Tiny models on a
+    # shared machine lose badly to oversubscription (measured 12-37 ms/step with 1 thread vs
+    # 194-343 ms with 2 on a busy 2-core box).
+    cpu_threads: int | None = None
+    codec_dtype: str = "auto"  # auto: bf16 on CUDA (see deploy/RESULTS.md), fp32 on CPU
+    log_level: str = "INFO"
+
+
+def build_engine(args: EngineProcArgs):
+    """Config tree -> model -> codec -> Engine (also used in-process by tests and benchmarks)."""
+    import torch
+
+    from runner.config import EngineConfig, parse_dtype
+    from runner.engine.engine import Engine
+    from runner.models.folder import load_codec_for
+
+    cfg = EngineConfig.build(
+        args.model_path,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_memory_gb=args.kv_memory_gb,
+        enable_prefix_caching=args.enable_prefix_caching,
+        async_scheduling=args.async_scheduling,
+        cuda_graphs=args.cuda_graphs,
+        hidden_state_graphs=args.hidden_state_graphs,
+        admission_wait_ms=args.admission_wait_ms,
+    )
+    dev = cfg.runner.torch_device
+    if dev.type == "cpu":
+        torch.set_num_threads(args.cpu_threads or max(1, min(4, (os.cpu_count() or 2) // 2)))
+    codec_dtype = parse_dtype(None if args.codec_dtype == "auto" else args.codec_dtype, dev)
+    codec = load_codec_for(args.model_path, args.codec_path, dev, codec_dtype)
+    model = None
+    if args.random_weights:
+        from runner.models.llama import build_random_model
+        from runner.models.loader import kernels_for
+
+        attn, ops = kernels_for(cfg.runner)
+        model = build_random_model(cfg.model, dev, cfg.runner.torch_dtype, attn=attn, ops=ops)
+    return Engine(cfg, model=model, codec=codec)
+
+
+class EngineLoop:
+    def __init__(self, engine, ctx: zmq.Context, args: EngineProcArgs):
+        self.engine = engine
+        self.inbound: queue.Queue = queue.Queue()
+        self.outbound: queue.Queue = queue.Queue(maxsize=1024)  # bounded: backpressure on a stuck peer
+        self.stop = threading.Event()
+        self.ctx = ctx
+        self.args = args
+        self._n, self._busy, self._batch, self._t_log = 0, 0.0, 0, time.monotonic()
+        self._encode_s, self._max_step, self._max_batch = 0.0, 0.0, 0
+        self._added: dict[str, float] = {}  # audio request id -> arrival (for the first-audio log)
+        self._first_audio: list[float] = []
+
+    # ---- threads ------------------------------------------------------------------------------
+
+    def _input_thread(self) -> None:
+        sock = self.ctx.socket(zmq.PULL)
+        sock.connect(self.args.input_addr)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self.stop.is_set():
+            if not poller.poll(100):
+                continue
+            buf = sock.recv(copy=False)
+            try:
+                msg = ipc.decode_inbound(buf.buffer)
+            except msgspec.DecodeError as e:  # a broken peer message must not kill the engine
+                log.error("dropping undecodable inbound message: %s", e)
+                continue
+            self.inbound.put(msg)
+        sock.close(linger=0)
+
+    def _output_thread(self, sock: zmq.Socket) -> None:
+        while True:
+            frames = self.outbound.get()
+            if frames is None:
+                break
+            sock.send_multipart(frames, copy=False)
+
+    # ---- busy loop ----------------------------------------------------------------------------
+
+    def _apply(self, msg) -> None:
+        eng = self.engine
+        if isinstance(msg, ipc.AddRequest):
+            if msg.audio and len(self._added) < 100_000:
+                self._added[msg.request_id] = time.perf_counter()
+            try:
+                eng.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.hidden_state_layers, msg.audio)
+            except InvalidRequest as e:
+                out = ipc.RequestOutput(msg.request_id, finished=True, finish_reason="error", error=str(e), error_field=e.field)
+                self.outbound.put(ipc.encode_outputs([out]))
+        elif isinstance(msg, ipc.AbortRequests):
+            for rid in msg.request_ids:
+                eng.abort_request(rid)
+        elif isinstance(msg, ipc.GetStats):
+            self.outbound.put(ipc.encode_outbound(eng.stats()))
+        elif isinstance(msg, ipc.Shutdown):
+            self.stop.set()
+
+    def _log_slow(self, dt: float, ph0: list[float]) -> None:
+        """One line per step slower than SLOW_STEP_S: its phases and what it ran."""
+        eng = self.engine
+        sched = eng.last_scheduled
+        phases = " ".join(f"{n} {1e3 * (v - v0):.1f}" for n, v, v0 in zip(eng.PHASES, eng.phase_s, ph0))
+        log.warning("slow step %.0f ms (%s ms): %d sequences, %d decodes, %d tokens, %d running, %d waiting",
+                    1e3 * dt, phases, len(sched.scheduled), sched.num_decodes, sched.num_batched_tokens,
+                    len(eng.scheduler.running), len(eng.scheduler.waiting))
+
+    def _account(self, dt: float, batch: int, outs) -> None:
+        """Operator log every 5 s: steps/s, mean batch, ms per step, the host time per phase,
+        the slowest step, and the engine-side time to first audio (request arrival to the
+        output carrying its first PCM)."""
+        self._n += 1
+        self._busy += dt
+        self._batch += batch
+        if dt > self._max_step:
+            self._max_step, self._max_batch = dt, batch
+        if self._added and outs:
+            now = time.perf_counter()
+            for o in outs:
+                if o.audio is not None or o.finished:
+                    t = self._added.pop(o.request_id, None)
+                    if t is not None and o.audio is not None:
+                        self._first_audio.append(now - t)
+        now = time.monotonic()
+        if now - self._t_log >= 5.0:
+            n, eng = self._n, self.engine
+            phases = " ".join(f"{name} {1e3 * v / n:.2f}" for name, v in zip(eng.PHASES, eng.phase_s))
+            fa = sorted(self._first_audio)
+            first = f", first audio p50 {1e3 * fa[len(fa) // 2]:.0f} ms max {1e3 * fa[-1]:.0f} ms (n={len(fa)})" if fa else ""
+            log.info("engine: %.0f steps/s, mean batch %.1f, %.2f ms/step (loop busy %.0f%%); host ms/step: %s encode %.2f; "
+                     "slowest step %.1f ms at batch %d%s",
+                     n / (now - self._t_log), self._batch / n, 1e3 * self._busy / n, 100 * self._busy / (now - self._t_log),
+                     phases, 1e3 * self._encode_s / n, 1e3 * self._max_step, self._max_batch, first)
+            self._n, self._busy, self._batch, self._t_log = 0, 0.0, 0, now
+            self._encode_s, self._max_step, self._max_batch = 0.0, 0.0, 0
+            eng.phase_s = [0.0] * len(eng.PHASES)
+            self._first_audio = []
+
+    def run(self, out_sock: zmq.Socket) -> None:
+        threading.Thread(target=self._input_thread, name="engine-in", daemon=True).start()
+        writer = threading.Thread(target=self._output_thread, args=(out_sock,), name="engine-out", daemon=True)
+        writer.start()
+        eng = self.engine
+        m = eng.cfg.model
+        ready = ipc.Ready(
+            model=os.path.basename(os.path.normpath(m.path)),
+            vocab_size=m.vocab_size,
+            hidden_size=m.hidden_size,
+            num_layers=m.num_layers,
+            max_model_len=eng.cfg.scheduler.max_model_len,
+            max_num_seqs=eng.cfg.scheduler.max_num_seqs,
+            sample_rate=eng.codec.cfg.sample_rate if eng.codec is not None else 0,
+            dtype=str(eng.cfg.runner.torch_dtype).removeprefix("torch."),
+        )
+        self.outbound.put(ipc.encode_outbound(ready))
+        try:
+            while not self.stop.is_set():
+                # block only when idle; otherwise drain without waiting
+                try:
+                    msg = self.inbound.get(timeout=0.05) if not eng.has_unfinished else self.inbound.get_nowait()
+                    self._apply(msg)
+                    while True:
+                        self._apply(self.inbound.get_nowait())
+                except queue.Empty:
+                    pass
+                if eng.has_unfinished:
+                    ph0 = list(eng.phase_s)
+                    t0 = time.perf_counter()
+                    outs = eng.step()
+                    t1 = time.perf_counter()
+                    if t1 - t0 > SLOW_STEP_S:
+                        self._log_slow(t1 - t0, ph0)
+                    if outs:
+                        self.outbound.put(ipc.encode_outputs(outs))
+                    t2 = time.perf_counter()
+                    self._encode_s += t2 - t1
+                    self._account(t2 - t0, len(eng.scheduler.running), outs)
+        except BaseException as e:  # report, then die: the front end fails in-flight requests fast
+            if not isinstance(e, KeyboardInterrupt):
+                reason = "".join(traceback.format_exception_only(type(e), e)).strip()
+                log.error("engine loop crashed:\n%s", traceback.format_exc())
+                self.outbound.put(ipc.encode_outbound(ipc.EngineDead(reason)))
+            raise
+        finally:
+            self.stop.set()
+            self.outbound.put(None)
+            writer.join(timeout=5)
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive after start-up (modules, model wrappers, Triton and torch caches:
+    ~300k objects) out of the garbage collector's reach. They live as long as the process, yet
+    each full collection scanned them all: ~150-280 ms during which no engine step ran (the
+    H200 serving log's 'slow step 160 ms ... emit 155.6 ms', an audio stall for every stream)
+    or the front end's event loop stood still. Per-step garbage is young and stays cheap to
+    collect. Called by the engine process and by the server once they are ready."""
+    gc.collect()
+    gc.freeze()
+
+
+def on_gc_pause(handler: Callable[[int, float, int], None]) -> Callable[[str, dict], None]:
+    """Call handler(generation, seconds paused, objects collected) after every garbage
+    collection of this process; returns the gc callback (to remove it from gc.callbacks)."""
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            handler(info["generation"], time.perf_counter() - started[0], info["collected"])
+
+    gc.callbacks.append(on_gc)
+    return on_gc
+
+
+def log_slow_gc(logger: logging.Logger, threshold_s: float = 0.02) -> None:
+    """Log every garbage collection that pauses the loop for more than threshold_s."""
+
+    def slow(generation: int, dt: float, collected: int) -> None:
+        if dt > threshold_s:
+            logger.warning("garbage collection of generation %d paused the engine %.1f ms (%d collected)",
+                           generation, dt * 1e3, collected)
+
+    on_gc_pause(slow)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = msgspec.json.decode(argv[0].encode(), type=EngineProcArgs)
+    # The busy loop, the input thread and the output thread share the GIL. With CPython's
+    # default 5 ms switch interval a thread that wants the GIL can wait a whole interval, which
+    # showed up as ~6 ms of extra time per engine step when serving (8.9 ms/step at batch 1
+    # against 2.7 ms in-process). Hand the GIL over sooner.
+    sys.setswitchinterval(2e-4)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s engine %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, 2000)
+    out_sock.connect(args.output_addr)
+    try:
+        engine = build_engine(args)
+    except Exception as e:  # start-up failure: tell the front end why, then exit non-zero
+        out_sock.send_multipart(ipc.encode_outbound(ipc.EngineDead(f"engine start-up failed: {e}")))
+        log.error("start-up failed:\n%s", traceback.format_exc())
+        out_sock.close()
+        return 1
+    if engine.device.type == "cuda":
+        engine.warm_up()
+    freeze_startup_heap()
+    log_slow_gc(log)
+    from runner.engine.compile_log import install
+
+    install(log)  # start-up compiles are done; any later one stalls the loop and is logged
+    loop = EngineLoop(engine, ctx, args)
+
+    def on_signal(signum, frame):
+        loop.stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    loop.run(out_sock)
+    out_sock.close()
+    ctx.term()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The one request-state object the engine keeps per request.
+
+Token accounting (async scheduling schedules step N+1 before step N's token reaches the host):
+
+    all_token_ids   = prompt + confirmed outputs            (known on the host)
+    num_inflight    = tokens sampled on the device, not yet on the host (at most 2: step N's
+                      token is resolved after step N+1 was scheduled)
+    num_tokens      = len(all_token_ids) + num_inflight     (length including placeholders)
+    num_computed_tokens = positions whose KV is written or scheduled to be written
+
+A request is finished exactly once (`finish()`); outputs that arrive later for a finished
+request are dropped by identity (`Request` objects, never ids, travel with scheduled work),
+so a client may reuse an id while a late output of the old request is still in flight.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from streaming.sampling_params import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # client cancelled / disconnected
+    ERROR = "error"  # e.g. invalid audio codes
+
+
+class Status(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    # Hidden states of every computed position, at these layer indices (HF convention:
+    # 0 = embeddings, i = input of layer i, num_layers = final output after the norm).
+    hidden_state_layers: tuple[int, ...] = ()
+    audio: bool = False  # sampled tokens go through the codec stage
+    arrival: int = field(default_factory=lambda: next(_seq_counter))
+    arrival_time: float = field(default_factory=time.monotonic)  # seconds, for the admission hold
+
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    num_inflight: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
+    num_hidden_emitted: int = 0  # positions whose hidden rows were already returned
+    num_output_tokens_sent: int = 0  # audio requests: outputs already sent with earlier chunks
+    slot: int = -1  # persistent batch row holding device-side sampling state; -1 = none
+    block_ids: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks whose chain hashes are published (BlockManager)
+    finish_reason: FinishReason | None = None
+    finish_message: str = ""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def num_outputs_with_inflight(self) -> int:
+        return len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def wants_hidden_states(self) -> bool:
+        return bool(self.hidden_state_layers)
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while part of the known prompt (+ recomputed outputs) is not yet computed."""
+        return self.num_computed_tokens < len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def finish(self, reason: FinishReason, message: str = "") -> None:
+        assert self.status is not Status.FINISHED, f"request {self.request_id} finished twice"
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.finish_message = message

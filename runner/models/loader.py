@@ -1,0 +1,186 @@
+"""Load a Hugging Face Llama-family checkpoint (safetensors) into `LlamaForCausalLM`.
+
+Plan first, then allocate: every checkpoint tensor is matched to a destination (a parameter,
+or a row range of a fused qkv_proj / gate_up_proj parameter) and its shape is checked from
+the safetensors headers alone, so a bad folder fails with a message naming the tensor before
+any device memory is taken. Then the model is allocated once, uninitialised, on the target
+device, and each tensor is read (memory-mapped), cast and copied into place one at a time:
+peak memory is the model plus one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from runner.config import ModelConfig, RunnerConfig
+from runner.layers.attention import make_attention_backend
+from runner.layers.ops import make_ops
+from runner.models.llama import LlamaForCausalLM, build_empty_model, o_proj_has_bias
+
+# Checkpoint entries that carry no weights we need (recomputed or redundant).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LoadError(ValueError):
+    """The checkpoint does not match the model config; the message names the tensor."""
+
+
+@dataclass(frozen=True)
+class _Target:
+    param: str  # our parameter name
+    row_start: int  # destination rows [row_start, row_start + shape[0]) of a fused param
+    shape: tuple[int, ...]  # expected checkpoint shape
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, _Target]:
+    """HF tensor name -> where it goes in our model, with the shape it must have."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv, inter = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
+    out: dict[str, _Target] = {
+        "model.embed_tokens.weight": _Target("embed_tokens.weight", 0, (cfg.vocab_size, h)),
+        "model.norm.weight": _Target("norm.weight", 0, (h,)),
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = _Target("lm_head.weight", 0, (cfg.vocab_size, h))
+    for i in range(cfg.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        qkv = dst + "self_attn.qkv_proj."
+        out[src + "self_attn.q_proj.weight"] = _Target(qkv + "weight", 0, (q, h))
+        out[src + "self_attn.k_proj.weight"] = _Target(qkv + "weight", q, (kv, h))
+        out[src + "self_attn.v_proj.weight"] = _Target(qkv + "weight", q + kv, (kv, h))
+        if cfg.attention_bias:
+            out[src + "self_attn.q_proj.bias"] = _Target(qkv + "bias", 0, (q,))
+            out[src + "self_attn.k_proj.bias"] = _Target(qkv + "bias", q, (kv,))
+            out[src + "self_attn.v_proj.bias"] = _Target(qkv + "bias", q + kv, (kv,))
+        out[src + "self_attn.o_proj.weight"] = _Target(dst + "self_attn.o_proj.weight", 0, (h, q))
+        if o_proj_has_bias(cfg):
+            out[src + "self_attn.o_proj.bias"] = _Target(dst + "self_attn.o_proj.bias", 0, (h,))
+        if cfg.qk_norm:
+            out[src + "self_attn.q_norm.weight"] = _Target(dst + "self_attn.q_norm.weight", 0, (d,))
+            out[src + "self_attn.k_norm.weight"] = _Target(dst + "self_attn.k_norm.weight", 0, (d,))
+        gate_up = dst + "mlp.gate_up_proj.weight"
+        out[src + "mlp.gate_proj.weight"] = _Target(gate_up, 0, (inter, h))
+        out[src + "mlp.up_proj.weight"] = _Target(gate_up, inter, (inter, h))
+        out[src + "mlp.down_proj.weight"] = _Target(dst + "mlp.down_proj.weight", 0, (h, inter))
+        out[src + "input_layernorm.weight"] = _Target(dst + "input_layernorm.weight", 0, (h,))
+        out[src + "post_attention_layernorm.weight"] = _Target(dst + "post_attention_layernorm.weight", 0, (h,))
+    return out
+
+
+def _check_unsupported_features(folder: Path) -> None:
+    # ModelConfig keeps only what the model implements; refuse configs that would load cleanly
+    # but compute something else.
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        return
+    raw = json.loads(cfg_file.read_text())
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise LoadError(f"model config: hidden_act {act!r} is not supported (silu only)")
+    if raw.get("use_sliding_window"):
+        raise LoadError("model config: use_sliding_window=true is not supported")
+
+
+def find_safetensors(folder: str | Path) -> list[Path]:
+    """The checkpoint's files: those named by model.safetensors.index.json, else every *.safetensors."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        files = [folder / f for f in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise LoadError(f"model: {index.name} lists shard(s) {absent} that are not in {str(folder)!r}")
+        if files:
+            return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"model: no *.safetensors files found in {str(folder)!r}")
+    return files
+
+
+def _is_ignored(name: str, cfg: ModelConfig) -> bool:
+    if name.endswith(_IGNORED_SUFFIXES):
+        return True
+    # Some tied checkpoints still store the (identical) head; the embedding is the one we use.
+    return cfg.tie_word_embeddings and name == "lm_head.weight"
+
+
+def plan_load(cfg: ModelConfig, files: list[Path]) -> dict[str, tuple[Path, _Target]]:
+    """Match checkpoint tensors to destinations from headers only; raise LoadError on any mismatch."""
+    expected = expected_tensors(cfg)
+    plan: dict[str, tuple[Path, _Target]] = {}
+    unexpected: list[str] = []
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if _is_ignored(name, cfg):
+                    continue
+                target = expected.get(name)
+                if target is None:
+                    unexpected.append(name)
+                    continue
+                if name in plan:
+                    raise LoadError(f"tensor {name!r}: present in both {plan[name][0].name} and {path.name}")
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != target.shape:
+                    raise LoadError(f"tensor {name!r} in {path.name}: expected shape {target.shape}, got {shape}")
+                plan[name] = (path, target)
+    if unexpected:
+        raise LoadError(f"unexpected tensor(s) in checkpoint: {_names(unexpected)}")
+    missing = [n for n in expected if n not in plan]
+    if missing:
+        raise LoadError(f"missing tensor(s) in checkpoint: {_names(missing)}")
+    return plan
+
+
+def _check_coverage(plan: dict[str, tuple[Path, _Target]], params: dict[str, torch.Tensor]) -> None:
+    # Guards against the model and expected_tensors() drifting apart: every parameter must be
+    # filled completely, each fused one by row ranges that add up to its first dim.
+    rows: dict[str, int] = {}
+    for _, target in plan.values():
+        rows[target.param] = rows.get(target.param, 0) + target.shape[0]
+        if tuple(params[target.param].shape[1:]) != target.shape[1:]:
+            raise LoadError(f"parameter {target.param!r}: trailing shape does not match {target.shape}")
+    for pname, p in params.items():
+        if rows.get(pname) != p.shape[0]:
+            raise LoadError(f"parameter {pname!r}: checkpoint fills {rows.get(pname, 0)} of {p.shape[0]} rows")
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
+
+
+def kernels_for(runner: RunnerConfig) -> tuple[object, object]:
+    """(attention backend, elementwise/GEMM ops) for the runner's device and kernel options,
+    chosen once per model (runner/layers/attention.py, runner/layers/ops.py)."""
+    dev = runner.torch_device
+    attn = make_attention_backend(dev, pdl=runner.pdl, rope_in_attention=runner.rope_in_attention,
+                                  attention_prefetch=runner.attention_prefetch)
+    return attn, make_ops(dev, skinny_linear=runner.skinny_linear, pdl=runner.pdl, split_k=runner.split_k,
+                          norm_fold=runner.norm_fold, qkv_rope=runner.qkv_rope)
+
+
+@torch.no_grad()
+def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, attn=None, ops=None) -> LlamaForCausalLM:
+    """Build the model for `cfg` on `device` in `dtype` and fill it from the safetensors in cfg.path."""
+    _check_unsupported_features(Path(cfg.path))
+    plan = plan_load(cfg, find_safetensors(cfg.path))
+    model = build_empty_model(cfg, device, dtype, attn, ops)
+    params = dict(model.named_parameters())
+    _check_coverage(plan, params)
+    by_file: dict[Path, list[tuple[str, _Target]]] = {}
+    for name, (path, target) in plan.items():
+        by_file.setdefault(path, []).append((name, target))
+    for path, entries in by_file.items():
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name, target in entries:
+                dst = params[target.param].narrow(0, target.row_start, target.shape[0])
+                dst.copy_(f.get_tensor(name))  # casts dtype and moves device in one copy
+    return model

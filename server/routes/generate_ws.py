@@ -1,0 +1,190 @@
+"""WebSocket /v1/generate/stream: token ids in, per-step tokens and hidden states out.
+
+client: {"type": "generate" (optional), "prompt_token_ids": [...] | "prompt": "text",
+         "sampling": {SamplingParams fields}, "hidden_state_layers": [...]}
+        {"type": "cancel"}   (aborts the running request; it ends with finish_reason "abort")
+server: per step {"type": "step", "token_ids": [...], "hidden": {"dtype", "shape",
+        "positions"} | null}, followed by one binary frame of raw little-endian rows
+        [n, layers, hidden] when "hidden" is not null ("bfloat16" = raw bf16 bit patterns);
+        then {"type": "done", "finish_reason", "usage": {...}}.
+        {"type": "error", "code", "message", "param"} for a bad message or a failed request.
+
+One request runs at a time per connection (a second one while busy is a `busy` error); the
+connection can run any number of requests one after another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from contextlib import aclosing
+
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from server.context import ServerContext, get_ctx
+from server.engine_api import EngineOverloaded, EngineUnavailable
+from server.errors import APIError
+from server.routes.completions import parse_hidden_layers, parse_prompt
+from server.sampling import NESTED_FIELDS, nested_sampling, rejection_error
+from server.ws_common import (
+    BadMessage,
+    new_websocket,
+    parse_json_object,
+    send_error,
+    send_json,
+    too_large,
+)
+from streaming.encoders import array_bytes, array_header
+from streaming.ipc import AddRequest, RequestOutput
+from streaming.sampling_params import InvalidRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+
+ENDPOINT = "/v1/generate/stream"
+
+
+def parse_generate_message(ctx: ServerContext, obj: dict) -> AddRequest:
+    if "prompt_token_ids" in obj:
+        ids = obj["prompt_token_ids"]
+        vocab = ctx.engine.info.vocab_size
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids)
+        ):
+            raise BadMessage(
+                "invalid_field",
+                f"prompt_token_ids: must be a non-empty list of token ids in [0, {vocab})",
+                "prompt_token_ids",
+            )
+        prompt = list(ids)
+    elif "prompt" in obj:
+        prompt = parse_prompt(ctx, obj["prompt"])
+    else:
+        raise BadMessage("invalid_field", "prompt_token_ids: give prompt_token_ids or prompt", "prompt_token_ids")
+    sampling = nested_sampling(obj.get("sampling"), SamplingParams(), ctx.engine.info.vocab_size)
+    limit = ctx.engine.info.max_model_len
+    if len(prompt) >= limit:
+        raise BadMessage("invalid_field", f"prompt: {len(prompt)} tokens; the model takes fewer than {limit}", "prompt")
+    return AddRequest(
+        request_id=f"gen-{uuid.uuid4().hex}",
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        hidden_state_layers=parse_hidden_layers(ctx, {"hidden_state_layers": obj.get("hidden_state_layers")}),
+    )
+
+
+class GenerateSession:
+    def __init__(self, ctx: ServerContext, ws: web.WebSocketResponse):
+        self.ctx = ctx
+        self.ws = ws
+        self.task: asyncio.Task | None = None
+        self.crash_reporter: asyncio.Future | None = None
+        # Set when the generation task closes the socket itself: let that close handshake
+        # finish instead of cancelling it into an abnormal closure.
+        self.closing = False
+
+    async def run(self) -> None:
+        self.ctx.metrics.active_streams.labels(ENDPOINT).inc()
+        try:
+            async for msg in self.ws:
+                if msg.type is WSMsgType.TEXT:
+                    await self._on_text(msg.data)
+                elif msg.type is WSMsgType.BINARY:
+                    await send_error(self.ws, "binary_not_allowed", "Binary frames are not accepted; send JSON.")
+                elif msg.type is WSMsgType.ERROR:
+                    break
+        except ConnectionResetError:
+            pass
+        finally:
+            if self.task is not None:
+                if not self.closing:
+                    self.task.cancel()  # aborts the engine request
+                await asyncio.gather(self.task, return_exceptions=True)
+            self.ctx.metrics.active_streams.labels(ENDPOINT).dec()
+
+    def _report_crash(self, task: asyncio.Task) -> None:
+        # _generate handles every expected failure; anything else is a bug worth a traceback.
+        if not task.cancelled() and task.exception() is not None:
+            log.error("generate session failed", exc_info=task.exception())
+            self.crash_reporter = asyncio.ensure_future(
+                send_error(self.ws, "internal_error", "The request failed on the server; see its log.")
+            )
+
+    async def _on_text(self, data: str) -> None:
+        limit = self.ctx.settings.max_ws_message_bytes
+        if too_large(data, limit):
+            await send_error(self.ws, "message_too_large", f"Messages are limited to {limit} bytes.")
+            await self.ws.close(code=WSCloseCode.MESSAGE_TOO_BIG, message=b"message too large")
+            return
+        try:
+            obj = parse_json_object(data)
+            kind = obj.get("type", "generate")
+            if kind == "generate":
+                if self.task is not None and not self.task.done():
+                    raise BadMessage("busy", "A request is running; wait for its done event or cancel it.", "type")
+                try:
+                    add = parse_generate_message(self.ctx, obj)
+                except APIError as e:
+                    raise BadMessage("invalid_field", e.message, e.param) from None
+                self.task = asyncio.create_task(self._generate(add))
+                self.task.add_done_callback(self._report_crash)
+            elif kind == "cancel":
+                if self.task is not None and not self.task.done():
+                    self.task.cancel()
+                    await asyncio.gather(self.task, return_exceptions=True)
+                    await send_json(self.ws, {"type": "done", "finish_reason": "abort", "usage": None})
+            else:
+                raise BadMessage("unknown_type", f"Unknown message type {kind!r}; expected generate or cancel.", "type")
+        except BadMessage as e:
+            await send_error(self.ws, e.code, e.message, e.param)
+
+    async def _generate(self, add: AddRequest) -> None:
+        info = self.ctx.engine.info
+        n_out = 0
+        try:
+            async with aclosing(self.ctx.engine.generate(add)) as outputs:
+                async for out in outputs:
+                    if out.finished and out.finish_reason == "error":
+                        err = rejection_error(out.error, out.error_field, NESTED_FIELDS, "prompt_token_ids")
+                        code = "invalid_field" if err.status == 400 else "generation_failed"
+                        await send_error(self.ws, code, err.message, err.param)
+                        return
+                    n_out += len(out.new_token_ids)
+                    if out.new_token_ids or out.hidden is not None:
+                        await self._send_step(out, info.dtype)
+                    if out.finished:
+                        prompt = out.num_prompt_tokens or len(add.prompt_token_ids)
+                        completion = out.num_output_tokens or n_out
+                        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+                        await send_json(self.ws, {"type": "done", "finish_reason": out.finish_reason, "usage": usage})
+                        return
+            await send_error(self.ws, "engine_unavailable", "The engine ended the request without finishing it.")
+        except InvalidRequest as e:  # the engine client's way to reject a field
+            err = rejection_error(str(e), e.field, NESTED_FIELDS, "prompt_token_ids")
+            await send_error(self.ws, "invalid_field", err.message, err.param)
+        except EngineOverloaded as e:
+            await send_error(self.ws, "overloaded", f"The engine is at capacity: {e}")
+        except EngineUnavailable as e:
+            await send_error(self.ws, "engine_unavailable", f"The inference engine failed: {e}")
+            self.closing = True
+            await self.ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"engine unavailable")
+        except ConnectionResetError:
+            pass  # the reader sees the close and cleans up
+
+    async def _send_step(self, out: RequestOutput, model_dtype: str) -> None:
+        hidden = None
+        if out.hidden is not None:
+            hidden = {**array_header(out.hidden, model_dtype), "positions": list(out.hidden_positions)}
+        await send_json(self.ws, {"type": "step", "token_ids": list(out.new_token_ids), "hidden": hidden})
+        if out.hidden is not None:
+            await self.ws.send_bytes(array_bytes(out.hidden))
+
+
+async def generate_stream(request: web.Request) -> web.WebSocketResponse:
+    ctx = get_ctx(request)
+    ws = new_websocket(request)
+    await ws.prepare(request)
+    await GenerateSession(ctx, ws).run()
+    return ws

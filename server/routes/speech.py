@@ -1,0 +1,274 @@
+"""POST /v1/audio/speech: OpenAI-compatible text to speech.
+
+Body: `model` (any name: one model is served), `input`, `voice` (a name or {"id": name}),
+`response_format` (see streaming.encoders; default "wav" since "mp3" is not available),
+`speed` (only 1.0), `stream_format` ("audio" chunked bytes | "sse" events), and extensions:
+`stream` (false -> one whole file with Content-Length), `seed`, `temperature`, `top_p`,
+`top_k`, `min_p`, `repetition_penalty`, `max_new_tokens`. Unknown fields are ignored, as
+OpenAI does; known fields are validated and a bad one is a 400 naming it.
+
+Streaming: headers go out once the engine has admitted the request (so overload is still a
+429); audio bytes follow as each step produces them. A failure after the headers cuts the
+chunked body short (audio) or sends an `error` event (sse), so a client never takes a
+truncated file for a complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from server.context import ServerContext, get_ctx
+from server.engine_api import EngineOverloaded, EngineUnavailable
+from server.errors import (
+    bool_field,
+    choice_field,
+    invalid_request,
+    json_object_body,
+    number_field,
+    str_field,
+)
+from server.outputs import first_output, mid_stream_error, until_finished
+from server.sampling import SPEECH_FIELDS, rejection_error, sampling_from_body
+from streaming.encoders import (
+    AudioFormat,
+    UnsupportedFormat,
+    b64,
+    get_format,
+    pcm16_bytes,
+    supported_formats,
+)
+from streaming.ipc import AddRequest, RequestOutput
+from streaming.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+ENDPOINT = "/v1/audio/speech"
+DEFAULT_RESPONSE_FORMAT = "wav"
+STREAM_FORMATS = ("audio", "sse")
+
+
+@dataclass(frozen=True)
+class SpeechJob:
+    add: AddRequest
+    fmt: AudioFormat
+    stream_format: str
+    stream: bool
+
+
+def speech_add_request(
+    ctx: ServerContext, voice: str, text: str, sampling: SamplingParams, param: str = "input"
+) -> AddRequest:
+    """One engine request speaking `text` in `voice` (shared with the WebSocket sessions)."""
+    prompt = ctx.profile.build_prompt(ctx.tokenizer, voice, text)
+    limit = ctx.engine.info.max_model_len
+    if len(prompt) >= limit:
+        raise invalid_request(
+            f"{param}: the text makes a {len(prompt)}-token prompt; the model takes fewer than {limit}", param=param
+        )
+    return AddRequest(request_id=f"speech-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=sampling, audio=True)
+
+
+def parse_voice(body: dict, name: str = "voice") -> str | None:
+    """OpenAI accepts a voice name or {"id": name}."""
+    value = body.get(name)
+    if isinstance(value, dict):
+        value = value.get("id")
+        if not isinstance(value, str):
+            raise invalid_request(f"{name}: an object voice needs a string `id`", param=name)
+    return str_field({name: value}, name)
+
+
+def parse_speech_body(ctx: ServerContext, body: dict) -> SpeechJob:
+    text = str_field(body, "input", required=True)
+    assert text is not None
+    if not text.strip():
+        raise invalid_request("input: must not be empty", param="input")
+    if len(text) > ctx.settings.max_input_chars:
+        raise invalid_request(
+            f"input: {len(text)} characters is over the limit of {ctx.settings.max_input_chars}", param="input"
+        )
+    str_field(body, "model")  # any served name is fine, but it must be a string
+    voice = ctx.profile.resolve_voice(parse_voice(body))
+    fmt_name = str_field(body, "response_format", DEFAULT_RESPONSE_FORMAT)
+    try:
+        fmt = get_format(fmt_name or DEFAULT_RESPONSE_FORMAT)
+    except UnsupportedFormat:
+        raise invalid_request(
+            f"response_format: {fmt_name!r} is not supported; supported: {', '.join(supported_formats())}",
+            param="response_format",
+            code="unsupported_value",
+        ) from None
+    speed = number_field(body, "speed", 1.0, 0.25, 4.0)
+    if speed != 1.0:
+        raise invalid_request(
+            f"speed: only 1.0 is supported by this server (got {speed})", param="speed", code="unsupported_value"
+        )
+    instructions = str_field(body, "instructions")
+    if instructions and instructions.strip():
+        raise invalid_request(
+            "instructions: this model does not take voice instructions", param="instructions", code="unsupported_value"
+        )
+    stream_format = choice_field(body, "stream_format", STREAM_FORMATS, "audio")
+    stream = bool_field(body, "stream", True)
+    if not stream and stream_format == "sse":
+        raise invalid_request("stream: stream_format 'sse' needs stream=true", param="stream")
+    sampling = sampling_from_body(body, ctx.speech_sampling, SPEECH_FIELDS, ctx.engine.info.vocab_size)
+    return SpeechJob(speech_add_request(ctx, voice, text, sampling), fmt, stream_format, stream)
+
+
+async def create_speech(request: web.Request) -> web.StreamResponse:
+    arrived = time.monotonic()
+    ctx = get_ctx(request)
+    job = parse_speech_body(ctx, await json_object_body(request))
+    async with aclosing(ctx.engine.generate(job.add)) as outputs:
+        # The first output proves admission (EngineOverloaded/Unavailable surface here, still
+        # as a status code) or carries the request's rejection.
+        first = await first_output(outputs, SPEECH_FIELDS, "input")
+        if not job.stream:
+            return await _whole_file(request, ctx, job, first, outputs)
+        ctx.metrics.active_streams.labels(ENDPOINT).inc()
+        try:
+            if job.stream_format == "sse":
+                return await _stream_sse(request, ctx, job, first, outputs, arrived)
+            return await _stream_audio(request, ctx, job, first, outputs, arrived)
+        finally:
+            ctx.metrics.active_streams.labels(ENDPOINT).dec()
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _cut_connection(request: web.Request) -> None:
+    """End a streamed body without its terminating chunk: the client sees an incomplete
+    transfer instead of a short file that looks whole."""
+    if request.transport is not None:
+        request.transport.close()
+
+
+def _usage(job: SpeechJob, last: RequestOutput) -> dict:
+    prompt = last.num_prompt_tokens or len(job.add.prompt_token_ids)
+    return {"input_tokens": prompt, "output_tokens": last.num_output_tokens, "total_tokens": prompt + last.num_output_tokens}
+
+
+async def _stream_audio(
+    request: web.Request, ctx: ServerContext, job: SpeechJob, first: RequestOutput, outputs, arrived: float
+) -> web.StreamResponse:
+    sample_rate = ctx.profile.sample_rate
+    encoder = job.fmt.stream(sample_rate)
+    resp = web.StreamResponse(headers={"Content-Type": job.fmt.content_type, "X-Sample-Rate": str(sample_rate)})
+    await resp.prepare(request)
+    last: RequestOutput | None = None
+    sent_audio = False
+    try:
+        head = encoder.start()
+        if head:
+            await resp.write(head)
+        async with aclosing(until_finished(first, outputs)) as steps:
+            async for out in steps:
+                if _client_gone(request):
+                    return resp  # leaving the aclosing blocks aborts the engine request
+                if out.audio is not None and out.audio.size:
+                    if not sent_audio:
+                        ctx.metrics.ttfa.labels(ENDPOINT).observe(time.monotonic() - arrived)
+                        sent_audio = True
+                    ctx.metrics.audio_seconds.inc(out.audio.size / sample_rate)
+                    await resp.write(encoder.encode(out.audio))
+                last = out
+    except (EngineOverloaded, EngineUnavailable) as e:
+        # Overloaded mid-stream: the engine client dropped us as too slow a reader.
+        log.warning("speech %s: stream ended early: %s", job.add.request_id, e)
+        _cut_connection(request)
+        return resp
+    except ConnectionResetError:
+        return resp
+    if last is None or last.finish_reason == "error":
+        log.warning("speech %s: generation failed mid-stream: %s", job.add.request_id, last and last.error)
+        _cut_connection(request)
+        return resp
+    tail = encoder.finish()
+    try:
+        if tail:
+            await resp.write(tail)
+        await resp.write_eof()
+    except ConnectionResetError:
+        pass
+    return resp
+
+
+def _sse(event: dict) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _stream_sse(
+    request: web.Request, ctx: ServerContext, job: SpeechJob, first: RequestOutput, outputs, arrived: float
+) -> web.StreamResponse:
+    sample_rate = ctx.profile.sample_rate
+    encoder = job.fmt.stream(sample_rate)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    pending = encoder.start()  # a container header rides with the first audio delta
+    last: RequestOutput | None = None
+    sent_audio = False
+    try:
+        try:
+            async with aclosing(until_finished(first, outputs)) as steps:
+                async for out in steps:
+                    if _client_gone(request):
+                        return resp
+                    if out.audio is not None and out.audio.size:
+                        if not sent_audio:
+                            ctx.metrics.ttfa.labels(ENDPOINT).observe(time.monotonic() - arrived)
+                            sent_audio = True
+                        data = pending + encoder.encode(out.audio)
+                        pending = b""
+                        await resp.write(_sse({"type": "speech.audio.delta", "audio": b64(data)}))
+                        ctx.metrics.audio_seconds.inc(out.audio.size / sample_rate)
+                    last = out
+        except (EngineOverloaded, EngineUnavailable) as e:
+            await resp.write(_sse({"type": "error", **mid_stream_error(e).body()}))
+            return resp
+        if last is None or last.finish_reason == "error":
+            err = rejection_error(last and last.error, None, SPEECH_FIELDS, "input")
+            await resp.write(_sse({"type": "error", **err.body()}))
+        else:
+            tail = pending + encoder.finish()
+            if tail:
+                await resp.write(_sse({"type": "speech.audio.delta", "audio": b64(tail)}))
+            await resp.write(_sse({"type": "speech.audio.done", "usage": _usage(job, last)}))
+        await resp.write_eof()
+    except ConnectionResetError:
+        pass
+    return resp
+
+
+async def _whole_file(
+    request: web.Request, ctx: ServerContext, job: SpeechJob, first: RequestOutput, outputs
+) -> web.Response:
+    chunks: list[bytes] = []
+    last: RequestOutput | None = None
+    async with aclosing(until_finished(first, outputs)) as steps:
+        async for out in steps:
+            if _client_gone(request):
+                # Nobody will read this; 499 (nginx's "client closed request") is for the logs.
+                return web.Response(status=499)
+            if out.audio is not None and out.audio.size:
+                chunks.append(pcm16_bytes(out.audio))
+            last = out
+    assert last is not None
+    if last.finish_reason == "error":
+        raise rejection_error(last.error, None, SPEECH_FIELDS, "input")
+    pcm = b"".join(chunks)
+    ctx.metrics.audio_seconds.inc(len(pcm) / 2 / ctx.profile.sample_rate)
+    return web.Response(
+        body=job.fmt.whole_file(pcm, ctx.profile.sample_rate),
+        headers={"Content-Type": job.fmt.content_type, "X-Sample-Rate": str(ctx.profile.sample_rate)},
+    )

@@ -1,0 +1,292 @@
+"""Text-to-speech WebSockets: text streams in, audio streams out while the text still arrives.
+
+/v1/audio/speech/stream (this project's protocol)
+    client: {"type": "session.config", "voice", "response_format": "pcm", "sample_rate",
+             <sampling fields as on /v1/audio/speech>}
+            {"type": "input.text", "text": "..."}   {"type": "input.flush"}
+            {"type": "session.close"}
+    server: {"type": "session.created", "session": {...}}
+            {"type": "audio.start", "utterance": k, "format": "pcm_s16le", "sample_rate", "text"}
+            binary frames of s16le PCM
+            {"type": "audio.done", "utterance": k, "finish_reason", "usage": {...}}
+            {"type": "session.done"} then close 1000
+            {"type": "error", "code", "message", "param"[, "utterance"]}
+
+/v1/text-to-speech/{voice_id}/stream-input (ElevenLabs message shapes)
+    client: {"text": " ", "voice_settings"?, "generation_config"?} then {"text": "...",
+            "flush"?: bool, "try_trigger_generation"?: bool}; {"text": ""} ends the input.
+    server: {"audio": base64 pcm, "isFinal": false, "normalizedAlignment": null,
+            "alignment": null} ... then {"isFinal": true} and close 1000.
+
+Text is cut into segments (server.tts.text_segmenter); each segment is one engine request,
+spoken in order by a `server.tts.speaker.Speaker` (bounded prefetch).
+
+Errors in a client message are error events and the session goes on; an oversized message
+is an error event and close 1009; a dead engine is an error event and close 1011. A client
+that goes away aborts the session's engine requests.
+
+The reader never waits on the speaker, so a close, flush or config is seen at once; text
+that would put more than `ws_max_pending_segments` segments in the queue is refused with an
+`input_overflow` error instead (a client sending text far faster than it can be spoken).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from server.context import ServerContext, get_ctx
+from server.errors import APIError, invalid_request
+from server.routes.speech import parse_voice
+from server.sampling import SPEECH_FIELDS, sampling_from_body
+from server.tts.speaker import Sink, Speaker, Utterance, Voicing, usage_of
+from server.tts.text_segmenter import TextSegmenter
+from server.ws_common import (
+    BadMessage,
+    new_websocket,
+    parse_json_object,
+    send_error,
+    send_json,
+    too_large,
+)
+from streaming.encoders import b64
+from streaming.ipc import RequestOutput
+
+log = logging.getLogger(__name__)
+
+SPEECH_WS_ENDPOINT = "/v1/audio/speech/stream"
+ELEVENLABS_ENDPOINT = "/v1/text-to-speech/{voice_id}/stream-input"
+PCM_FORMAT = "pcm_s16le"
+
+
+class TextSession(Sink):
+    """Reading side shared by both protocols: size limit, binary frames, JSON parsing."""
+
+    endpoint = ""
+
+    def __init__(self, ctx: ServerContext, ws: web.WebSocketResponse, voicing: Voicing):
+        self.ctx = ctx
+        self.ws = ws
+        self.voicing = voicing
+        self.segmenter = TextSegmenter(ctx.settings.segment_min_clause_chars, ctx.settings.segment_max_chars)
+        self.speaker = Speaker(ctx, self, self.endpoint)
+
+    async def run(self) -> None:
+        self.speaker.start()
+        self.ctx.metrics.active_streams.labels(self.endpoint).inc()
+        try:
+            await self.on_open()
+            async for msg in self.ws:
+                if msg.type is WSMsgType.TEXT:
+                    await self._on_text(msg.data)
+                elif msg.type is WSMsgType.BINARY:
+                    await self.send_error("binary_not_allowed", "Binary frames are not accepted; send JSON text frames.")
+                elif msg.type is WSMsgType.ERROR:
+                    log.info("%s: websocket error: %s", self.endpoint, self.ws.exception())
+                    break
+        except ConnectionResetError:
+            pass
+        finally:
+            await self.speaker.cancel()
+            self.ctx.metrics.active_streams.labels(self.endpoint).dec()
+
+    async def _on_text(self, data: str) -> None:
+        limit = self.ctx.settings.max_ws_message_bytes
+        if too_large(data, limit):
+            await self.send_error("message_too_large", f"Messages are limited to {limit} bytes.")
+            await self.ws.close(code=WSCloseCode.MESSAGE_TOO_BIG, message=b"message too large")
+            return
+        try:
+            await self.on_message(parse_json_object(data))
+        except BadMessage as e:
+            await self.send_error(e.code, e.message, e.param)
+
+    async def speak(self, segments: list[str]) -> None:
+        if segments and not self.speaker.say(segments, self.voicing):
+            limit = self.ctx.settings.ws_max_pending_segments
+            await self.send_error(
+                "input_overflow",
+                f"Over {limit} text segments are waiting to be spoken; this text was dropped. "
+                "Send text no faster than it is spoken.",
+                "text",
+            )
+
+    async def send_json(self, obj: dict) -> None:
+        await send_json(self.ws, obj)
+
+    async def send_error(self, code: str, message: str, param: str | None = None, **extra) -> None:
+        await send_error(self.ws, code, message, param, **extra)
+
+    async def on_open(self) -> None:
+        """Greeting sent on connect (none unless the protocol has one)."""
+        return None
+
+    async def on_message(self, obj: dict) -> None:
+        raise NotImplementedError  # each protocol handles its own messages
+
+    async def close_from_writer(self, code: int, message: bytes = b"") -> None:
+        self.speaker.closing = True
+        await self.ws.close(code=code, message=message)
+
+    async def utterance_failed(self, utt: Utterance, code: str, message: str, param: str | None) -> None:
+        await self.send_error(code, message, param, utterance=utt.index)
+        if code == "engine_unavailable":
+            await self.close_from_writer(WSCloseCode.INTERNAL_ERROR, b"engine unavailable")
+
+    async def crashed(self) -> None:
+        try:
+            await self.send_error("internal_error", "The session failed on the server; see its log.")
+            await self.ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"internal error")
+        except ConnectionResetError:
+            pass
+
+
+# ---- /v1/audio/speech/stream ------------------------------------------------------------------
+
+
+class SpeechStreamSession(TextSession):
+    endpoint = SPEECH_WS_ENDPOINT
+
+    def _session_info(self) -> dict:
+        return {"voice": self.voicing.voice, "format": PCM_FORMAT, "sample_rate": self.ctx.profile.sample_rate}
+
+    async def on_open(self) -> None:
+        await self.send_json({"type": "session.created", "session": self._session_info()})
+
+    async def on_message(self, obj: dict) -> None:
+        kind = obj.get("type")
+        if self.speaker.input_ended and kind != "session.close":
+            await self.send_error("invalid_state", "The session is closing; no more input is accepted.", "type")
+            return
+        if kind == "input.text":
+            text = obj.get("text")
+            if not isinstance(text, str):
+                await self.send_error("invalid_field", "text: must be a string", "text")
+                return
+            await self.speak(self.segmenter.push(text))
+        elif kind == "input.flush":
+            await self.speak(self.segmenter.flush())
+        elif kind == "session.config":
+            try:
+                self.voicing = self._configure(obj)
+            except APIError as e:
+                await self.send_error("invalid_field", e.message, e.param)
+                return
+            await self.send_json({"type": "session.updated", "session": self._session_info()})
+        elif kind == "session.close":
+            if not self.speaker.input_ended:
+                await self.speak(self.segmenter.flush())
+                self.speaker.end_input()
+        else:
+            await self.send_error(
+                "unknown_type",
+                f"Unknown message type {kind!r}; expected session.config, input.text, input.flush or session.close.",
+                "type",
+            )
+
+    def _configure(self, obj: dict) -> Voicing:
+        ctx = self.ctx
+        voice = parse_voice(obj)
+        voice = ctx.profile.resolve_voice(voice) if voice is not None else self.voicing.voice
+        fmt = obj.get("response_format", "pcm")
+        if fmt != "pcm":
+            raise invalid_request(
+                f"response_format: only 'pcm' (s16le mono binary frames) is supported here, got {fmt!r}",
+                param="response_format",
+            )
+        rate = obj.get("sample_rate", ctx.profile.sample_rate)
+        if rate != ctx.profile.sample_rate:
+            raise invalid_request(
+                f"sample_rate: the model produces {ctx.profile.sample_rate} Hz audio, got {rate!r}", param="sample_rate"
+            )
+        sampling = sampling_from_body(obj, self.voicing.sampling, SPEECH_FIELDS, ctx.engine.info.vocab_size)
+        return replace(self.voicing, voice=voice, sampling=sampling)
+
+    async def utterance_start(self, utt: Utterance) -> None:
+        await self.send_json(
+            {
+                "type": "audio.start",
+                "utterance": utt.index,
+                "format": PCM_FORMAT,
+                "sample_rate": self.ctx.profile.sample_rate,
+                "text": utt.text,
+            }
+        )
+
+    async def utterance_audio(self, utt: Utterance, pcm: bytes) -> None:
+        await self.ws.send_bytes(pcm)
+
+    async def utterance_done(self, utt: Utterance, last: RequestOutput) -> None:
+        await self.send_json(
+            {"type": "audio.done", "utterance": utt.index, "finish_reason": last.finish_reason, "usage": usage_of(utt, last)}
+        )
+
+    async def speech_finished(self) -> None:
+        await self.send_json({"type": "session.done"})
+        await self.close_from_writer(WSCloseCode.OK)
+
+
+# ---- /v1/text-to-speech/{voice_id}/stream-input (ElevenLabs shapes) ----------------------------
+
+
+class ElevenLabsSession(TextSession):
+    endpoint = ELEVENLABS_ENDPOINT
+
+    async def on_message(self, obj: dict) -> None:
+        if self.speaker.input_ended:
+            await self.send_error("invalid_state", "The input has ended; no more text is accepted.", "text")
+            return
+        text = obj.get("text")
+        if not isinstance(text, str):
+            await self.send_error("invalid_field", "text: every message needs a string `text`", "text")
+            return
+        flush = obj.get("flush", False)
+        if not isinstance(flush, bool):
+            await self.send_error("invalid_field", "flush: must be a boolean", "flush")
+            return
+        if text == "":  # ElevenLabs' end-of-input message
+            await self.speak(self.segmenter.flush())
+            self.speaker.end_input()
+            return
+        # voice_settings, generation_config and try_trigger_generation are accepted and
+        # ignored: segmentation decides when to generate.
+        await self.speak(self.segmenter.push(text))
+        if flush:
+            await self.speak(self.segmenter.flush())
+
+    async def utterance_audio(self, utt: Utterance, pcm: bytes) -> None:
+        await self.send_json({"audio": b64(pcm), "isFinal": False, "normalizedAlignment": None, "alignment": None})
+
+    async def speech_finished(self) -> None:
+        await self.send_json({"isFinal": True})
+        await self.close_from_writer(WSCloseCode.OK)
+
+
+# ---- handlers -----------------------------------------------------------------------------------
+
+
+async def speech_stream(request: web.Request) -> web.WebSocketResponse:
+    ctx = get_ctx(request)
+    ws = new_websocket(request)
+    await ws.prepare(request)
+    voicing = Voicing(ctx.profile.default_voice, ctx.speech_sampling)
+    await SpeechStreamSession(ctx, ws, voicing).run()
+    return ws
+
+
+async def elevenlabs_stream_input(request: web.Request) -> web.WebSocketResponse:
+    ctx = get_ctx(request)
+    # Checked before the upgrade: a bad voice or format is a plain 400 naming the field.
+    voice = ctx.profile.resolve_voice(request.match_info["voice_id"])
+    supported = f"pcm_{ctx.profile.sample_rate}"  # raw s16le at the model's own rate
+    output_format = request.query.get("output_format", supported)
+    if output_format != supported:
+        raise invalid_request(
+            f"output_format: {output_format!r} is not supported; supported: {supported}", param="output_format"
+        )
+    ws = new_websocket(request)
+    await ws.prepare(request)
+    await ElevenLabsSession(ctx, ws, Voicing(voice, ctx.speech_sampling)).run()
+    return ws

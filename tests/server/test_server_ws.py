@@ -1,0 +1,470 @@
+"""WebSocket endpoints (TTS session, ElevenLabs stream-input, generate) with real clients."""
+
+import asyncio
+import base64
+import json
+
+import numpy as np
+import pytest
+import websockets
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from tests.support.fake_engine import FakeEngine, chunk_marks, make_tokenizer, serve
+
+SPS = 240
+
+
+async def recv_json(ws, timeout: float = 2.0) -> dict:
+    msg = await asyncio.wait_for(ws.recv(), timeout)
+    assert isinstance(msg, str), f"expected a JSON text frame, got {len(msg)} bytes"
+    return json.loads(msg)
+
+
+async def collect_session(ws, timeout: float = 5.0, current: int | None = None) -> tuple[list[dict], dict[int, bytes]]:
+    """Read until the server closes: (events, utterance index -> PCM bytes). `current`: the
+    utterance whose audio is already flowing when we start reading."""
+    events: list[dict] = []
+    audio: dict[int, bytes] = {}
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                msg = await ws.recv()
+            except ConnectionClosed:
+                return events, audio
+            if isinstance(msg, bytes):
+                assert current is not None, "binary audio before audio.start"
+                audio[current] = audio.get(current, b"") + msg
+                continue
+            event = json.loads(msg)
+            events.append(event)
+            if event["type"] == "audio.start":
+                current = event["utterance"]
+            elif event["type"] == "audio.done":
+                current = None
+
+
+async def test_tts_session_streams_audio_before_the_text_is_complete():
+    engine = FakeEngine(samples_per_step=SPS, step_delay=0.005)
+    async with serve(engine) as s:
+        async with websockets.connect(s.url("/v1/audio/speech/stream", "ws")) as ws:
+            created = await recv_json(ws)
+            assert created["type"] == "session.created"
+            assert created["session"] == {"voice": "tara", "format": "pcm_s16le", "sample_rate": 24000}
+            await ws.send(json.dumps({"type": "session.config", "voice": "leo", "sample_rate": 24000, "temperature": 0.5}))
+            assert (await recv_json(ws))["session"]["voice"] == "leo"
+
+            await ws.send(json.dumps({"type": "input.text", "text": "Hello there. This is"}))
+            start = await recv_json(ws)
+            assert start == {"type": "audio.start", "utterance": 0, "format": "pcm_s16le", "sample_rate": 24000, "text": "Hello there."}
+            first_audio = await asyncio.wait_for(ws.recv(), 2.0)
+            assert isinstance(first_audio, bytes) and len(first_audio) == SPS * 2  # before the last text chunk
+
+            await ws.send(json.dumps({"type": "input.text", "text": " the second"}))
+            await ws.send(json.dumps({"type": "input.text", "text": " one"}))
+            await ws.send(json.dumps({"type": "input.flush"}))
+            await ws.send(json.dumps({"type": "session.close"}))
+            events, audio = await collect_session(ws, current=0)
+            audio[0] = first_audio + audio.get(0, b"")
+            assert ws.close_code == 1000
+        kinds = [e["type"] for e in events]
+        assert kinds == ["audio.done", "audio.start", "audio.done", "session.done"]
+        assert events[1]["text"] == "This is the second one"
+        assert events[0]["usage"]["output_tokens"] == 6 and events[0]["finish_reason"] == "length"
+        for k in (0, 1):
+            marks = chunk_marks(audio[k], SPS)
+            assert [step for _, step in marks] == [1, 2, 3, 4, 5]
+            assert {serial for serial, _ in marks} == {k}
+        assert [r.sampling.temperature for r in engine.requests] == [0.5, 0.5]
+        assert engine.aborted == []
+
+
+async def test_utterances_come_out_in_order_even_when_a_later_one_is_faster():
+    # Each segment's request runs slower the earlier it is, so with prefetch the second one
+    # finishes generating first; the client must still hear them in order.
+    engine = FakeEngine(samples_per_step=SPS, step_delay=lambda req: 0.03 if len(req.prompt_token_ids) > 20 else 0.0)
+    async with serve(engine, ws_max_inflight_utterances=2) as s:
+        async with websockets.connect(s.url("/v1/audio/speech/stream", "ws")) as ws:
+            await recv_json(ws)
+            text = "This first sentence is much longer than the rest. Hi. Yo."
+            await ws.send(json.dumps({"type": "input.text", "text": text}))
+            await ws.send(json.dumps({"type": "session.close"}))
+            events, audio = await collect_session(ws)
+    starts = [e for e in events if e["type"] == "audio.start"]
+    assert [e["text"] for e in starts] == ["This first sentence is much longer than the rest.", "Hi.", "Yo."]
+    assert sorted(audio) == [0, 1, 2]
+    for k in audio:
+        marks = chunk_marks(audio[k], SPS)
+        assert [step for _, step in marks] == [1, 2, 3, 4, 5]
+        assert len({serial for serial, _ in marks}) == 1
+    # the prefetched second request really did finish generating before the first
+    ids = [r.request_id for r in engine.requests]
+    assert engine.finished == [ids[1], ids[0], ids[2]]
+
+
+async def test_bad_messages_are_error_events_while_other_sessions_carry_on():
+    engine = FakeEngine(samples_per_step=SPS, step_delay=0.005)
+    async with serve(engine, max_ws_message_bytes=2048) as s:
+        url = s.url("/v1/audio/speech/stream", "ws")
+
+        async def healthy() -> dict[int, bytes]:
+            async with websockets.connect(url) as ws:
+                await recv_json(ws)
+                for chunk in ("One sentence here. ", "Another sentence", " there."):
+                    await ws.send(json.dumps({"type": "input.text", "text": chunk}))
+                    await asyncio.sleep(0.01)
+                await ws.send(json.dumps({"type": "session.close"}))
+                events, audio = await collect_session(ws)
+                assert events[-1]["type"] == "session.done" and ws.close_code == 1000
+                return audio
+
+        async def misbehaving() -> None:
+            async with websockets.connect(url) as ws:
+                await recv_json(ws)
+                await ws.send("{not json")
+                err = await recv_json(ws)
+                assert (err["type"], err["code"]) == ("error", "invalid_json")
+                await ws.send("[1, 2]")
+                assert (await recv_json(ws))["code"] == "invalid_json"
+                await ws.send(json.dumps({"type": "input.shout", "text": "x"}))
+                err = await recv_json(ws)
+                assert err["code"] == "unknown_type" and err["param"] == "type"
+                await ws.send(json.dumps({"text": "no type"}))
+                assert (await recv_json(ws))["code"] == "unknown_type"
+                await ws.send(b"\x00\x01")
+                assert (await recv_json(ws))["code"] == "binary_not_allowed"
+                await ws.send(json.dumps({"type": "input.text", "text": 42}))
+                err = await recv_json(ws)
+                assert err["code"] == "invalid_field" and err["param"] == "text"
+                # still usable after all of that
+                await ws.send(json.dumps({"type": "input.text", "text": "Still here."}))
+                await ws.send(json.dumps({"type": "session.close"}))
+                events, audio = await collect_session(ws)
+                assert [e["type"] for e in events] == ["audio.start", "audio.done", "session.done"]
+                assert len(audio[0]) == 5 * SPS * 2
+            async with websockets.connect(url) as ws:
+                await recv_json(ws)
+                await ws.send(json.dumps({"type": "input.text", "text": "x" * 3000}))
+                err = await recv_json(ws)
+                assert err["code"] == "message_too_large"
+                with pytest.raises(ConnectionClosed):
+                    await asyncio.wait_for(ws.recv(), 2.0)
+                assert ws.close_code == 1009
+
+        results = await asyncio.gather(healthy(), misbehaving())
+        audio = results[0]
+        assert sorted(audio) == [0, 1]
+        assert all(len(a) == 5 * SPS * 2 for a in audio.values())
+
+
+@pytest.mark.parametrize(
+    "config,param",
+    [
+        ({"voice": "alloy"}, "voice"),
+        ({"sample_rate": 16000}, "sample_rate"),
+        ({"response_format": "wav"}, "response_format"),
+        ({"temperature": -1}, "temperature"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+    ],
+)
+async def test_bad_session_config_names_the_field_and_keeps_the_session(config, param):
+    async with serve() as s:
+        async with websockets.connect(s.url("/v1/audio/speech/stream", "ws")) as ws:
+            await recv_json(ws)
+            await ws.send(json.dumps({"type": "session.config", **config}))
+            err = await recv_json(ws)
+            assert (err["type"], err["code"], err["param"]) == ("error", "invalid_field", param)
+            assert param in err["message"]
+            await ws.send(json.dumps({"type": "input.text", "text": "Fine."}))
+            await ws.send(json.dumps({"type": "session.close"}))
+            events, _ = await collect_session(ws)
+            assert events[-1]["type"] == "session.done"
+
+
+async def test_disconnect_aborts_in_flight_requests():
+    engine = FakeEngine(steps=500, step_delay=0.01, samples_per_step=SPS)
+    async with serve(engine) as s:
+        async with websockets.connect(s.url("/v1/audio/speech/stream", "ws")) as ws:
+            await recv_json(ws)
+            await ws.send(json.dumps({"type": "input.text", "text": "First one. Second one. "}))
+            await recv_json(ws)  # audio.start
+            assert isinstance(await asyncio.wait_for(ws.recv(), 2.0), bytes)
+        aborted = await engine.wait_aborted(2)  # the one being sent and the prefetched one
+        assert sorted(aborted) == sorted(r.request_id for r in engine.requests)
+        assert not engine.active
+
+
+async def test_engine_overload_is_an_error_event_and_the_session_goes_on():
+    engine = FakeEngine(samples_per_step=SPS)
+    async with serve(engine) as s:
+        async with websockets.connect(s.url("/v1/audio/speech/stream", "ws")) as ws:
+            await recv_json(ws)
+            engine.overloaded = True
+            await ws.send(json.dumps({"type": "input.text", "text": "Busy now. "}))
+            err = await recv_json(ws)
+            assert (err["code"], err["utterance"]) == ("overloaded", 0)
+            engine.overloaded = False
+            await ws.send(json.dumps({"type": "input.text", "text": "Better now. "}))
+            await ws.send(json.dumps({"type": "session.close"}))
+            events, audio = await collect_session(ws)
+            assert [e["type"] for e in events] == ["audio.start", "audio.done", "session.done"]
+            assert sorted(audio) == [1]
+
+
+async def test_dead_engine_closes_the_session_with_1011():
+    engine = FakeEngine(samples_per_step=SPS)
+    engine.die_at_step = 2
+    async with serve(engine) as s:
+        async with websockets.connect(s.url("/v1/audio/speech/stream", "ws")) as ws:
+            await recv_json(ws)
+            await ws.send(json.dumps({"type": "input.text", "text": "Doomed. "}))
+            events, _ = await collect_session(ws)
+            assert events[-1]["code"] == "engine_unavailable"
+            assert ws.close_code == 1011
+
+
+async def test_ws_admission_and_auth_are_checked_before_the_upgrade():
+    engine = FakeEngine(steps=500, step_delay=0.01)
+    async with serve(engine, max_concurrent_requests=1, api_key="k") as s:
+        url = s.url("/v1/audio/speech/stream", "ws")
+        with pytest.raises(InvalidStatus) as e:
+            await websockets.connect(url)
+        assert e.value.response.status_code == 401
+        async with websockets.connect(url + "?api_key=k") as first:
+            await recv_json(first)
+            with pytest.raises(InvalidStatus) as e:
+                await websockets.connect(url, additional_headers={"Authorization": "Bearer k"})
+            assert e.value.response.status_code == 429
+            assert e.value.response.headers["Retry-After"] == "1"
+        await asyncio.sleep(0.05)
+        async with websockets.connect(url, additional_headers={"xi-api-key": "k"}) as again:
+            assert (await recv_json(again))["type"] == "session.created"
+
+
+# ---- ElevenLabs stream-input --------------------------------------------------------------------
+
+
+async def test_elevenlabs_stream_input():
+    engine = FakeEngine(samples_per_step=SPS, step_delay=0.002)
+    async with serve(engine) as s:
+        url = s.url("/v1/text-to-speech/mia/stream-input?model_id=eleven_flash_v2_5&output_format=pcm_24000", "ws")
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"text": " ", "voice_settings": {"stability": 0.5}, "generation_config": {"chunk_length_schedule": [50]}}))
+            await ws.send(json.dumps({"text": "Hello world. ", "try_trigger_generation": True}))
+            await ws.send(json.dumps({"text": "Goodbye", "flush": True}))
+            await ws.send(json.dumps({"text": ""}))
+            messages = []
+            async with asyncio.timeout(5):
+                async for msg in ws:
+                    messages.append(json.loads(msg))
+            assert ws.close_code == 1000
+    assert messages[-1] == {"isFinal": True}
+    chunks = messages[:-1]
+    assert all(m["isFinal"] is False and m["normalizedAlignment"] is None for m in chunks)
+    pcm = b"".join(base64.b64decode(m["audio"]) for m in chunks)
+    marks = chunk_marks(pcm, SPS)
+    assert marks == [(0, k) for k in range(1, 6)] + [(1, k) for k in range(1, 6)]
+    assert len(engine.requests) == 2
+    assert make_tokenizer().decode(engine.requests[1].prompt_token_ids[2:-4]) == "mia: Goodbye"
+
+
+@pytest.mark.parametrize(
+    "path,param",
+    [
+        ("/v1/text-to-speech/rachel/stream-input", "voice"),
+        ("/v1/text-to-speech/tara/stream-input?output_format=mp3_44100_128", "output_format"),
+    ],
+)
+async def test_elevenlabs_bad_voice_or_format_refuses_the_upgrade(path, param):
+    async with serve() as s:
+        with pytest.raises(InvalidStatus) as e:
+            await websockets.connect(s.url(path, "ws"))
+        assert e.value.response.status_code == 400
+        assert json.loads(e.value.response.body)["error"]["param"] == param
+
+
+async def test_elevenlabs_bad_message_is_an_error_event():
+    async with serve() as s:
+        async with websockets.connect(s.url("/v1/text-to-speech/tara/stream-input", "ws")) as ws:
+            await ws.send(json.dumps({"flush": True}))
+            err = await recv_json(ws)
+            assert (err["code"], err["param"]) == ("invalid_field", "text")
+            await ws.send(json.dumps({"text": "Ok."}))
+            await ws.send(json.dumps({"text": ""}))
+            messages = [json.loads(m) async for m in ws]
+            assert messages[-1] == {"isFinal": True} and len(messages) == 6
+
+
+# ---- /v1/generate/stream --------------------------------------------------------------------------
+
+
+async def test_generate_stream_sends_tokens_and_hidden_rows():
+    engine = FakeEngine(steps=4)
+    async with serve(engine) as s:
+        async with websockets.connect(s.url("/v1/generate/stream", "ws")) as ws:
+            prompt = [5, 6, 7]
+            await ws.send(json.dumps({"prompt_token_ids": prompt, "sampling": {"temperature": 0.0, "max_tokens": 3}, "hidden_state_layers": [0, 4]}))
+            tokens, positions = [], []
+            while True:
+                msg = await recv_json(ws)
+                if msg["type"] == "done":
+                    break
+                assert msg["type"] == "step"
+                tokens += msg["token_ids"]
+                hidden = msg["hidden"]
+                raw = await asyncio.wait_for(ws.recv(), 2.0)
+                rows = np.frombuffer(raw, dtype=hidden["dtype"]).reshape(hidden["shape"])
+                first, end = hidden["positions"]
+                assert rows.shape == (end - first, 2, 8)
+                assert np.array_equal(rows[:, 1, 0], np.arange(first, end) + 4000)
+                positions.append((first, end))
+            assert msg == {"type": "done", "finish_reason": "length", "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}}
+            assert tokens == [engine.token(prompt, k) for k in range(3)]
+            assert positions == [(0, 3), (3, 4), (4, 5)]
+            # the connection takes another request, this time without hidden states
+            await ws.send(json.dumps({"type": "generate", "prompt": "Hello", "sampling": {"max_tokens": 2}}))
+            step = await recv_json(ws)
+            assert step["hidden"] is None
+            assert (await recv_json(ws))["type"] == "step"
+            assert (await recv_json(ws))["type"] == "done"
+        assert engine.requests[0].sampling.temperature == 0.0
+
+
+@pytest.mark.parametrize(
+    "message,param",
+    [
+        ({"prompt_token_ids": [1, -2]}, "prompt_token_ids"),
+        ({"prompt_token_ids": "abc"}, "prompt_token_ids"),
+        ({"sampling": {"temperature": 0}}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1], "sampling": {"temperature": -1}}, "sampling.temperature"),
+        ({"prompt_token_ids": [1], "sampling": {"tempurature": 1}}, "sampling.tempurature"),
+        ({"prompt_token_ids": [1], "sampling": {"max_tokens": "many"}}, "sampling.max_tokens"),
+        ({"prompt_token_ids": [1], "hidden_state_layers": [9]}, "hidden_state_layers"),
+    ],
+)
+async def test_generate_stream_bad_requests_name_the_field(message, param):
+    async with serve() as s:
+        async with websockets.connect(s.url("/v1/generate/stream", "ws")) as ws:
+            await ws.send(json.dumps(message))
+            err = await recv_json(ws)
+            assert (err["type"], err["code"], err["param"]) == ("error", "invalid_field", param)
+            await ws.send(json.dumps({"prompt_token_ids": [1], "sampling": {"max_tokens": 1}}))
+            assert (await recv_json(ws))["type"] == "step"
+
+
+async def test_generate_stream_cancel_and_busy():
+    engine = FakeEngine(steps=500, step_delay=0.01)
+    async with serve(engine) as s:
+        async with websockets.connect(s.url("/v1/generate/stream", "ws")) as ws:
+            await ws.send(json.dumps({"prompt_token_ids": [1, 2], "sampling": {"max_tokens": 500}}))
+            assert (await recv_json(ws))["type"] == "step"
+            await ws.send(json.dumps({"prompt_token_ids": [3]}))
+            while (msg := await recv_json(ws))["type"] == "step":
+                pass
+            assert msg["code"] == "busy"
+            await ws.send(json.dumps({"type": "cancel"}))
+            while (msg := await recv_json(ws))["type"] == "step":
+                pass
+            assert msg == {"type": "done", "finish_reason": "abort", "usage": None}
+        assert engine.aborted == [engine.requests[0].request_id]
+
+
+async def test_shutdown_closes_open_sessions_with_1001():
+    engine = FakeEngine(steps=500, step_delay=0.01)
+    async with websockets_server_and_client(engine) as (ws, stop):
+        await ws.send(json.dumps({"type": "input.text", "text": "Talking for a long time. "}))
+        assert (await recv_json(ws))["type"] == "audio.start"
+        await stop()
+        with pytest.raises(ConnectionClosed):
+            while True:
+                await asyncio.wait_for(ws.recv(), 2.0)
+        assert ws.close_code == 1001
+    assert engine.aborted == [engine.requests[0].request_id]
+
+
+def websockets_server_and_client(engine):
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def ctx():
+        cm = serve(engine)
+        s = await cm.__aenter__()
+        stopped = False
+
+        async def stop():
+            nonlocal stopped
+            stopped = True
+            await cm.__aexit__(None, None, None)
+
+        try:
+            async with websockets.connect(s.url("/v1/audio/speech/stream", "ws")) as ws:
+                await recv_json(ws)
+                yield ws, stop
+        finally:
+            if not stopped:
+                await cm.__aexit__(None, None, None)
+
+    return ctx()
+
+
+async def test_close_is_seen_at_once_with_many_segments_pending():
+    # Without handler cancellation (web.run_app's default) the session must notice the close
+    # itself while segments are queued behind a long utterance.
+    engine = FakeEngine(steps=500, step_delay=0.01)
+    async with serve(engine, handler_cancellation=False, ws_max_inflight_utterances=1) as s:
+        async with websockets.connect(s.url("/v1/audio/speech/stream", "ws")) as ws:
+            await recv_json(ws)
+            await ws.send(json.dumps({"type": "input.text", "text": "One. Two. Three. Four. Five. Six. "}))
+            assert (await recv_json(ws))["type"] == "audio.start"
+        await engine.wait_aborted(1, timeout=1.0)
+        async with asyncio.timeout(3):
+            while True:
+                text = await scrape(s)
+                if 'omnistream_active_streams{endpoint="/v1/audio/speech/stream"} 0.0' in text:
+                    break
+                await asyncio.sleep(0.02)
+        assert not engine.active and len(engine.requests) == 1
+
+
+async def scrape(s) -> str:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        async with http.get(s.url("/metrics")) as resp:
+            return await resp.text()
+
+
+async def test_text_far_ahead_of_speech_is_refused_not_buffered():
+    engine = FakeEngine(steps=300, step_delay=0.01)
+    async with serve(engine, ws_max_pending_segments=3, ws_max_inflight_utterances=1) as s:
+        async with websockets.connect(s.url("/v1/audio/speech/stream", "ws")) as ws:
+            await recv_json(ws)
+            await ws.send(json.dumps({"type": "input.text", "text": "One. Two. "}))
+            assert (await recv_json(ws))["type"] == "audio.start"
+            # "Two." waits in the launcher for a slot; these four would make 4 > 3 queued
+            await ws.send(json.dumps({"type": "input.text", "text": "Three. Four. Five. Six. "}))
+            while True:
+                msg = await asyncio.wait_for(ws.recv(), 2.0)
+                if isinstance(msg, str):
+                    break
+            err = json.loads(msg)
+            assert (err["code"], err["param"]) == ("input_overflow", "text"), err
+            await ws.send(json.dumps({"type": "input.text", "text": "Three. "}))  # fits: accepted
+        await engine.wait_aborted(1)
+        assert len(engine.requests) == 1
+
+
+@pytest.mark.parametrize("as_output", [False, True])
+async def test_engine_rejection_in_a_tts_session_names_the_field(as_output):
+    engine = FakeEngine()
+    engine.reject_field = "sampling.max_tokens"
+    engine.reject_as_output = as_output
+    async with serve(engine) as s:
+        async with websockets.connect(s.url("/v1/audio/speech/stream", "ws")) as ws:
+            await recv_json(ws)
+            await ws.send(json.dumps({"type": "input.text", "text": "Hi. "}))
+            err = await recv_json(ws)
+            assert (err["code"], err["param"], err["utterance"]) == ("invalid_field", "max_new_tokens", 0)
+        async with websockets.connect(s.url("/v1/generate/stream", "ws")) as ws:
+            await ws.send(json.dumps({"prompt_token_ids": [1]}))
+            err = await recv_json(ws)
+            assert (err["code"], err["param"]) == ("invalid_field", "sampling.max_tokens")
