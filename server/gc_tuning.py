@@ -4,13 +4,12 @@ Why: the front end is one event loop serving every stream, so a collection pause
 When hundreds of sessions start together each allocates a few hundred container objects
 (handlers, tasks, queues, buffers) that live until its utterance ends. With Python's default
 thresholds (700, 10, 10) a 400-session burst runs ~100 collections, and once the start-up heap
-is frozen (runner.engine.process.freeze_startup_heap) the oldest generation holds only what was
+is frozen (streaming.gc_pause.freeze_startup_heap) the oldest generation holds only what was
 promoted since, so the rule that holds a full collection back until the objects promoted since
 the last one reach a quarter of its survivors holds little back: full collections over all the
-burst's live objects come every hundred young ones. On the 2-core dev box, two bursts
-of 400 and 440 sessions on the instant fake engine (deploy/bench_frontend.py) spent 210-295 ms
-in collections with the longest pause 73-88 ms at (700, 10, 10), and 90-94 ms with the longest
-15 ms at FRONT_END_GC_THRESHOLDS (deploy/RESULTS.md, s13).
+burst's live objects come every hundred young ones. In such a burst on the instant fake engine
+(the front-end benchmark) FRONT_END_GC_THRESHOLDS cut the total collection time by about half
+and the longest pause about five-fold against (700, 10, 10).
 
 What is given up: cyclic garbage waits longer for a collection (reference counting frees
 everything else at once). The oldest generation is still collected, every 100 collections of
@@ -25,7 +24,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import Histogram
 from prometheus_client.core import Metric
 
-from runner.engine.process import freeze_startup_heap, on_gc_pause
+from streaming.gc_pause import freeze_startup_heap, on_gc_pause
 
 # gc.set_threshold: allocations (net of frees) between young collections, young collections per
 # middle one, middle collections per full one

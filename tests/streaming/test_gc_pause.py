@@ -1,11 +1,11 @@
-"""Process-level policies of the engine process (runner/engine/process.py)."""
+"""streaming/gc_pause.py: the start-up heap freeze and the pause hooks both processes install."""
 
 from __future__ import annotations
 
 import gc
 import logging
 
-from runner.engine.process import freeze_startup_heap, log_slow_gc
+from streaming.gc_pause import freeze_startup_heap, log_slow_gc
 
 
 def test_freeze_startup_heap_takes_live_objects_out_of_collections():
