@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
+
+from streaming.knobs import knob
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -149,25 +151,11 @@ def _parse_rope(raw: dict) -> RopeConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = knob(16, "KV cache block size in tokens (a power of two)")
     # Either an explicit block count or a memory budget; num_blocks wins when both are set.
-    num_blocks: int | None = None
-    kv_memory_gb: float | None = None
-    enable_prefix_caching: bool = True
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits above it)
-    max_model_len: int = 4096
-    async_scheduling: bool = False
-    # Batch admissions under load: with >= ADMISSION_HOLD_MIN_RUNNING requests running, a new
-    # request waits until the oldest waiting one is this old, so arrivals join in groups and
-    # fewer steps carry prefill tokens (each such step is larger, and eager when a prompt is
-    # long). H200, 64-256 streams arriving over 2 s: real time up to 128 streams with 20 ms,
-    # underruns from 64 with 0 (deploy/RESULTS.md). 0 admits at every step.
-    admission_wait_ms: float = 0.0
+    num_blocks: int | None = knob(None, "KV cache blocks (default: from --kv-memory-gb, else enough for every sequence)")
+    kv_memory_gb: float | None = knob(None, "KV cache size (default: enough for every sequence, capped by free memory)")
+    enable_prefix_caching: bool = knob(True, "reuse the KV blocks of shared prompt prefixes", flag="--no-prefix-caching")
 
 
 # below this many running requests a step is cheap either way: admit at once (first audio)
@@ -175,46 +163,95 @@ ADMISSION_HOLD_MIN_RUNNING = 64
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = knob(64, "sequences decoded together (batch rows)")
+    # token budget of one step (chunked prefill splits above it)
+    max_num_batched_tokens: int = knob(2048, "token budget of one engine step")
+    max_model_len: int | None = knob(None, "longest sequence (default: the model's max_position_embeddings)")
+    # On: the emit of step N happens after step N+1 was scheduled and launched (docs/design.md
+    # states the invariants); the same tokens as off, the device never waits for the host.
+    async_scheduling: bool = knob(True, "overlap scheduling with the device's step", flag="--no-async-scheduling")
+    # Batch admissions under load: with >= ADMISSION_HOLD_MIN_RUNNING requests running, a new
+    # request waits until the oldest waiting one is this old, so arrivals join in groups and
+    # fewer steps carry prefill tokens (each such step is larger, and eager when a prompt is
+    # long). 0 admits at every step (docs/performance.md has the serving figures for both).
+    admission_wait_ms: float = knob(
+        20.0, f"with >= {ADMISSION_HOLD_MIN_RUNNING} requests running, admit new ones in groups at most this often (0: every step)")
+
+
+@dataclass(frozen=True)
 class RunnerConfig:
-    device: str = "cpu"
-    dtype: str = "auto"
-    cuda_graphs: bool = True  # only meaningful on CUDA
+    device: str = knob("auto", "cpu, cuda, cuda:N (auto: cuda if available)")
+    dtype: str = knob("auto", "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    cuda_graphs: bool = knob(True, "replay decode steps as CUDA graphs (CUDA only)", flag="--no-cuda-graphs")
     # graph rows: min(this, max(max_num_seqs, max_num_batched_tokens)) where short prefill chunks
     # run as token rows (every such step replays a graph), else min(this, max_num_seqs)
-    max_graph_batch_size: int = 2048
-    sampler_backend: str = "auto"  # auto | torch | triton (OMNISTREAM_SAMPLER_BACKEND)
+    max_graph_batch_size: int = knob(2048, "largest batch captured as a CUDA graph")
+    # the OMNISTREAM_SAMPLER_BACKEND environment variable overrides "auto"
+    sampler_backend: str = knob("auto", "sampler kernels: auto, torch, triton")
     # CUDA decode kernels (runner/kernels/linear.py, runner/kernels/pdl.py); off only for A/B runs
-    skinny_linear: bool = True  # 16-bit GEMMs of <= 64 rows in Triton (tile table), SiLU*mul in gate_up
-    pdl: bool = True  # programmatic dependent launch where the GPU has it (sm90+)
-    rope_in_attention: bool = True  # pure-decode RoPE + KV write inside the attention kernel
-    # ... and, where that kernel is split 32 ways (batch 1 on 8 KV heads and 132 SMs),
-    # its loads that no earlier kernel of the step writes (block table, first K/V tile, RoPE
-    # rows) issued before the PDL wait (runner/kernels/attention.py PREFETCH_MIN_SPLITS)
-    attention_prefetch: bool = True
-    split_k: bool = True  # o_proj / down of 2..64 rows as split-K partials summed by the add + RMSNorm
+    skinny_linear: bool = knob(True, "16-bit GEMMs of <= 64 rows as Triton tiles (A/B switch)", flag="--no-skinny-linear")
+    pdl: bool = knob(True, "programmatic dependent launch where the GPU has it, sm90+ (A/B switch)", flag="--no-pdl")
+    # pure-decode RoPE + KV write inside the attention kernel
+    rope_in_attention: bool = knob(True, "decode RoPE + KV write inside the attention kernel (A/B switch)",
+                                   flag="--no-rope-in-attention")
+    # ... and, where that kernel is split many ways (batch 1 on few KV heads), its loads that no
+    # earlier kernel of the step writes (block table, first K/V tile, RoPE rows) issued before
+    # the PDL wait (runner/kernels/attention.py PREFETCH_MIN_SPLITS)
+    attention_prefetch: bool = knob(True, "attention loads issued before the PDL wait (A/B switch)",
+                                    flag="--no-attention-prefetch")
+    # o_proj / down of 2..64 rows as split-K partials summed by the add + RMSNorm
+    split_k: bool = knob(True, "o_proj / down as split-K partials at 2..64 rows (A/B switch)", flag="--no-split-k")
     # o_proj adds the residual and gate_up finishes the post-attention RMSNorm (no norm launch
-    # between them) where runner/kernels/linear.py FOLD_TUNED says so (2..16 and 33..64 rows)
-    norm_fold: bool = True
+    # between them) where the tuning table's fold entries say so
+    norm_fold: bool = knob(True, "post-attention RMSNorm folded into o_proj + gate_up (A/B switch)",
+                           flag="--no-norm-fold")
     # pure-decode steps: the qkv GEMM rotates q / k and writes this token's K/V to the cache in
-    # its epilogue where its Triton tile runs (runner/kernels/qkv_rope.py; Orpheus-3B: 2..16 and
-    # 33..64 rows), and the attention kernel after it only attends
-    qkv_rope: bool = True
-    # also capture pure-decode graphs that keep every layer's output, so a decode step with a
+    # its epilogue where its Triton tile runs (runner/kernels/qkv_rope.py), and the attention
+    # kernel after it only attends
+    qkv_rope: bool = knob(True, "RoPE + KV write in the qkv GEMM's epilogue (A/B switch)", flag="--no-qkv-rope")
+    # Also capture pure-decode graphs that keep every layer's output, so a decode step with a
     # hidden-state request replays a graph instead of running eagerly (host-bound: every stream
-    # of the batch waits). Memory: (layers + 1) x max_num_seqs x hidden x dtype in the graph pool
-    # (Orpheus-3B, 512 seqs, bf16: 91 MB), and start-up captures one graph more per bucket.
-    # H200, batch 64 with one hidden-state stream: 3.15 ms per step against 12.91 eager and 2.83
-    # with no such stream (deploy/RESULTS.md, s10-run1); tokens and hidden states bit for bit
-    # the eager ones (tests/gpu/test_gpu.py).
-    hidden_state_graphs: bool = True
+    # of the batch waits). Memory: (layers + 1) x max_num_seqs x hidden x dtype in the graph
+    # pool, and start-up captures one graph more per bucket. Tokens and hidden states are bit
+    # for bit the eager ones (tests/gpu/test_gpu.py).
+    hidden_state_graphs: bool = knob(
+        True, "capture all-layers decode graphs (off: decode steps with a hidden-state request run eagerly)",
+        flag="--no-hidden-state-graphs")
 
     @property
     def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype, self.torch_device)
+
+
+@dataclass(frozen=True)
+class ProcessConfig:
+    """The engine process's own options (not the engine's)."""
+
+    codec_dtype: str = knob("auto", "codec decode dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")
+    # Tiny models on a shared machine lose badly to oversubscription, hence the cap.
+    cpu_threads: int | None = knob(None, "torch threads of a CPU engine (default: half the cores, at most 4)")
+    random_weights: bool = knob(False, "benchmarks only: take the shape from --model's config.json, use random weights")
+
+
+ENGINE_PARTS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig}
+
+
+def split_knobs(knobs: dict, parts: dict[str, type] = ENGINE_PARTS) -> dict[str, dict]:
+    """{field: value} -> {part: {field: value}} by field name; an unknown name is a ConfigError."""
+    owner = {f.name: part for part, cls in parts.items() for f in fields(cls)}
+    out: dict[str, dict] = {part: {} for part in parts}
+    for name, value in knobs.items():
+        if name not in owner:
+            raise ConfigError(f"{name}: not a setting of {', '.join(c.__name__ for c in parts.values())}")
+        out[owner[name]][name] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -232,6 +269,9 @@ class EngineConfig:
             raise ConfigError("block_size: must be a power of two")
         if s.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens: must be >= 1")
+        if s.max_model_len is None:  # built without from_parts: the model's limit
+            object.__setattr__(self, "scheduler", replace(s, max_model_len=self.model.max_position_embeddings))
+            s = self.scheduler
         if s.max_model_len < 2:
             raise ConfigError("max_model_len: must be >= 2")
         if not 0 <= s.admission_wait_ms <= 10_000:
@@ -244,33 +284,22 @@ class EngineConfig:
             raise ConfigError("device: CUDA requested but torch.cuda.is_available() is False")
 
     @staticmethod
-    def build(
-        model_path: str | Path,
-        *,
-        device: str | None = None,
-        dtype: str = "auto",
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_memory_gb: float | None = None,
-        enable_prefix_caching: bool = True,
-        async_scheduling: bool = False,
-        cuda_graphs: bool = True,
-        admission_wait_ms: float = 0.0,
-        hidden_state_graphs: bool = True,
-    ) -> "EngineConfig":
+    def build(model_path: str | Path, **knobs) -> "EngineConfig":
+        """The config of the model at model_path; knobs are fields of CacheConfig,
+        SchedulerConfig and RunnerConfig by name (their defaults are the only ones)."""
+        parts = split_knobs(knobs)
+        return EngineConfig.from_parts(model_path, CacheConfig(**parts["cache"]),
+                                       SchedulerConfig(**parts["scheduler"]), RunnerConfig(**parts["runner"]))
+
+    @staticmethod
+    def from_parts(model_path: str | Path, cache: CacheConfig, scheduler: SchedulerConfig,
+                   runner: RunnerConfig) -> "EngineConfig":
         model = ModelConfig.from_pretrained(model_path)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        max_len = min(max_model_len or model.max_position_embeddings, model.max_position_embeddings)
-        return EngineConfig(
-            model=model,
-            cache=CacheConfig(block_size, num_blocks, kv_memory_gb, enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_len, async_scheduling, admission_wait_ms),
-            runner=RunnerConfig(device=device, dtype=dtype, cuda_graphs=cuda_graphs,
-                                hidden_state_graphs=hidden_state_graphs, sampler_backend=Env.read().sampler_backend),
-        )
+        limit = model.max_position_embeddings
+        scheduler = replace(scheduler, max_model_len=min(scheduler.max_model_len or limit, limit))
+        if runner.sampler_backend == "auto":
+            runner = replace(runner, sampler_backend=Env.read().sampler_backend)
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler, runner=runner)
 
     def with_(self, **kw) -> "EngineConfig":
         """A copy with sub-configs replaced (tests build variants this way)."""
@@ -281,14 +310,14 @@ class EngineConfig:
 class Env:
     """Environment variables, read once at start-up and typed."""
 
-    log_level: str = "INFO"
-    cache_dir: str = "~/.cache/omnistream"
-    sampler_backend: str = "auto"
+    log_level: str = "INFO"  # OMNISTREAM_LOG_LEVEL
+    cache_dir: str = "~/.cache/omnistream"  # OMNISTREAM_CACHE_DIR: where the embedded default is built
+    sampler_backend: str = "auto"  # OMNISTREAM_SAMPLER_BACKEND: RunnerConfig.sampler_backend's "auto"
 
     @staticmethod
     def read() -> "Env":
-        return Env(
-            log_level=os.environ.get("OMNISTREAM_LOG_LEVEL", "INFO").upper(),
-            cache_dir=os.environ.get("OMNISTREAM_CACHE_DIR", "~/.cache/omnistream"),
-            sampler_backend=os.environ.get("OMNISTREAM_SAMPLER_BACKEND", "auto"),
-        )
+        got = {f.name: os.environ[f"OMNISTREAM_{f.name.upper()}"] for f in fields(Env)
+               if f"OMNISTREAM_{f.name.upper()}" in os.environ}
+        if "log_level" in got:
+            got["log_level"] = got["log_level"].upper()
+        return Env(**got)

@@ -30,7 +30,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from runner.engine.process import EngineProcArgs
+from runner.engine.args import EngineProcArgs
 from server.engine_api import EngineOverloaded, EngineUnavailable
 from streaming import ipc
 from streaming.sampling_params import InvalidRequest
@@ -50,10 +50,9 @@ class _Stream:
 
 
 class EngineClient:
-    def __init__(self, args: EngineProcArgs | dict, *, queue_bound: int = 512, max_pending: int = 1024,
+    def __init__(self, args: EngineProcArgs, *, queue_bound: int = 512, max_pending: int = 1024,
                  startup_timeout: float = 600.0, restart: bool = True):
-        base = args if isinstance(args, EngineProcArgs) else EngineProcArgs(input_addr="", output_addr="", **args)
-        self._base_args = base
+        self._base_args = args
         self.queue_bound = queue_bound
         self.max_pending = max_pending
         self.startup_timeout = startup_timeout

@@ -12,9 +12,12 @@ from urllib.parse import urlparse
 
 from aiohttp import web
 
-from runner.config import Env
-from runner.engine.process import EngineProcArgs
+from runner.config import CacheConfig, Env, ProcessConfig, RunnerConfig, SchedulerConfig
+from runner.engine.args import EngineProcArgs
 from server.gc_tuning import settle_heap
+from server.settings import ModelSource, ServerSettings
+from streaming.knobs import from_arguments
+from streaming.profile import ModelProfile, read_profile
 
 log = logging.getLogger("omnistream")
 
@@ -31,27 +34,16 @@ def _is_loopback_endpoint(endpoint: str) -> bool:
         return False
 
 
-def engine_args_from(args: argparse.Namespace, model_path: str, env: Env) -> EngineProcArgs:
+def engine_args_from(args: argparse.Namespace, model_path: str, profile: ModelProfile, log_level: str) -> EngineProcArgs:
+    """The engine process's arguments from `serve`'s options (derived from the same dataclasses)."""
     return EngineProcArgs(
         model_path=model_path,
-        input_addr="",
-        output_addr="",
-        codec_path=args.codec,
-        device=args.device,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        admission_wait_ms=args.admission_wait_ms,
-        max_model_len=args.max_model_len,
-        kv_memory_gb=args.kv_memory_gb,
-        enable_prefix_caching=not args.no_prefix_caching,
-        async_scheduling=not args.no_async_scheduling,
-        cuda_graphs=not args.no_cuda_graphs,
-        hidden_state_graphs=not args.no_hidden_state_graphs,
-        random_weights=args.random_weights,
-        codec_dtype=args.codec_dtype,
-        cpu_threads=args.cpu_threads,
-        log_level=env.log_level,
+        profile=profile,
+        cache=from_arguments(CacheConfig, args),
+        scheduler=from_arguments(SchedulerConfig, args),
+        runner=from_arguments(RunnerConfig, args),
+        process=from_arguments(ProcessConfig, args),
+        log_level=log_level,
     )
 
 
@@ -60,21 +52,23 @@ async def run_server(args: argparse.Namespace) -> None:
     from server.app import build_app
     from server.engine_client import EngineClient
     from server.routes.zmq_gateway import ZmqGateway
-    from server.settings import ServerSettings
     from server.tokenizer import TextTokenizer
     from server.tts.voices import SpeechProfile
 
     env = Env.read()
-    if args.zmq_endpoint != "none" and not args.zmq_allow_remote and not _is_loopback_endpoint(args.zmq_endpoint):
-        raise SystemExit(f"--zmq-endpoint {args.zmq_endpoint}: not a loopback/ipc address; pass --zmq-allow-remote to bind it")
-    model_path = args.model or str(ensure_default_model(args.cache_dir or env.cache_dir))
-    if args.model is None:
+    settings = from_arguments(ServerSettings, args)
+    source = from_arguments(ModelSource, args)
+    if settings.zmq_endpoint != "none" and not settings.zmq_allow_remote and not _is_loopback_endpoint(settings.zmq_endpoint):
+        raise SystemExit(f"--zmq-endpoint {settings.zmq_endpoint}: not a loopback/ipc address; pass --zmq-allow-remote to bind it")
+    model_path = source.model or str(ensure_default_model(source.cache_dir or env.cache_dir))
+    if source.model is None:
         log.warning("serving the embedded tiny random-weight model: it speaks noise. Use --model for real weights.")
-    settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
-                              max_concurrent_requests=args.max_concurrent_requests)
     tokenizer = TextTokenizer.from_folder(model_path)
-    profile = SpeechProfile.load(model_path)
-    engine = EngineClient(engine_args_from(args, model_path, env), queue_bound=settings.output_queue_size)
+    model_profile = read_profile(model_path, source.codec)  # the one read of omnistream.json
+    profile = SpeechProfile(model_profile.speech)
+    log_level = (args.log_level or env.log_level).upper()
+    engine = EngineClient(engine_args_from(args, model_path, model_profile, log_level),
+                          queue_bound=settings.output_queue_size)
     await engine.start()
     gateway = None
     runner = None
@@ -82,16 +76,16 @@ async def run_server(args: argparse.Namespace) -> None:
         app = build_app(engine, tokenizer, profile, settings)
         runner = web.AppRunner(app, handle_signals=False)
         await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port)
+        site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()
-        if args.zmq_endpoint != "none":
-            gateway = ZmqGateway(engine, tokenizer, profile, args.zmq_endpoint)
+        if settings.zmq_endpoint != "none":
+            gateway = ZmqGateway(engine, tokenizer, profile, settings.zmq_endpoint)
             await gateway.start()
         # as in the engine process: full collections over the start-up heap would stall every
         # stream's event loop for ~100+ ms; and thresholds for session bursts (server/gc_tuning.py)
         settle_heap()
-        port = site._server.sockets[0].getsockname()[1] if site._server else args.port  # the real port for --port 0
-        print(f"omnistream ready on http://{args.host}:{port} (zmq: {args.zmq_endpoint}, model: {model_path})", flush=True)
+        port = site._server.sockets[0].getsockname()[1] if site._server else settings.port  # the real port for --port 0
+        print(f"omnistream ready on http://{settings.host}:{port} (zmq: {settings.zmq_endpoint}, model: {model_path})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

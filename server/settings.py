@@ -4,23 +4,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from streaming.knobs import knob
 from streaming.sampling_params import InvalidRequest, SamplingParams
 
 
 @dataclass(frozen=True)
+class ModelSource:
+    """Which model `serve` loads."""
+
+    model: str | None = knob(None, "local Hugging Face folder (config.json + safetensors + tokenizer); "
+                                   "default: the embedded tiny model")
+    codec: str | None = knob(None, "local SNAC folder (config.json + pytorch_model.bin); overrides omnistream.json's codec.path")
+    cache_dir: str | None = knob(None, "where the embedded default is built (default: OMNISTREAM_CACHE_DIR or ~/.cache/omnistream)")
+
+
+@dataclass(frozen=True)
 class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = knob("127.0.0.1", "HTTP/WebSocket bind address")
+    port: int = knob(8000, "HTTP/WebSocket port (0: any free port)")
     # When set, HTTP needs `Authorization: Bearer <key>` (or `xi-api-key: <key>`); WebSockets
     # may pass it as `?api_key=` / `?xi-api-key=` too because browsers cannot set headers.
-    api_key: str | None = None
+    api_key: str | None = knob(None, "require this key on HTTP and WebSocket requests")
+    zmq_endpoint: str = knob("tcp://127.0.0.1:5555", "ZeroMQ ROUTER endpoint for programmatic clients ('none' "
+                             "disables; a non-loopback address needs --zmq-allow-remote)")
+    zmq_allow_remote: bool = knob(False, "allow the ZeroMQ endpoint on a non-loopback address")
     # Name shown in /v1/models and responses; None -> the engine's model name.
-    served_model_name: str | None = None
-    max_input_chars: int = 4096
+    served_model_name: str | None = knob(None, "model name shown in /v1/models and responses (default: the folder's name)")
+    max_input_chars: int = knob(4096, "longest text of one speech request")
     max_ws_message_bytes: int = 64 * 1024
     # Generation requests (HTTP) and TTS/generate WebSocket sessions admitted at once; the
     # next one gets 429 + Retry-After at the door instead of waiting.
-    max_concurrent_requests: int = 256
+    max_concurrent_requests: int = knob(256, "generation requests and sessions admitted at once (then 429)")
     retry_after_s: int = 1
     # Bound of each request's output queue in the engine client (steps buffered for a slow
     # reader before the engine client gives up on it).

@@ -19,9 +19,11 @@ from runner.engine.kv_cache import BlockManager
 from runner.engine.model_runner import AsyncOutput, ModelRunner, StepResult
 from runner.engine.request import FinishReason, Request
 from runner.engine.scheduler import Scheduler, SchedulerOutput
-from runner.families.orpheus import OrpheusCodeConstraint
+from runner.families.base import CodecStageLike, ModelFamily
+from runner.families.text import TextFamily
 from runner.layers.sampler import pick_backend
 from streaming.ipc import EngineStats, RequestOutput
+from streaming.profile import ModelProfile
 from streaming.sampling_params import InvalidRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,10 @@ def num_kv_blocks(cfg: EngineConfig, bytes_per_token: int) -> int:
 class Engine:
     PHASES = ("schedule", "execute", "sample", "emit", "codec")
 
-    def __init__(self, cfg: EngineConfig, model: torch.nn.Module | None = None, codec=None):
+    def __init__(self, cfg: EngineConfig, model: torch.nn.Module | None = None, family: ModelFamily | None = None,
+                 codec: CodecStageLike | None = None):
+        """family: the model family (default: a plain language model); codec: its codec stage
+        (family.build_codec), None for an engine that serves no audio."""
         from runner.layers.attention import kv_bytes_per_token
         from runner.models.loader import load_model
 
@@ -69,12 +74,13 @@ class Engine:
         self.num_blocks = num_kv_blocks(cfg, kv_bytes_per_token(cfg.model, cfg.runner.torch_dtype))
         self.blocks = BlockManager(self.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, frozenset(cfg.model.eos_token_ids))
+        self.family = family or TextFamily(ModelProfile(family="text", speech=None))
         self.codec = codec
         constraint = None
+        self._audio_stop_ids: tuple[int, ...] = ()
         if codec is not None:
-            c = codec.cfg
-            constraint = OrpheusCodeConstraint(c.audio_token_offset, c.codebook_size, c.tokens_per_frame, c.end_token_id,
-                                               backend=pick_backend(self.device, cfg.runner.sampler_backend))
+            constraint = self.family.logits_constraint(pick_backend(self.device, cfg.runner.sampler_backend))
+            self._audio_stop_ids = self.family.stop_token_ids()
         self.runner = ModelRunner(cfg, self.model, self.num_blocks, constraint, lambda r: r.audio)
         self.requests: dict[str, Request] = {}
         self._pending: _Pending | None = None
@@ -127,9 +133,9 @@ class Engine:
         if audio:
             if self.codec is None:
                 raise InvalidRequest("audio", "this engine has no codec stage loaded")
-            end = self.codec.cfg.end_token_id
-            if end not in sampling.stop_token_ids:
-                sampling = msgspec.structs.replace(sampling, stop_token_ids=[*sampling.stop_token_ids, end])
+            missing = [t for t in self._audio_stop_ids if t not in sampling.stop_token_ids]
+            if missing:
+                sampling = msgspec.structs.replace(sampling, stop_token_ids=[*sampling.stop_token_ids, *missing])
         req = Request(request_id, list(prompt_token_ids), sampling, layers, audio)
         self.requests[request_id] = req
         self.scheduler.add(req)

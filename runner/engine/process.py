@@ -24,6 +24,7 @@ import traceback
 import msgspec
 import zmq
 
+from runner.engine.args import EngineProcArgs
 from streaming import ipc
 from streaming.gc_pause import freeze_startup_heap, log_slow_gc
 from streaming.sampling_params import InvalidRequest
@@ -33,71 +34,29 @@ log = logging.getLogger("omnistream.engine")
 SLOW_STEP_S = 0.1  # steps longer than this are logged one by one
 
 
-class EngineProcArgs(msgspec.Struct, forbid_unknown_fields=True):
-    model_path: str
-    input_addr: str  # the front end binds PUSH here; we connect PULL
-    output_addr: str  # the front end binds PULL here; we connect PUSH
-    codec_path: str | None = None
-    device: str | None = None
-    dtype: str = "auto"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    admission_wait_ms: float = 0.0
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_memory_gb: float | None = None
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    async_scheduling: bool = True
-    cuda_graphs: bool = True
-    hidden_state_graphs: bool = True  # RunnerConfig.hidden_state_graphs
-    # benchmarks only: config.json gives the shape, weights are random (no safetensors read)
-    random_weights: bool = False
-    # torch CPU threads (CPU engines only); None: half the cores, at most 4. Tiny models on a
-    # shared machine lose badly to oversubscription (measured 12-37 ms/step with 1 thread vs
-    # 194-343 ms with 2 on a busy 2-core box).
-    cpu_threads: int | None = None
-    codec_dtype: str = "auto"  # auto: bf16 on CUDA (see deploy/RESULTS.md), fp32 on CPU
-    log_level: str = "INFO"
-
-
 def build_engine(args: EngineProcArgs):
-    """Config tree -> model -> codec -> Engine (also used in-process by tests and benchmarks)."""
+    """Config tree -> model -> family and codec -> Engine (also used in-process by tests and
+    benchmarks)."""
     import torch
 
     from runner.config import EngineConfig, parse_dtype
     from runner.engine.engine import Engine
-    from runner.models.folder import load_codec_for
+    from runner.families import family_for
 
-    cfg = EngineConfig.build(
-        args.model_path,
-        device=args.device,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_memory_gb=args.kv_memory_gb,
-        enable_prefix_caching=args.enable_prefix_caching,
-        async_scheduling=args.async_scheduling,
-        cuda_graphs=args.cuda_graphs,
-        hidden_state_graphs=args.hidden_state_graphs,
-        admission_wait_ms=args.admission_wait_ms,
-    )
-    dev = cfg.runner.torch_device
+    cfg = EngineConfig.from_parts(args.model_path, args.cache, args.scheduler, args.runner)
+    dev, proc = cfg.runner.torch_device, args.process
     if dev.type == "cpu":
-        torch.set_num_threads(args.cpu_threads or max(1, min(4, (os.cpu_count() or 2) // 2)))
-    codec_dtype = parse_dtype(None if args.codec_dtype == "auto" else args.codec_dtype, dev)
-    codec = load_codec_for(args.model_path, args.codec_path, dev, codec_dtype)
+        torch.set_num_threads(proc.cpu_threads or max(1, min(4, (os.cpu_count() or 2) // 2)))
+    family = family_for(args.profile)
+    codec = family.build_codec(dev, parse_dtype(proc.codec_dtype, dev))
     model = None
-    if args.random_weights:
+    if proc.random_weights:  # benchmarks: config.json gives the shape, no safetensors read
         from runner.models.llama import build_random_model
         from runner.models.loader import kernels_for
 
         attn, ops = kernels_for(cfg.runner)
         model = build_random_model(cfg.model, dev, cfg.runner.torch_dtype, attn=attn, ops=ops)
-    return Engine(cfg, model=model, codec=codec)
+    return Engine(cfg, model=model, family=family, codec=codec)
 
 
 class EngineLoop:

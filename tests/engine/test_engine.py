@@ -334,11 +334,12 @@ def test_duplicate_live_request_id_rejected(llama_path):
 
 @pytest.fixture(scope="module")
 def audio_engine(tmp_path_factory):
-    from runner.engine.process import EngineProcArgs, build_engine
+    from runner.engine.args import engine_args
+    from runner.engine.process import build_engine
     from runner.models.default_model import ensure_default_model
 
     path = ensure_default_model(tmp_path_factory.mktemp("default"))
-    return build_engine(EngineProcArgs(model_path=str(path), input_addr="", output_addr="", max_num_seqs=8,
+    return build_engine(engine_args(str(path), max_num_seqs=8,
                                        max_model_len=512, cpu_threads=1))
 
 

@@ -1,0 +1,165 @@
+"""What a model folder says about itself beyond config.json, read once: the model profile.
+
+A folder may hold an `omnistream.json`; without one the family's defaults apply (Orpheus-3B's
+layout for the `orpheus` family). The server reads the profile once at start-up and hands it to
+the engine process inside its arguments, so neither side parses the file again:
+
+    {"family": "orpheus",
+     "voices": ["tara", "leo"], "default_voice": "tara", "text_template": "{voice}: {text}",
+     "prefix_token_ids": [128259], "suffix_token_ids": [128009, 128260, 128261, 128257],
+     "add_bos": true, "sample_rate": 24000,
+     "sampling": {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.1,
+                  "max_tokens": 1200, "stop_token_ids": [128258]},
+     "codec": {"path": "snac", "audio_token_offset": 128266, "codebook_size": 4096,
+               "end_token_id": 128258}}
+
+Every key is optional; unknown keys are a start-up error naming the file (a typo must not
+silently fall back to a default). `codec.path` is relative to the model folder or absolute; the
+other `codec` keys are the codec stage's settings (runner/codecs), checked when it is built.
+
+Families: `orpheus` (a Llama emitting SNAC codes one token at a time: a frame of one code per
+step) and `text` (a plain language model: no speech, no codec).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from streaming.sampling_params import InvalidRequest, SamplingParams, decode_sampling_params
+
+PROFILE_FILE = "omnistream.json"
+FAMILIES = ("orpheus", "text")
+
+# Orpheus-3B's layout: the defaults of the `orpheus` family, stated here once.
+ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
+# start_of_human; then end_of_text, end_of_human, start_of_ai, start_of_speech
+ORPHEUS_PREFIX = (128259,)
+ORPHEUS_SUFFIX = (128009, 128260, 128261, 128257)
+ORPHEUS_END_OF_SPEECH = 128258
+ORPHEUS_AUDIO_TOKEN_OFFSET = 128266  # audio token = offset + slot * codebook_size + code
+ORPHEUS_CODEBOOK_SIZE = 4096
+ORPHEUS_SAMPLE_RATE = 24000
+
+
+def orpheus_sampling(end_token_id: int = ORPHEUS_END_OF_SPEECH) -> SamplingParams:
+    # Orpheus needs repetition_penalty >= 1.1 to avoid looping audio.
+    return SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=1200,
+                          stop_token_ids=[end_token_id])
+
+
+class ProfileError(ValueError):
+    """The model folder's profile is unusable; the message names the file and the field."""
+
+
+class SpeechSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How the front end turns (voice, text) into a prompt, and the speech defaults."""
+
+    voices: tuple[str, ...] = ORPHEUS_VOICES
+    default_voice: str = "tara"
+    text_template: str = "{voice}: {text}"
+    prefix_token_ids: tuple[int, ...] = ORPHEUS_PREFIX
+    suffix_token_ids: tuple[int, ...] = ORPHEUS_SUFFIX
+    add_bos: bool = True
+    sample_rate: int = ORPHEUS_SAMPLE_RATE
+    sampling: SamplingParams = msgspec.field(default_factory=orpheus_sampling)
+
+    def check(self) -> None:
+        """Raise ProfileError naming the field."""
+        if not self.voices or len(set(self.voices)) != len(self.voices):
+            raise ProfileError(f"voices: must be non-empty and unique, got {list(self.voices)!r}")
+        if self.default_voice not in self.voices:
+            raise ProfileError(f"default_voice: {self.default_voice!r} is not one of {list(self.voices)!r}")
+        if "{text}" not in self.text_template:
+            raise ProfileError(f"text_template: must contain {{text}}, got {self.text_template!r}")
+        try:
+            self.text_template.format(voice="v", text="t")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ProfileError(f"text_template: only {{voice}} and {{text}} may appear ({e})") from None
+        if self.sample_rate <= 0:
+            raise ProfileError(f"sample_rate: must be > 0, got {self.sample_rate}")
+        try:
+            self.sampling.validate(vocab_size=2**31)  # ids are checked against the real vocabulary per request
+        except InvalidRequest as e:
+            raise ProfileError(str(e)) from None
+
+
+class ModelProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One model folder's family, speech front end and codec section."""
+
+    family: str = "orpheus"
+    speech: SpeechSpec | None = msgspec.field(default_factory=SpeechSpec)  # None: no speech
+    # The codec stage's settings with `path` resolved; None: no codec (text only).
+    codec: dict | None = None
+
+    @property
+    def sample_rate(self) -> int:
+        return self.speech.sample_rate if self.speech is not None else 0
+
+
+class _ProfileFile(msgspec.Struct, forbid_unknown_fields=True):
+    family: str = "orpheus"
+    voices: list[str] | None = None
+    default_voice: str | None = None
+    text_template: str | None = None
+    prefix_token_ids: list[int] | None = None
+    suffix_token_ids: list[int] | None = None
+    add_bos: bool | None = None
+    sample_rate: int | None = None
+    sampling: dict | None = None
+    codec: dict | None = None
+
+
+def read_profile(model_dir: str | Path, codec_path: str | None = None) -> ModelProfile:
+    """The folder's profile (its omnistream.json over the family's defaults). `codec_path`
+    (the command line's --codec) overrides `codec.path`; an orpheus folder without a codec path
+    has no codec stage. Raises ProfileError naming the file and field."""
+    folder = Path(model_dir)
+    path = folder / PROFILE_FILE
+    try:
+        raw = msgspec.json.decode(path.read_bytes(), type=_ProfileFile) if path.is_file() else _ProfileFile()
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ProfileError(f"{path}: {e}") from None
+    if raw.family not in FAMILIES:
+        raise ProfileError(f"{path}: family: {raw.family!r} is not one of {list(FAMILIES)}")
+    if raw.family == "text":
+        return ModelProfile(family="text", speech=None, codec=None)
+    try:
+        speech = _speech(raw)
+        speech.check()
+    except (ProfileError, InvalidRequest) as e:
+        raise ProfileError(f"{path}: {e}") from None
+    return ModelProfile(family=raw.family, speech=speech, codec=_codec(folder, raw.codec, codec_path))
+
+
+def _speech(raw: _ProfileFile) -> SpeechSpec:
+    kw: dict = {}
+    for name in ("text_template", "add_bos", "sample_rate"):
+        if (value := getattr(raw, name)) is not None:
+            kw[name] = value
+    for name in ("voices", "prefix_token_ids", "suffix_token_ids"):
+        if (value := getattr(raw, name)) is not None:
+            kw[name] = tuple(value)
+    if raw.default_voice is not None:
+        kw["default_voice"] = raw.default_voice
+    elif raw.voices:
+        kw["default_voice"] = raw.voices[0]
+    if raw.sampling is not None:
+        kw["sampling"] = decode_sampling_params(raw.sampling)
+    return SpeechSpec(**kw)
+
+
+def _codec(folder: Path, section: dict | None, codec_path: str | None) -> dict | None:
+    section = dict(section or {})
+    path = codec_path or section.get("path")
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_absolute() and (folder / p).exists():
+        p = folder / p
+    section["path"] = str(p)
+    section.setdefault("audio_token_offset", ORPHEUS_AUDIO_TOKEN_OFFSET)
+    section.setdefault("codebook_size", ORPHEUS_CODEBOOK_SIZE)
+    section.setdefault("end_token_id", ORPHEUS_END_OF_SPEECH)
+    return section
