@@ -1,5 +1,6 @@
-"""Python clients of omnistream's ZeroMQ API (sync and asyncio). See server/routes/zmq_gateway.py and
-docs/zmq.md for the wire format; any language with ZeroMQ and msgpack can do the same.
+"""Python clients of omnistream's ZeroMQ API (sync and asyncio). The messages are
+streaming/zmq_protocol.py's (docs/zmq.md for other languages: any language with ZeroMQ and
+msgpack can do the same).
 
     with ZmqClient("tcp://127.0.0.1:5555") as c:
         for step in c.generate(prompt_token_ids=[1, 2, 3], sampling={"max_tokens": 8},
@@ -12,13 +13,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator
 
 import msgspec
 import numpy as np
 import zmq
 import zmq.asyncio
+
+from streaming.zmq_protocol import (
+    OVERLOADED,
+    ErrorReply,
+    StepReply,
+    ZmqRequest,
+    decode_reply,
+    encode,
+    unpack_tensor,
+)
 
 
 class ZmqRequestError(RuntimeError):
@@ -39,37 +50,38 @@ class Step:
     usage: dict | None
 
 
-_enc = msgspec.msgpack.Encoder()
-_dec = msgspec.msgpack.Decoder()
 _OVERFLOW = object()  # queued for a consumer that fell too far behind
 
 
-def _tensor(ref, frames) -> np.ndarray | None:
-    if ref is None:
-        return None
-    frame, dtype, shape = ref
-    return np.frombuffer(frames[frame], dtype=np.dtype(dtype)).reshape(shape)
-
-
-def _parse(frames: list) -> Step:
-    h = _dec.decode(frames[0])
-    if h["type"] == "error":
-        raise ZmqRequestError(h["code"], h["message"], h.get("param"))
-    hp = h.get("hidden_positions")
+def _step(reply: StepReply | ErrorReply, frames: list) -> Step:
+    """The Step a reply describes (its tensors viewed in frames); an error reply raises."""
+    if isinstance(reply, ErrorReply):
+        raise ZmqRequestError(reply.code, reply.message, reply.param)
+    hp = reply.hidden_positions
     return Step(
-        id=h["id"],
-        token_ids=h.get("token_ids", []),
-        hidden=_tensor(h.get("hidden"), frames),
+        id=reply.id,
+        token_ids=reply.token_ids,
+        hidden=unpack_tensor(reply.hidden, frames),
         hidden_positions=tuple(hp) if hp else None,
-        audio=_tensor(h.get("audio"), frames),
-        finished=h.get("finished", False),
-        finish_reason=h.get("finish_reason"),
-        usage=h.get("usage"),
+        audio=unpack_tensor(reply.audio, frames),
+        finished=reply.finished,
+        finish_reason=reply.finish_reason,
+        usage=reply.usage,
     )
 
 
-def _request(kind: str, rid: str, **fields) -> bytes:
-    return _enc.encode({"type": kind, "id": rid, **{k: v for k, v in fields.items() if v is not None}})
+def _generate(rid: str, prompt_token_ids: list[int] | None, prompt: str | None, sampling: dict | None,
+              hidden_state_layers: list[int] | None) -> bytes:
+    return encode(ZmqRequest("generate", rid, prompt_token_ids=prompt_token_ids, prompt=prompt,
+                             sampling=sampling or {}, hidden_state_layers=hidden_state_layers or []))
+
+
+def _speech(rid: str, text: str, voice: str | None, sampling: dict | None) -> bytes:
+    return encode(ZmqRequest("speech", rid, input=text, voice=voice, sampling=sampling or {}))
+
+
+def _abort(rid: str) -> bytes:
+    return encode(ZmqRequest("abort", rid))
 
 
 class ZmqClient:
@@ -85,7 +97,7 @@ class ZmqClient:
     def close(self) -> None:
         self.sock.close(0)
 
-    def __enter__(self) -> "ZmqClient":
+    def __enter__(self) -> ZmqClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -98,7 +110,8 @@ class ZmqClient:
             while True:
                 if not self.sock.poll(self.timeout_ms):
                     raise TimeoutError(f"no reply for request {rid} within {self.timeout_ms} ms")
-                step = _parse(self.sock.recv_multipart())
+                frames = self.sock.recv_multipart()
+                step = _step(decode_reply(frames[0]), frames)
                 if step.id != rid:
                     continue  # a late reply of an earlier, abandoned request
                 yield step
@@ -107,19 +120,18 @@ class ZmqClient:
                     return
         finally:
             if not done:
-                self.sock.send(_request("abort", rid))
+                self.sock.send(_abort(rid))
 
     def generate(self, *, prompt_token_ids: list[int] | None = None, prompt: str | None = None,
                  sampling: dict | None = None, hidden_state_layers: list[int] | None = None,
                  request_id: str | None = None) -> Iterator[Step]:
         rid = request_id or uuid.uuid4().hex
-        return self._stream(_request("generate", rid, prompt_token_ids=prompt_token_ids, prompt=prompt,
-                                     sampling=sampling or {}, hidden_state_layers=hidden_state_layers), rid)
+        return self._stream(_generate(rid, prompt_token_ids, prompt, sampling, hidden_state_layers), rid)
 
     def speech(self, text: str, *, voice: str | None = None, sampling: dict | None = None,
                request_id: str | None = None) -> Iterator[Step]:
         rid = request_id or uuid.uuid4().hex
-        return self._stream(_request("speech", rid, input=text, voice=voice, sampling=sampling or {}), rid)
+        return self._stream(_speech(rid, text, voice, sampling), rid)
 
 
 class AsyncZmqClient:
@@ -140,7 +152,7 @@ class AsyncZmqClient:
             self._reader.cancel()
         self.sock.close(0)
 
-    async def __aenter__(self) -> "AsyncZmqClient":
+    async def __aenter__(self) -> AsyncZmqClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -149,17 +161,19 @@ class AsyncZmqClient:
     async def _read(self) -> None:
         while True:
             frames = await self.sock.recv_multipart()
-            h = _dec.decode(frames[0])
-            rid = h.get("id", "")
-            q = self._queues.get(rid)
+            try:
+                reply = decode_reply(frames[0])
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue  # not a reply this client can read, so no request to route it to
+            q = self._queues.get(reply.id)
             if q is None:
                 continue
             try:
-                q.put_nowait(frames)
+                q.put_nowait((reply, frames))
             except asyncio.QueueFull:
                 # That consumer is `queue_bound` steps behind. Raising here would kill the reader
                 # that serves every request on this socket; end just that request instead.
-                del self._queues[rid]
+                del self._queues[reply.id]
                 q.get_nowait()
                 q.put_nowait(_OVERFLOW)
 
@@ -172,10 +186,10 @@ class AsyncZmqClient:
         try:
             await self.sock.send(payload)
             while True:
-                frames = await q.get()
-                if frames is _OVERFLOW:
-                    raise ZmqRequestError("overloaded", f"request {rid}: the consumer fell {self._bound} steps behind", None)
-                step = _parse(frames)
+                item = await q.get()
+                if item is _OVERFLOW:
+                    raise ZmqRequestError(OVERLOADED, f"request {rid}: the consumer fell {self._bound} steps behind", None)
+                step = _step(*item)
                 yield step
                 if step.finished:
                     done = True
@@ -183,16 +197,15 @@ class AsyncZmqClient:
         finally:
             self._queues.pop(rid, None)
             if not done:
-                await self.sock.send(_request("abort", rid))
+                await self.sock.send(_abort(rid))
 
     def generate(self, *, prompt_token_ids: list[int] | None = None, prompt: str | None = None,
                  sampling: dict | None = None, hidden_state_layers: list[int] | None = None,
                  request_id: str | None = None) -> AsyncIterator[Step]:
         rid = request_id or f"{uuid.uuid4().hex[:8]}-{next(self._ids)}"
-        return self._stream(_request("generate", rid, prompt_token_ids=prompt_token_ids, prompt=prompt,
-                                     sampling=sampling or {}, hidden_state_layers=hidden_state_layers), rid)
+        return self._stream(_generate(rid, prompt_token_ids, prompt, sampling, hidden_state_layers), rid)
 
     def speech(self, text: str, *, voice: str | None = None, sampling: dict | None = None,
                request_id: str | None = None) -> AsyncIterator[Step]:
         rid = request_id or f"{uuid.uuid4().hex[:8]}-{next(self._ids)}"
-        return self._stream(_request("speech", rid, input=text, voice=voice, sampling=sampling or {}), rid)
+        return self._stream(_speech(rid, text, voice, sampling), rid)

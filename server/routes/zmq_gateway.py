@@ -1,21 +1,8 @@
 """ZeroMQ API for programmatic clients: a ROUTER socket (loopback by default).
 
-Wire format (documented for other languages in docs/zmq.md):
-  client -> server: one frame, a msgpack map
-     {"type": "generate", "id": str, "prompt_token_ids": [int] | "prompt": str,
-      "sampling": {...SamplingParams fields}, "hidden_state_layers": [int]}
-     {"type": "speech", "id": str, "input": str, "voice": str, "sampling": {...}}
-     {"type": "abort", "id": str}
-  server -> client: multipart [header, *tensor frames]; header is a msgpack map
-     {"type": "step", "id", "token_ids": [int], "hidden": TensorRef | nil,
-      "hidden_positions": [first, end], "audio": TensorRef | nil, "finished": bool,
-      "finish_reason": str | nil, "usage": {...} (on the finished step)}
-     {"type": "error", "id", "code": "invalid_request" | "overloaded" | "unavailable",
-      "message": str, "param": str | nil}
-  TensorRef = [frame index, numpy dtype string, shape]; frames are raw little-endian bytes.
-
-Ids are the client's; the gateway namespaces them per connection so two clients may use the
-same id. A client's requests are aborted when it sends `abort`.
+The messages are streaming/zmq_protocol.py's (docs/zmq.md for other languages). Ids are the
+client's; the gateway namespaces them per connection so two clients may use the same id. A
+client's requests are aborted when it sends `abort`.
 """
 
 from __future__ import annotations
@@ -30,45 +17,21 @@ import zmq
 import zmq.asyncio
 
 from server.engine_api import EngineOverloaded, EngineUnavailable
-from streaming.ipc import AddRequest, RequestOutput, TensorRef
+from streaming.ipc import AddRequest, RequestOutput
 from streaming.sampling_params import InvalidRequest, decode_sampling_params
+from streaming.zmq_protocol import (
+    INVALID_REQUEST,
+    OVERLOADED,
+    UNAVAILABLE,
+    ErrorReply,
+    StepReply,
+    ZmqRequest,
+    decode_request,
+    encode,
+    pack_tensor,
+)
 
 log = logging.getLogger("omnistream.zmq")
-
-
-class ZmqRequest(msgspec.Struct, forbid_unknown_fields=True):
-    type: str
-    id: str
-    prompt_token_ids: list[int] | None = None
-    prompt: str | None = None
-    input: str | None = None
-    voice: str | None = None
-    sampling: dict = {}
-    hidden_state_layers: list[int] = []
-
-
-class StepHeader(msgspec.Struct, omit_defaults=True):
-    type: str
-    id: str
-    token_ids: list[int] = []
-    hidden: TensorRef | None = None
-    hidden_positions: list[int] = []
-    audio: TensorRef | None = None
-    finished: bool = False
-    finish_reason: str | None = None
-    usage: dict | None = None
-
-
-class ErrorHeader(msgspec.Struct):
-    type: str
-    id: str
-    code: str
-    message: str
-    param: str | None = None
-
-
-_enc = msgspec.msgpack.Encoder()
-_dec = msgspec.msgpack.Decoder(ZmqRequest)
 
 
 class ZmqGateway:
@@ -95,22 +58,22 @@ class ZmqGateway:
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         self.sock.close(0)
 
-    async def _send(self, ident: bytes, header, frames: list) -> None:
-        await self.sock.send_multipart([ident, _enc.encode(header), *frames], copy=False)
+    async def _send(self, ident: bytes, header: StepReply | ErrorReply, frames: list) -> None:
+        await self.sock.send_multipart([ident, encode(header), *frames], copy=False)
 
     async def _error(self, ident: bytes, rid: str, code: str, message: str, param: str | None = None) -> None:
-        await self._send(ident, ErrorHeader("error", rid, code, message, param), [])
+        await self._send(ident, ErrorReply(rid, code, message, param), [])
 
     async def _serve(self) -> None:
         while True:
             ident, *rest = await self.sock.recv_multipart()
             if len(rest) != 1:
-                await self._error(ident, "", "invalid_request", "expected exactly one msgpack frame", None)
+                await self._error(ident, "", INVALID_REQUEST, "expected exactly one msgpack frame", None)
                 continue
             try:
-                msg = _dec.decode(rest[0])
+                msg = decode_request(rest[0])
             except (msgspec.ValidationError, msgspec.DecodeError) as e:
-                await self._error(ident, "", "invalid_request", f"bad message: {e}", None)
+                await self._error(ident, "", INVALID_REQUEST, f"bad message: {e}", None)
                 continue
             key = (ident, msg.id)
             if msg.type == "abort":
@@ -119,10 +82,10 @@ class ZmqGateway:
                     t.cancel()  # the generator's close aborts it in the engine
                 continue
             if msg.type not in ("generate", "speech"):
-                await self._error(ident, msg.id, "invalid_request", f"type: unknown message type {msg.type!r}", "type")
+                await self._error(ident, msg.id, INVALID_REQUEST, f"type: unknown message type {msg.type!r}", "type")
                 continue
             if key in self._tasks:
-                await self._error(ident, msg.id, "invalid_request", f"id: {msg.id!r} is already running", "id")
+                await self._error(ident, msg.id, INVALID_REQUEST, f"id: {msg.id!r} is already running", "id")
                 continue
             task = asyncio.create_task(self._run(ident, msg))
             self._tasks[key] = task
@@ -157,29 +120,22 @@ class ZmqGateway:
                 async for out in stream:
                     await self._send_step(ident, msg.id, out)
         except InvalidRequest as e:
-            await self._error(ident, msg.id, "invalid_request", str(e), e.field)
+            await self._error(ident, msg.id, INVALID_REQUEST, str(e), e.field)
         except EngineOverloaded as e:
-            await self._error(ident, msg.id, "overloaded", str(e))
+            await self._error(ident, msg.id, OVERLOADED, str(e))
         except EngineUnavailable as e:
-            await self._error(ident, msg.id, "unavailable", str(e))
+            await self._error(ident, msg.id, UNAVAILABLE, str(e))
 
     async def _send_step(self, ident: bytes, rid: str, out: RequestOutput) -> None:
         frames: list = []
-
-        def ref(arr):
-            if arr is None:
-                return None
-            frames.append(memoryview(arr).cast("B") if arr.flags.c_contiguous else arr.tobytes())
-            return TensorRef(len(frames), arr.dtype.str, list(arr.shape))
-
         usage = None
         if out.finished:
             usage = {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
                      "cached_tokens": out.num_cached_tokens}
-        header = StepHeader(
-            "step", rid, out.new_token_ids, ref(out.hidden),
+        header = StepReply(
+            rid, out.new_token_ids, pack_tensor(out.hidden, frames),
             list(out.hidden_positions) if out.hidden is not None else [],
-            ref(out.audio), out.finished, out.finish_reason, usage,
+            pack_tensor(out.audio, frames), out.finished, out.finish_reason, usage,
         )
         if out.error and out.finished:
             header.finish_reason = out.finish_reason or "error"
