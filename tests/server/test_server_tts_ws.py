@@ -1,23 +1,17 @@
-"""WebSocket endpoints (TTS session, ElevenLabs stream-input, generate) with real clients."""
+"""Text-to-speech WebSockets (the TTS session, ElevenLabs stream-input) with real clients."""
 
 import asyncio
 import base64
 import json
 
-import numpy as np
 import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from tests.server.ws_support import recv_json
 from tests.support.fake_engine import FakeEngine, chunk_marks, make_tokenizer, serve
 
 SPS = 240
-
-
-async def recv_json(ws, timeout: float = 2.0) -> dict:
-    msg = await asyncio.wait_for(ws.recv(), timeout)
-    assert isinstance(msg, str), f"expected a JSON text frame, got {len(msg)} bytes"
-    return json.loads(msg)
 
 
 async def collect_session(ws, timeout: float = 5.0, current: int | None = None) -> tuple[list[dict], dict[int, bytes]]:
@@ -292,80 +286,6 @@ async def test_elevenlabs_bad_message_is_an_error_event():
             await ws.send(json.dumps({"text": ""}))
             messages = [json.loads(m) async for m in ws]
             assert messages[-1] == {"isFinal": True} and len(messages) == 6
-
-
-# ---- /v1/generate/stream --------------------------------------------------------------------------
-
-
-async def test_generate_stream_sends_tokens_and_hidden_rows():
-    engine = FakeEngine(steps=4)
-    async with serve(engine) as s:
-        async with websockets.connect(s.url("/v1/generate/stream", "ws")) as ws:
-            prompt = [5, 6, 7]
-            await ws.send(json.dumps({"prompt_token_ids": prompt, "sampling": {"temperature": 0.0, "max_tokens": 3}, "hidden_state_layers": [0, 4]}))
-            tokens, positions = [], []
-            while True:
-                msg = await recv_json(ws)
-                if msg["type"] == "done":
-                    break
-                assert msg["type"] == "step"
-                tokens += msg["token_ids"]
-                hidden = msg["hidden"]
-                raw = await asyncio.wait_for(ws.recv(), 2.0)
-                rows = np.frombuffer(raw, dtype=hidden["dtype"]).reshape(hidden["shape"])
-                first, end = hidden["positions"]
-                assert rows.shape == (end - first, 2, 8)
-                assert np.array_equal(rows[:, 1, 0], np.arange(first, end) + 4000)
-                positions.append((first, end))
-            assert msg == {"type": "done", "finish_reason": "length", "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}}
-            assert tokens == [engine.token(prompt, k) for k in range(3)]
-            assert positions == [(0, 3), (3, 4), (4, 5)]
-            # the connection takes another request, this time without hidden states
-            await ws.send(json.dumps({"type": "generate", "prompt": "Hello", "sampling": {"max_tokens": 2}}))
-            step = await recv_json(ws)
-            assert step["hidden"] is None
-            assert (await recv_json(ws))["type"] == "step"
-            assert (await recv_json(ws))["type"] == "done"
-        assert engine.requests[0].sampling.temperature == 0.0
-
-
-@pytest.mark.parametrize(
-    "message,param",
-    [
-        ({"prompt_token_ids": [1, -2]}, "prompt_token_ids"),
-        ({"prompt_token_ids": "abc"}, "prompt_token_ids"),
-        ({"sampling": {"temperature": 0}}, "prompt_token_ids"),
-        ({"prompt_token_ids": [1], "sampling": {"temperature": -1}}, "sampling.temperature"),
-        ({"prompt_token_ids": [1], "sampling": {"tempurature": 1}}, "sampling.tempurature"),
-        ({"prompt_token_ids": [1], "sampling": {"max_tokens": "many"}}, "sampling.max_tokens"),
-        ({"prompt_token_ids": [1], "hidden_state_layers": [9]}, "hidden_state_layers"),
-    ],
-)
-async def test_generate_stream_bad_requests_name_the_field(message, param):
-    async with serve() as s:
-        async with websockets.connect(s.url("/v1/generate/stream", "ws")) as ws:
-            await ws.send(json.dumps(message))
-            err = await recv_json(ws)
-            assert (err["type"], err["code"], err["param"]) == ("error", "invalid_field", param)
-            await ws.send(json.dumps({"prompt_token_ids": [1], "sampling": {"max_tokens": 1}}))
-            assert (await recv_json(ws))["type"] == "step"
-
-
-async def test_generate_stream_cancel_and_busy():
-    engine = FakeEngine(steps=500, step_delay=0.01)
-    async with serve(engine) as s:
-        async with websockets.connect(s.url("/v1/generate/stream", "ws")) as ws:
-            await ws.send(json.dumps({"prompt_token_ids": [1, 2], "sampling": {"max_tokens": 500}}))
-            assert (await recv_json(ws))["type"] == "step"
-            await ws.send(json.dumps({"prompt_token_ids": [3]}))
-            while (msg := await recv_json(ws))["type"] == "step":
-                pass
-            assert msg["code"] == "busy"
-            await ws.send(json.dumps({"type": "cancel"}))
-            while (msg := await recv_json(ws))["type"] == "step":
-                pass
-            assert msg == {"type": "done", "finish_reason": "abort", "usage": None}
-        assert engine.aborted == [engine.requests[0].request_id]
 
 
 async def test_shutdown_closes_open_sessions_with_1001():
