@@ -1,8 +1,8 @@
 """What one dependency between two phases of a decode step costs on the GPU: a kernel boundary
 (a chain of launches in a CUDA graph, with and without programmatic dependent launch) against
-a grid barrier inside one persistent kernel. Run by `bench_gpu.py --sections boundary`.
+a grid barrier inside one persistent kernel. Run by `python -m deploy.bench.kernels --sections boundary`.
 
-Why: the per-op table (deploy/RESULTS.md, s9) puts the decode step's distance from the
+Why: the per-op costs (`skip=OP` variants of deploy.bench.engine) put the decode step's distance from the
 bandwidth bound at every kernel boundary (~8 per layer, ~224 per step), not in any one op. A
 persistent decode kernel would replace those boundaries by grid barriers; this probe measures
 what each costs, with no other work in the way, so the possible gain is a number and not a

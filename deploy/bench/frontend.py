@@ -9,10 +9,9 @@ segment queued -> first audio byte sent, from the /metrics histogram, so bucket 
 server's garbage-collection pauses during the level (count and total, from /metrics). The server
 settles its heap as `serve` does (server/gc_tuning.py); `--gc-thresholds 700,10,10` runs it with
 Python's default thresholds instead. With a real engine these milliseconds come on top of the
-engine's time to first audio: on the H200 the client's TTFA exceeded the engine's by 30-100 ms in
-bursts of 400-440 and by ~7 ms when the same sessions started over 2 s (deploy/RESULTS.md, s12).
+engine's time to first audio (docs/performance.md has the figures).
 
-    python deploy/bench_frontend.py --streams 1,100,400
+    python -m deploy.bench.frontend --streams 1,100,400
 """
 
 from __future__ import annotations
@@ -27,9 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from server.gc_tuning import FRONT_END_GC_THRESHOLDS  # noqa: E402
+from server.gc_tuning import FRONT_END_GC_THRESHOLDS
 
 TEXT = "Hello there, this is one sentence of streaming speech for the benchmark."
 _TTFA = re.compile(r'omnistream_time_to_first_audio_seconds_bucket\{endpoint="/v1/audio/speech/stream",le="([^"]+)"\} (\S+)')
@@ -38,7 +35,6 @@ _GC = re.compile(r'omnistream_gc_pause_seconds_(count|sum)\{generation="\d"\} (\
 
 def serve(url_file: str, chunk_ms: float, chunks: int, gc_thresholds: tuple[int, int, int]) -> None:
     """The app on the fake engine until killed (uvloop when installed, heap settled: as `serve` runs)."""
-    pass
     import server.main  # noqa: F401  (the real front end's modules, in the heap that gets frozen)
     from server.gc_tuning import settle_heap
     from tests.support.fake_engine import FakeEngine
@@ -80,6 +76,9 @@ def quantile_bound(before: dict[float, float], after: dict[float, float], q: flo
 
 
 def main() -> int:
+    # the server process (--serve) does not import this: it keeps torch out of the front end's heap
+    from deploy.bench.common import ROOT, add_out_arg
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", default="1,100,400")
     ap.add_argument("--chunk-ms", type=float, default=70.0, help="fake engine: ms between 85 ms audio chunks")
@@ -87,14 +86,16 @@ def main() -> int:
     ap.add_argument("--gc-thresholds", default=",".join(map(str, FRONT_END_GC_THRESHOLDS)),
                     help="the server's gc.set_threshold after start-up (700,10,10: Python's default)")
     ap.add_argument("--serve", metavar="URL_FILE", help=argparse.SUPPRESS)  # internal: the server process
+    add_out_arg(ap, "frontend")
     args = ap.parse_args()
     if args.serve:
         serve(args.serve, args.chunk_ms, args.chunks, tuple(int(x) for x in args.gc_thresholds.split(",")))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         url_file = Path(tmp) / "url"
-        srv = subprocess.Popen([sys.executable, __file__, "--serve", str(url_file), "--chunk-ms", str(args.chunk_ms),
-                                "--chunks", str(args.chunks), "--gc-thresholds", args.gc_thresholds], cwd=ROOT)
+        srv = subprocess.Popen([sys.executable, "-m", "deploy.bench.frontend", "--serve", str(url_file),
+                                "--chunk-ms", str(args.chunk_ms), "--chunks", str(args.chunks),
+                                "--gc-thresholds", args.gc_thresholds], cwd=ROOT)
         try:
             t0 = time.time()
             while not url_file.exists() or not url_file.read_text():
@@ -102,24 +103,29 @@ def main() -> int:
                     raise RuntimeError("the front end did not start")
                 time.sleep(0.2)
             url = url_file.read_text()
-            print(f"gc thresholds {args.gc_thresholds}")
-            print("| sessions starting together | client TTFA p50 / p99 ms | server TTFA p50 / p99 ms (bucket bound) "
-                  "| server GC pauses: count / total ms |")
-            print("| ---: | --- | --- | --- |")
+            lines = [f"gc thresholds {args.gc_thresholds}",
+                     "| sessions starting together | client TTFA p50 / p99 ms | server TTFA p50 / p99 ms (bucket bound) "
+                     "| server GC pauses: count / total ms |",
+                     "| ---: | --- | --- | --- |"]
+            print("\n".join(lines))
             for n in (int(x) for x in args.streams.split(",")):
                 before, gc_before = server_metrics(url)
-                out = subprocess.run([sys.executable, "-m", "server.cli", "bench", "--url", url, "--streams", str(n),
-                                      "--max-tokens", "60", "--ramp-s", "0", "--text", TEXT], cwd=ROOT, check=True,
-                                     capture_output=True, text=True).stdout
+                report = subprocess.run([sys.executable, "-m", "server.cli", "bench", "--url", url, "--streams", str(n),
+                                         "--max-tokens", "60", "--ramp-s", "0", "--text", TEXT], cwd=ROOT, check=True,
+                                        capture_output=True, text=True).stdout
                 after, gc_after = server_metrics(url)
-                row = next(line for line in out.splitlines() if line.startswith(f"| {n} | 0 |")).split("|")
+                row = next(line for line in report.splitlines() if line.startswith(f"| {n} | 0 |")).split("|")
                 # the warm-up session of `bench` is in the server's histogram too: one in n + 1
-                print(f"| {n} | {row[3].strip()} / {row[4].strip()} | "
-                      f"{quantile_bound(before, after, 0.5):.0f} / {quantile_bound(before, after, 0.99):.0f} | "
-                      f"{gc_after[0] - gc_before[0]:.0f} / {(gc_after[1] - gc_before[1]) * 1e3:.0f} |", flush=True)
+                lines.append(f"| {n} | {row[3].strip()} / {row[4].strip()} | "
+                             f"{quantile_bound(before, after, 0.5):.0f} / {quantile_bound(before, after, 0.99):.0f} | "
+                             f"{gc_after[0] - gc_before[0]:.0f} / {(gc_after[1] - gc_before[1]) * 1e3:.0f} |")
+                print(lines[-1], flush=True)
         finally:
             srv.terminate()
             srv.wait(10)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text("\n".join(lines) + "\n")
     return 0
 
 

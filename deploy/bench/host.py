@@ -1,7 +1,7 @@
 """Host time of the engine step's per-request bookkeeping at serving batch sizes (no GPU).
 
-At 400 streams the H200 engine step is bounded by host work as much as by the GPU
-(deploy/RESULTS.md: the serving edge follows the host's speed). Two measurements, both on the
+At 400 streams the engine step is bounded by host work as much as by the GPU (the serving
+edge follows the host's speed). Two measurements, both on the
 CPU, so a change to the bookkeeping can be measured anywhere:
 
 * `probe`: Scheduler.schedule, SamplingTable.batch and Scheduler.update_from_output alone for N
@@ -14,7 +14,7 @@ CPU, so a change to the bookkeeping can be measured anywhere:
   CPU sampler's tensor math is left in, reported separately and excluded from `host`),
   emit (update, codec push, outputs) and the codec stage's bookkeeping.
 
-    python deploy/bench_host.py --rows 64,256,400 --engine
+    python -m deploy.bench.host --rows 64,256,400 --engine
 """
 
 from __future__ import annotations
@@ -23,20 +23,18 @@ import argparse
 import contextlib
 import gc
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from runner.config import SchedulerConfig  # noqa: E402
-from runner.engine.kv_cache import BlockManager  # noqa: E402
-from runner.engine.request import Request  # noqa: E402
-from runner.engine.scheduler import Scheduler  # noqa: E402
-from runner.layers.sampler import SamplingTable  # noqa: E402
-from streaming.sampling_params import SamplingParams  # noqa: E402
+from deploy.bench.common import add_out_arg
+from runner.config import SchedulerConfig
+from runner.engine.kv_cache import BlockManager
+from runner.engine.request import Request
+from runner.engine.scheduler import Scheduler
+from runner.layers.sampling_batch import SamplingTable
+from streaming.sampling_params import SamplingParams
 
 
 def reference(reps: int = 9) -> float:
@@ -139,13 +137,14 @@ def measure_engine(n: int, steps: int = 60, repeats: int = 5, warm_steps: int = 
     `repeats` means over `steps` steps."""
     import torch
 
-    from runner.codecs.snac import PendingPCM
-    from runner.engine.process import EngineProcArgs, build_engine
+    from runner.codecs.decoder import PendingPCM
+    from runner.engine.args import engine_args
+    from runner.engine.process import build_engine
     from runner.models.default_model import ensure_default_model
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        eng = build_engine(EngineProcArgs(model_path=str(ensure_default_model(tmp)), input_addr="", output_addr="", device="cpu",
+        eng = build_engine(engine_args(str(ensure_default_model(tmp)), device="cpu",
                                           max_num_seqs=n, max_num_batched_tokens=max(2048, 2 * n),
                                           num_blocks=n * 64, cpu_threads=1))
     hidden = eng.cfg.model.hidden_size
@@ -200,21 +199,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="64,256,400")
     ap.add_argument("--engine", action="store_true", help="also time the whole engine step (stubbed model and codec)")
+    add_out_arg(ap, "host")
     args = ap.parse_args()
     rows = [int(x) for x in args.rows.split(",")]
-    print("| rows | schedule ms | sampling batch ms | update ms | reference ms |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
+    lines: list[str] = []
+
+    def emit(line: str = "") -> None:
+        lines.append(line)
+        print(line, flush=True)
+
+    emit("| rows | schedule ms | sampling batch ms | update ms | reference ms |")
+    emit("| ---: | ---: | ---: | ---: | ---: |")
     for n in rows:
         r = measure(n)
-        print(f"| {n} | {r['schedule']:.3f} | {r['build']:.3f} | {r['update']:.3f} | {r['reference']:.3f} |")
+        emit(f"| {n} | {r['schedule']:.3f} | {r['build']:.3f} | {r['update']:.3f} | {r['reference']:.3f} |")
     if args.engine:
-        print()
-        print("| rows | host ms/step | host CPU ms/step | schedule | execute | sample (launch) | emit | codec | CPU sampler math (excluded) |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        emit()
+        emit("| rows | host ms/step | host CPU ms/step | schedule | execute | sample (launch) | emit | codec | CPU sampler math (excluded) |")
+        emit("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for n in rows:
             r = measure_engine(n)
-            print(f"| {n} | {r['host']:.2f} | {r['host_cpu']:.2f} | {r['schedule']:.2f} | {r['execute']:.2f} | {r['sample']:.2f} | "
-                  f"{r['emit']:.2f} | {r['codec']:.2f} | {r['sampler_math']:.2f} |")
+            emit(f"| {n} | {r['host']:.2f} | {r['host_cpu']:.2f} | {r['schedule']:.2f} | {r['execute']:.2f} | {r['sample']:.2f} | "
+                 f"{r['emit']:.2f} | {r['codec']:.2f} | {r['sampler_math']:.2f} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -5,11 +5,11 @@ attention, split-K partials into the norms) on random weights, once to compile, 
 cudaProfilerStart/Stop, so that
 
     ncu --profile-from-start off --clock-control none --set full -o $OUT/layer \\
-        python3 deploy/ncu_layer.py --batch 64
+        python -m deploy.bench.ncu_layer --batch 64
 
 profiles exactly one launch of each kernel (ncu replays each one in isolation: no PDL overlap,
 caches flushed between passes, so weights and KV come from HBM). The cache, block table and
-lengths are the attention benchmarks' (deploy/bench_gpu.py `_attn_case`).
+lengths are the attention benchmarks' (deploy/bench/kernels.py `_attn_case`).
 
 Why: the step's kernels run at 2.2-3.5 TB/s against ~4.2 copy bandwidth at batch 64, and the
 engine-level timings (skip variants, critical-path profiles) say how much each costs but not
@@ -19,18 +19,11 @@ where inside a kernel the time goes (ramp, tail, stalls, occupancy).
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_gpu import _attn_case  # noqa: E402
-
-from runner.config import RopeConfig  # noqa: E402
-from runner.models.llama import RotaryEmbedding  # noqa: E402
+from deploy.bench.kernels import _attn_case
+from runner.config import RopeConfig
 
 
 def main() -> None:
@@ -40,8 +33,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from runner.kernels.attention import DecodeRope, paged_decode_attention
-    from runner.kernels.fused_ops import TritonOps
     from runner.kernels.pdl import pdl_available
+    from runner.layers.triton_ops import TritonOps
+    from runner.models.llama import RotaryEmbedding
 
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16

@@ -13,10 +13,10 @@ against the old one on the same data: 'kept' = rows whose kept set equals the re
 (a different row is only allowed at an fp32 rounding tie of the cumulative mass), 'ids' = rows
 drawing the same token from the same race noise.
 
-    python deploy/bench_sampler.py                        # CPU: small rep count
-    python deploy/bench_sampler.py --device cuda --sweep  # H200: + triton launch-config sweep
+    python -m deploy.bench.sampler                        # CPU: small rep count
+    python -m deploy.bench.sampler --device cuda --sweep  # GPU: + triton launch-config sweep
 
-Prints a markdown table (and --json for the raw numbers).
+Prints a markdown table; the raw numbers go to results.json in --out.
 """
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from runner.layers.sampler import Sampler, SamplingBatch, SlotState  # noqa: E402
-from streaming.sampling_params import SamplingParams  # noqa: E402
-from tests.layers.test_sampler import OldSampler  # noqa: E402  (the reference implementation)
+from deploy.bench.common import add_out_arg
+from runner.layers.sampler import Sampler, SamplingBatch, SlotState
+from streaming.sampling_params import SamplingParams
+from tests.layers.test_sampler import OldSampler  # the reference implementation
 
 VOCAB = 156940
 EOS = 128258
@@ -202,7 +201,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None, help="default 20 on CUDA, 2 on CPU")
     ap.add_argument("--no-check", action="store_true", help="skip the agreement columns")
     ap.add_argument("--sweep", action="store_true", help="also time triton launch configurations (CUDA)")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="also write the raw numbers here")
+    add_out_arg(ap, "sampler")
     args = ap.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -239,8 +239,12 @@ def main() -> None:
         for c in cfgs:
             vals = {(r["kind"], r["B"]): r["ms"] for r in sweep_rows if r["cfg"] == c}
             print(f"| {c} | " + " | ".join(f"{vals[k]:.3f}" if k in vals else "-" for k in keys) + " |")
+    raw = json.dumps({"device": name, "rows": rows, "sweep": sweep_rows}, indent=1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(raw)
     if args.json:
-        args.json.write_text(json.dumps({"device": name, "rows": rows, "sweep": sweep_rows}, indent=1))
+        args.json.write_text(raw)
 
 
 if __name__ == "__main__":

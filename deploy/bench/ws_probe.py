@@ -1,35 +1,43 @@
 """Does a warp-specialised, TMA-fed Triton GEMM stream a decode GEMM's weights faster than the
 engine's pointer tiles? Each decode GEMM alone at one M, in a CUDA graph of 28 launches over 8
-weight copies (deploy/gemm_alone.py's timing): cuBLAS, the engine's tile (runner/kernels/linear.py
+weight copies (deploy/bench/gemm_alone.py's timing): cuBLAS, the engine's tile (runner/kernels/linear.py
 tile tables), and this probe's kernel with and without `warp_specialize`.
 
-    python3 deploy/ws_probe.py --m 64
+    python -m deploy.bench.ws_probe --m 64
 
-Why: Nsight Compute (deploy/RESULTS.md, s19) has each program of the engine's tiles streaming
+Why: Nsight Compute (python -m deploy.bench.ncu_layer) has each program of the engine's tiles streaming
 weights at ~30-45 GB/s, and the tiles lose a few microseconds to ramp and drain. In Triton 3.6 a
 `tl.range(..., warp_specialize=True)` loop over tensor-descriptor loads compiles for sm_90 into a
 producer partition that issues TMA loads into a ring of shared-memory stages and consumer warps
-that run the MMAs (s9's TMA tiles had no producer warps). Every probe variant checks its output
+that run the MMAs (the engine's own TMA tiles have no producer warps). Every probe variant checks its output
 against cuBLAS before it is timed.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
+
+
+def parse_args() -> argparse.Namespace:
+    from deploy.bench.common import add_out_arg
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--m", type=int, default=64)
+    add_out_arg(ap, "ws_probe")
+    return ap.parse_args()
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before triton is imported: --help answers on a machine without it
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_gemm import _inputs, _time_graph  # noqa: E402
-
-from runner.kernels.linear import (  # noqa: E402
+from deploy.bench.gemm import _inputs, _time_graph
+from runner.kernels.linear import (
     GATED,
     PLAIN,
     silu_mul,
@@ -99,16 +107,14 @@ SHAPES = (
 )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--m", type=int, default=64)
-    args = ap.parse_args()
+def main(args: argparse.Namespace) -> None:
 
     def alloc(size: int, align: int, stream):  # device-side descriptor scratch (unused with host descriptors)
         return torch.empty(size, device="cuda", dtype=torch.int8)
 
     triton.set_allocator(alloc)
     copies, launches, m = 8, 28, args.m
+    lines = []
     for name, n, k, gated, tiles in SHAPES:
         ws, x = _inputs(n, k, m, copies)
         gb = n * k * 2 / 1e9
@@ -141,8 +147,12 @@ def main() -> None:
                     res[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
         for key, us in res.items():
             shown = f"{us:.2f} us ({gb / us * 1e3:.2f} TB/s)" if isinstance(us, float) else us
-            print(f"{name} {n}x{k} M={m} {key}: {shown}", flush=True)
+            lines.append(f"{name} {n}x{k} M={m} {key}: {shown}")
+            print(lines[-1], flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

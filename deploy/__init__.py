@@ -1,0 +1,1 @@
+"""Deploy files (Dockerfile, compose, Kubernetes, setup.sh) and the benchmark package `deploy.bench`."""

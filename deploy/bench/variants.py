@@ -1,0 +1,239 @@
+"""Greedy decode per kernel variant, each on a freshly built model in the same run (the engine
+section `variants`): kernel switches, tile-table rows, attention constants, and `skip=OP`
+variants that time the step without one per-layer op (its critical-path cost)."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from deploy.bench.common import (
+    KERNELS,
+    NEW,
+    ORPHEUS_3B,
+    build_orpheus_model,
+    log,
+    parse_tile,
+)
+from deploy.bench.steps import run_engine
+
+
+def parse_tile_override(item: str) -> tuple[tuple[int, int, int], int, object]:
+    """'tile:KIND:N:K:MAX_M=bm/bn/bk/warps/stages[/late[/groups[/tma]]]' (or '=none': cuBLAS) -> the TUNED key,
+    the row's max_m and its tile; KIND is plain or gated."""
+    from runner.kernels.linear import GATED, PLAIN
+
+    lhs, rhs = item.removeprefix("tile:").split("=")
+    kind, n, k, max_m = lhs.split(":")
+    tile = None if rhs == "none" else parse_tile([int(f) for f in rhs.split("/")])
+    return ({"plain": PLAIN, "gated": GATED}[kind], int(n), int(k)), int(max_m), tile
+
+
+SKIPPABLE = ("norm", "norm_in", "norm_post", "attn", "qkv", "o", "gate_up", "down")
+
+
+def skip_op(model, name: str) -> None:
+    """Timing-only: make one per-layer op of `model` launch nothing (a same-shaped empty tensor
+    instead of its result), so that step time minus this variant's step time is what that op
+    costs on the step's critical path, PDL overlap included. Tokens become meaningless; shapes,
+    the graphs and every other kernel stay as they are. `name` is one of SKIPPABLE."""
+    ops, attn, cfg = model.ops, model.attn, model.cfg
+    if name in ("norm", "norm_post", "o", "gate_up"):
+        # the folded o_proj + norm + gate_up launches none of the ops patched below: time the
+        # unfolded path (a `norm_fold=1` step has no post-attention norm launch to skip; the
+        # bench's model always has TritonOps)
+        ops.norm_fold = False
+    if name in ("attn", "qkv"):
+        # likewise the qkv GEMM with RoPE and the KV write (ops.qkv_rope_write): time the
+        # separate qkv GEMM and attention launches it replaces
+        ops.qkv_rope = False
+    weight_shapes = {"qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size),
+                     "o": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
+                     "down": (cfg.hidden_size, cfg.intermediate_size)}  # nn.Linear [N, K]
+    if name == "norm":
+        def add_rmsnorm(x, residual, weight, eps):
+            return residual, residual
+        ops.add_rmsnorm = add_rmsnorm
+    elif name in ("norm_in", "norm_post"):  # one of the layer's two norms (the final norm stays)
+        which = "input_layernorm" if name == "norm_in" else "post_attention_layernorm"
+        skipped = {getattr(layer, which).weight.data_ptr() for layer in model.layers}
+        add_rmsnorm_all = ops.add_rmsnorm
+
+        def add_rmsnorm(x, residual, weight, eps):
+            if weight.data_ptr() in skipped:
+                return residual, residual
+            return add_rmsnorm_all(x, residual, weight, eps)
+        ops.add_rmsnorm = add_rmsnorm
+    elif name == "attn":
+        def no_attention(q, *a, **k):
+            return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        attn.forward_decode_rope = attn.forward_prewritten_kv = no_attention
+    elif name in ("qkv", "o", "down"):
+        linear = ops.linear
+
+        def skipped_linear(x, lin, into_norm=False, _shape=weight_shapes[name]):
+            if tuple(lin.weight.shape) == _shape:
+                return torch.empty(x.shape[0], _shape[0], dtype=x.dtype, device=x.device)
+            return linear(x, lin, into_norm)
+        ops.linear = skipped_linear
+    elif name == "gate_up":
+        def mlp(x, gate_up, down, into_norm=False):
+            act = torch.empty(x.shape[0], cfg.intermediate_size, dtype=x.dtype, device=x.device)
+            return ops.linear(act, down, into_norm)
+        ops.mlp = mlp
+    else:
+        raise ValueError(f"skip={name}: one of {SKIPPABLE}")
+
+
+def parse_split_override(item: str) -> tuple[tuple[int, int], tuple]:
+    """'split:N:K=MAX_M:bm/bn/bk/warps/stages[/late[/groups[/tma]]]/splits+MAX_M:none+...' -> the SPLIT_TUNED key
+    and its rows (all of them, in increasing MAX_M; 'none': not split up to that M)."""
+    lhs, rhs = item.removeprefix("split:").split("=")
+    n, k = map(int, lhs.split(":"))
+    rows = []
+    for cell in rhs.split("+"):
+        max_m, spec = cell.split(":")
+        if spec == "none":
+            rows.append((int(max_m), None, 1))
+        else:
+            *t, splits = map(int, spec.split("/"))
+            rows.append((int(max_m), parse_tile(t), splits))
+    return (n, k), tuple(rows)
+
+
+def run_decode_variants(variants: str, batches, swept: list | None = None) -> dict:
+    """Greedy decode step time per kernel variant, each on a freshly built model (one run, same
+    GPU state): `variants` = ';'-separated variants, each ','-separated RunnerConfig kernel
+    overrides and tile-table rows, e.g. "default;rope_in_attention=0;tile:plain:3072:3072:1=1/8/1024/4/1";
+    `split:N:K=...` replaces a SPLIT_TUNED entry (parse_split_override); `fold:N:K:MAX_M=bm/bn/bk/warps/stages[/late]`
+    (or `=none`) replaces that row of FOLD_TUNED; `head:V:K:MAX_M=...` (or `=none`) that row of
+    runner/kernels/head_argmax.py's HEAD_TUNED;
+    `swept` takes TUNED from this run's gemm sweep (`swept`, its "tuned" rows); `skip=OP`
+    times the step without one per-layer op (skip_op: its critical-path cost); `attn:NAME=INT`
+    sets a constant of runner/kernels/attention.py (PREFETCH_MIN_SPLITS, TABLE_CHUNK,
+    SHORT_WAVE_PROGRAMS_PER_SM, SHORT_WAVE_STAGES, NUM_STAGES, DEFAULT_BLOCK_N, SPLIT_BLOCK_N,
+    _NUM_WARPS); `attn_splits=N`
+    fixes the decode attention's split count at every batch size; `fp32_greedy` takes greedy ids
+    as argmax over the fp32 logits copy (the path before greedy_ids);
+    `torch_argmax` takes them with torch.argmax instead of runner/kernels/argmax.py (at row counts
+    where HEAD_TUNED leaves the head unfused)."""
+    from triton.runtime.errors import OutOfResources
+
+    from runner.kernels import attention as triton_attention
+    from runner.kernels import head_argmax as triton_head_argmax
+    from runner.kernels import linear as triton_linear
+    from streaming.sampling_params import SamplingParams
+
+    base = dict(KERNELS)
+    base_tuned = dict(triton_linear.TUNED)
+    base_split = dict(triton_linear.SPLIT_TUNED)
+    base_fold = dict(triton_linear.FOLD_TUNED)
+    base_head = dict(triton_head_argmax.HEAD_TUNED)
+    base_attn = {name: getattr(triton_attention, name) for name in
+                 ("PREFETCH_MIN_SPLITS", "TABLE_CHUNK", "SHORT_WAVE_PROGRAMS_PER_SM", "SHORT_WAVE_STAGES",
+                  "NUM_STAGES", "DEFAULT_BLOCK_N", "SPLIT_BLOCK_N", "_NUM_WARPS")}
+
+    def reset() -> None:  # every variant starts from the run's options, and the run ends there
+        for name, value in base_attn.items():
+            setattr(triton_attention, name, value)
+        KERNELS.clear()
+        KERNELS.update(base)
+        triton_linear.TUNED.clear()
+        triton_linear.TUNED.update(base_tuned)
+        triton_linear.SPLIT_TUNED.clear()
+        triton_linear.SPLIT_TUNED.update(base_split)
+        triton_linear.FOLD_TUNED.clear()
+        triton_linear.FOLD_TUNED.update(base_fold)
+        triton_head_argmax.HEAD_TUNED.clear()
+        triton_head_argmax.HEAD_TUNED.update(base_head)
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    out = {}
+    try:
+        for spec in variants.split(";"):
+            reset()
+            skips, attn_splits, fp32_greedy, torch_argmax = [], None, False, False
+            for kv in filter(None, (x.strip() for x in spec.split(","))):
+                if kv == "fp32_greedy":
+                    fp32_greedy = True
+                elif kv == "torch_argmax":
+                    torch_argmax = True
+                elif kv.startswith("tile:"):
+                    key, max_m, tile = parse_tile_override(kv)
+                    triton_linear.TUNED[key] = tuple((mm, tile if mm == max_m else t) for mm, t in triton_linear.TUNED[key])
+                elif kv.startswith("fold:"):
+                    (_, n, k), max_m, tile = parse_tile_override("tile:plain:" + kv.removeprefix("fold:"))
+                    rows = triton_linear.FOLD_TUNED[(n, k)]
+                    triton_linear.FOLD_TUNED[(n, k)] = tuple((mm, tile if mm == max_m else t) for mm, t in rows)
+                elif kv.startswith("head:"):
+                    (_, n, k), max_m, tile = parse_tile_override("tile:plain:" + kv.removeprefix("head:"))
+                    rows = triton_head_argmax.HEAD_TUNED[(n, k)]
+                    triton_head_argmax.HEAD_TUNED[(n, k)] = tuple((mm, tile if mm == max_m else t) for mm, t in rows)
+                elif kv.startswith("split:"):
+                    key, rows = parse_split_override(kv)
+                    triton_linear.SPLIT_TUNED[key] = rows
+                elif kv == "swept":
+                    if swept is None:
+                        raise ValueError("variant 'swept' needs the gemm section in the same run (deploy.bench.tune)")
+                    from deploy.bench.gemm import load_tuned_rows
+
+                    triton_linear.TUNED.clear()
+                    triton_linear.TUNED.update(load_tuned_rows(swept))
+                elif kv.startswith("skip="):
+                    skips.append(kv.removeprefix("skip="))
+                elif kv.startswith("attn:"):
+                    name, value = kv.removeprefix("attn:").split("=")
+                    if name not in base_attn:
+                        raise ValueError(f"attn:{name}: not one of {sorted(base_attn)}")
+                    setattr(triton_attention, name, int(value))
+                elif kv.startswith("attn_splits="):
+                    attn_splits = int(kv.removeprefix("attn_splits="))
+                elif kv != "default":
+                    k, v = kv.split("=")
+                    KERNELS[k] = bool(int(v))
+            model = build_orpheus_model()
+            for name in skips:
+                skip_op(model, name)
+            if attn_splits is not None:
+                model.attn.num_splits = attn_splits  # the one backend every layer shares
+            if fp32_greedy:
+                model.greedy_ids = lambda h, m=model: m.compute_logits(h).argmax(dim=-1)
+            if torch_argmax:  # greedy ids by torch's reduction, not runner/kernels/argmax.py
+                model.ops.argmax = lambda x: x.argmax(dim=-1)
+            try:
+                res = run_engine(model, batches, graphs=True, async_sched=True, sampling=greedy)
+            except OutOfResources as e:  # a tile that does not fit is this variant's result, not the run's end
+                log(f"  variant {spec}: {e}")
+                del model
+                torch.cuda.empty_cache()
+                continue
+            key = spec if spec not in out else f"{spec} #{sum(k.split(' #')[0] == spec for k in out) + 1}"
+            out[key] = {B: r["step_ms"] for B, r in res.items()}
+            log(f"  variant {key}: " + ", ".join(f"B={B} {v:.3f} ms" for B, v in out[key].items()))
+            del model
+            torch.cuda.empty_cache()
+    finally:
+        reset()
+    return out
+
+
+def render_variants(variants: dict, num_layers: int = ORPHEUS_3B["num_hidden_layers"]) -> list[str]:
+    """Greedy decode ms/step per variant and batch; for `skip=OP` variants also the op's
+    critical-path cost per layer: (mean of the `default` runs - the variant) / num_layers, in us."""
+    batches = sorted({B for r in variants.values() for B in r}, key=int)
+    base = {B: statistics.mean(r[B] for k, r in variants.items() if k.split(" #")[0] == "default" and B in r)
+            for B in batches if any(k.split(" #")[0] == "default" and B in r for k, r in variants.items())}
+    lines = ["", "Decode variants, greedy ms/step (skip=OP: that op's critical-path cost, us per layer):", "",
+             "| variant | " + " | ".join(f"B={B}" for B in batches) + " |", "| --- |" + " --- |" * len(batches)]
+    for k, r in variants.items():
+        cells = []
+        for B in batches:
+            if B not in r:
+                cells.append("")
+            elif k.startswith("skip=") and B in base:
+                cells.append(f"{r[B]:.3f} ({1e3 * (base[B] - r[B]) / num_layers:.1f} us)")
+            else:
+                cells.append(f"{r[B]:.3f}")
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return lines
