@@ -12,10 +12,14 @@ Token layout (vocab 1024):
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from runner.models.builders import make_tiny_snac
 
 VERSION = "1"
 VOCAB = 1024
@@ -89,8 +93,6 @@ def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -112,8 +114,6 @@ def _tokenizer(path: Path) -> None:
 
 def ensure_default_model(cache_dir: str | Path, seed: int = 0) -> Path:
     """Build (once) and return the folder of the embedded default model."""
-    from runner.codecs.snac import make_tiny_snac
-
     root = Path(cache_dir).expanduser() / f"default-orpheus-tiny-v{VERSION}"
     if (root / ".complete").exists():
         return root
@@ -140,8 +140,6 @@ def ensure_default_model(cache_dir: str | Path, seed: int = 0) -> Path:
     (tmp / "omnistream.json").write_text(json.dumps(profile, indent=1))
     (tmp / ".complete").write_text(VERSION)
     if root.exists():  # a concurrent builder won; keep theirs
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         return root
     tmp.rename(root)

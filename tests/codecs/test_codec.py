@@ -11,17 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from runner.codecs.snac import (
-    CodecConfig,
-    CodecError,
-    CodecStage,
-    StageResult,
-    codes_to_tokens,
-    load_snac,
-    make_tiny_snac,
-    offline_decode,
-    tokens_to_codes,
-)
+from runner.codecs.config import CodecConfig, CodecError
+from runner.codecs.decoder import offline_decode
+from runner.codecs.orpheus_tokens import codes_to_tokens, tokens_to_codes
+from runner.codecs.snac import load_snac
+from runner.codecs.stage import CodecStage, StageResult
+from runner.models.builders import make_tiny_snac
 from streaming.audio import WindowPolicy, plan_offline
 
 SPF = 2048
@@ -433,7 +428,7 @@ def test_kernel_choice_config(cfg: CodecConfig) -> None:
 
 def test_cost_model_counts_the_decoders_macs(cfg: CodecConfig) -> None:
     """codec_flops_and_bytes' MACs equal the decoder convs' MACs counted by hooks."""
-    from runner.codecs.snac import codec_flops_and_bytes
+    from runner.codecs.cost import codec_flops_and_bytes
 
     model = load_snac(cfg, CPU)
     macs = 0

@@ -34,7 +34,9 @@ def test_split_rows_covers_every_row_once_with_little_padding(max_rows: int) -> 
 def test_graph_decode_equals_eager_decode(tmp_path) -> None:
     """The same windows through the captured graphs (padded and split batches included) and
     through the eager fused decoder give the same int16 PCM."""
-    from runner.codecs.snac import CodecConfig, CodecStage, make_tiny_snac
+    from runner.codecs.config import CodecConfig
+    from runner.codecs.stage import CodecStage
+    from runner.models.builders import make_tiny_snac
     from streaming.audio import WindowJob
 
     folder = make_tiny_snac(tmp_path / "snac")

@@ -20,18 +20,12 @@ from tests.support.triton_interpreter import interpret_without_cuda, interpreted
 _CUDA = interpret_without_cuda()  # before runner.kernels.snac is imported
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
 
-from runner.codecs.snac import (  # noqa: E402
-    ORPHEUS_LEVELS,
-    TINY_SNAC_CONFIG,
-    CodecConfig,
-    SnacWindowDecoder,
-    float_to_s16,
-    load_snac,
-    make_tiny_snac,
-    noise_salts,
-    positional_noise,
-    write_random_snac,
-)
+from runner.codecs.config import CodecConfig  # noqa: E402
+from runner.codecs.decoder import SnacWindowDecoder, float_to_s16  # noqa: E402
+from runner.codecs.noise import noise_salts, positional_noise  # noqa: E402
+from runner.codecs.orpheus_tokens import ORPHEUS_LEVELS  # noqa: E402
+from runner.codecs.snac import load_snac  # noqa: E402
+from runner.models.builders import TINY_SNAC_CONFIG, make_tiny_snac, write_random_snac  # noqa: E402
 from runner.kernels import snac as sk  # noqa: E402
 
 INTERPRET = not _CUDA
@@ -281,7 +275,7 @@ def test_bf16_decoder_close_to_fp32(tmp_path):
 def test_unsupported_model_keeps_torch_path(tmp_path):
     """A SNAC the kernels do not implement (non-depthwise) falls back under "auto" and is an
     error under "triton"."""
-    from runner.codecs.snac import CodecError
+    from runner.codecs.config import CodecError
 
     model = _tiny_variant(tmp_path / "t", depthwise=False)
     assert SnacWindowDecoder(model, 2048, kernels="auto").kernels == "torch"

@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # tests/support/server_proc.py -> the repository root
 READY_TIMEOUT_S = 180.0  # the CPU is shared with other jobs; start-up is ~2 s when idle
 STOP_GRACE_S = 15.0
 

@@ -151,7 +151,7 @@ def compile_offline(script: str, timeout: float) -> None:
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]  # the repository root
     proc = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-4000:]
