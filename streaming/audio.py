@@ -42,12 +42,12 @@ Choice of defaults (L = 2, R = 2, schedule 1, 1, 1, 1, 2, 2, 2, 2, 4, 4, 4, 4, 8
   rho (seconds of compute per second of audio; every chunk waits the same R frames and the
   same codec latency), that holds when rho * (b_k - b_0) <= a_k for every k
   (`max_real_time_factor`). A doubling schedule (1, 2, 4, 8) holds only up to rho = 0.5:
-  an H200 serving 256 streams runs at rho ~0.64 and every stream then stalled three times
-  (deploy/RESULTS.md). The default keeps each chunk within a quarter of the audio already
+  the GPU serving 256 streams runs at rho ~0.64 and every stream then stalled three times.
+  The default keeps each chunk within a quarter of the audio already
   sent plus one frame, which holds up to rho = 0.8 at the same first-chunk latency, for
   ~30% more decoded frames on a 4 s utterance than doubling (2.08 against 1.61 per emitted
   frame: more, shorter windows early on) and the same steady windows. Three of each size
-  held to 0.75 for 1.92: the H200 ran 400 streams starting together at rho 0.73, too close
+  held to 0.75 for 1.92: the GPU ran 400 streams starting together at rho 0.73, too close
   to that edge, and the codec's share of the GPU is small since the bf16 fast-sine kernels.
   Sizes are powers of two, so windows come in few lengths (3, 4, 5, 6, 8, 12 frames) and
   more of them batch into one SNAC call when streams start at different times.

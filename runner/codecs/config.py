@@ -34,8 +34,8 @@ class CodecConfig:
     # flight: a bound on the backlog and its pinned host buffers when the codec falls behind.
     max_inflight_windows: int = 2048
     # CUDA: each SNAC call costs ~1 ms of host time whatever its batch, and streams that started
-    # at different times have windows of several lengths ready at every step (H200, 64-256
-    # streams arriving over 2 s: 4.6 ms of codec host time per step). So a step launches at most
+    # at different times have windows of several lengths ready at every step (64-256 streams
+    # arriving over 2 s: several ms of codec host time per step). So a step launches at most
     # this many window lengths; the others wait (and grow into bigger batches) for at most
     # max_defer_steps steps. First chunks (time to first audio) never wait.
     max_launches_per_step: int = 2
@@ -47,7 +47,7 @@ class CodecConfig:
     # tl.dot input precision of the fused kernels on float32 models: "tf32x3" (3 TF32 products,
     # fp32 accuracy: <= 1 int16 LSB from the fp32 torch path on a random 24 kHz SNAC, CPU
     # emulation), "bf16x3" (<= 1 LSB too, ~half the matmul time, Triton >= 3.5), "tf32"
-    # (1 product, 1/3 of the matmul time, up to ~26 LSB in CPU emulation, 103 measured on an H200) or "ieee" (FMA, slow).
+    # (1 product, 1/3 of the matmul time, up to ~26 LSB in CPU emulation, ~100 on the GPU) or "ieee" (FMA, slow).
     matmul_precision: str = "tf32x3"
 
     def __post_init__(self) -> None:

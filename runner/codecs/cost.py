@@ -32,8 +32,8 @@ def codec_flops_and_bytes(model_or_config: SNAC | dict | CodecConfig, frames: in
         final       0.9      6.32      0.53   64 x 2048 -> 1 x 2048
         total     414.0    149.81     22.17
 
-    The torch column at ~3.6 TB/s is ~42 us/frame, what an H200 measured (128 ms for 256
-    12-frame windows): the torch path is bound by activation traffic, not by its 0.83 GFLOP.
+    The torch column at ~3.6 TB/s is ~42 us/frame, about what the GPU measures for 256 12-frame
+    windows: the torch path is bound by activation traffic, not by its 0.83 GFLOP.
     The fused path moves 6.8x fewer bytes (~6 us/frame) and runs the same matmuls as 3xTF32 on
     tensor cores (~2.5 GFLOP of TF32 work, ~5 us/frame at ~500 TFLOP/s; 1/3 of that as
     matmul_precision="tf32"), in the same kernels, so the two overlap in part.

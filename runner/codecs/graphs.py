@@ -1,10 +1,10 @@
 """CUDA graphs for the batched SNAC window decode.
 
 Why: one call of the fused decoder is ~22 Triton launches and ~25 torch ops, ~1 ms of host time
-on the H200 machine's CPU whatever the batch; streams that started at different times have
-windows ready at nearly every step, and the codec's launches took 3-4.6 ms of host time per
-engine step at 64-400 streams arriving over 2 s (deploy/RESULTS.md). A replay with its input and
-output copies costs a few launches.
+whatever the batch; streams that started at different times have windows ready at nearly every
+step, so without graphs the codec's launches take several ms of host time per engine step at
+64-400 streams arriving over 2 s. A replay with its input and output copies costs a few
+launches.
 
 One graph per (rows, window frames): rows are powers of two up to `max_rows`, window lengths are
 those the window policy produces for an unbounded stream (a stream's last window may have any

@@ -45,7 +45,7 @@ def _seed_and_threads():
     if INTERPRET:
         torch.set_num_threads(1)  # the test machine's cores are shared
     # The references must be fp32: cuDNN convolutions default to TF32 on CUDA, which alone
-    # is ~3e-4 relative (the H200 run showed that error in every fp32 kernel comparison).
+    # is ~3e-4 relative (on the GPU that error showed in every fp32 kernel comparison).
     old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     yield
@@ -308,7 +308,7 @@ def _reference_fp32(dec: SnacWindowDecoder, codes, starts, seeds) -> torch.Tenso
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA, reason="needs CUDA")
-# plain tf32: 103 LSB measured on the H200 (2026-11-30) for B=8 W=12, above the CPU emulation's ~26
+# plain tf32: ~100 LSB on the GPU for B=8 W=12, above the CPU emulation's ~26
 @pytest.mark.parametrize("precision,max_lsb", [("tf32x3", 2), ("bf16x3", 2), ("tf32", 128)])
 def test_cuda_fused_matches_torch_on_24khz_shape(snac24_dir, precision, max_lsb):
     if precision not in sk.cuda_precisions():

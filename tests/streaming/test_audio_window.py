@@ -58,7 +58,7 @@ def test_max_real_time_factor_is_where_players_start_to_stall(n: int) -> None:
 
 def test_default_schedule_tolerates_slower_generation_than_doubling() -> None:
     # the doubling schedule stalls as soon as generation is slower than 2x real time; the
-    # default holds to rho = 0.8 (an H200 at 400 streams starting together ran at ~0.73)
+    # default holds to rho = 0.8 (the GPU at 400 streams starting together ran at ~0.73)
     assert max_real_time_factor(WindowPolicy(chunk_frames=(1, 2, 4, 8)), 50) == pytest.approx(0.5)
     for n in (20, 50, 400):
         assert max_real_time_factor(WindowPolicy(), n) >= 0.8
