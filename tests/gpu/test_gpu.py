@@ -1,6 +1,6 @@
 """The engine on CUDA: parity with transformers (fp32 exact tokens; bf16 within stated
 tolerances), CUDA graphs == eager, async == sync, and the copy-stream path for hidden states.
-Skipped without a GPU (CI has none; run on the lent H200, see deploy/RESULTS.md)."""
+Skipped without a GPU (CI has none; how to run them on the lent GPU machine: docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -401,7 +401,7 @@ def test_after_warm_up_serving_traffic_compiles_no_triton_kernel(tmp_path):
 def test_after_warm_up_text_traffic_compiles_no_triton_kernel(tmp_path):
     """The same for a text model whose vocabulary (1000) is not a multiple of 64, so its lm_head
     is padded on CUDA: a step that samples one row must hand the sampler the row stride that
-    warm-up's many-row steps did (the H200 compiled a second sampling kernel for it, s9).
+    warm-up's many-row steps did (the GPU compiled a second sampling kernel for it).
     Traffic: long prompts alone with each sampling option, then several requests at once."""
     with _Traffic(make_tiny_model("llama", tmp_path / "m", vocab_size=1000, head_dim=64, max_pos=1024)) as t:
         for i, kw in enumerate(TEXT_SAMPLING):

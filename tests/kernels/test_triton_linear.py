@@ -480,10 +480,10 @@ def test_kernel_compiles_for_sm90_with_pdl():
 # Every MMA tile the tables name, compiled as a GPU launch specialises it (M and N never, the
 # pointers, K and the strides as multiples of 16), then run through Triton's own ptxas: no tile
 # may have its MMAs serialised (ptxas C7514, "wgmma.mma_async instructions are serialized"), a
-# silent ~0.24 us per K step. It hid the 64-row residual tile for three sessions: xg's row
-# stride was N, and residual_linear at 64 rows took 16.3 us against 10.5 (deploy/RESULTS.md s21).
-# Nor may a tile store its outputs one element per instruction, as every column-masked store did
-# until s22 (the split partials: 32 st.global.b32 per thread instead of 8 vectors).
+# silent ~0.24 us per K step (it once hid in the 64-row residual tile, whose xg row stride was
+# N, never specialised: residual_linear at 64 rows then took ~1.5x its time). Nor may a tile
+# store its outputs one element per instruction, as column-masked stores did (the split
+# partials: 32 st.global.b32 per thread instead of 8 vectors).
 _SERIALISED_SCRIPT = _KERNEL_SIG + textwrap.dedent(
     """
     import re
@@ -497,13 +497,13 @@ _SERIALISED_SCRIPT = _KERNEL_SIG + textwrap.dedent(
         cases += [(t, dict(GATED=gated)) for _, t in rows if t is not None and t.block_m > 1]
         cases += [(t, dict(GATED=True, ROW_SCALE=True)) for _, t in rows if gated and t is not None and t.block_m > 1]
     cases += [(t, dict(RESIDUAL=True)) for rows in m.FOLD_TUNED.values() for _, t in rows if t is not None]
-    cases.append((m.LinearTile(64, 32, 128, 4, 6, tma=True), dict(RESIDUAL=True)))  # s21's case (FOLD_TUNED's since s23)
+    cases.append((m.LinearTile(64, 32, 128, 4, 6, tma=True), dict(RESIDUAL=True)))  # the residual tile that hid C7514
     for tile, mode in cases:
         k = compile_sm90(m._skinny_linear_kernel, *launch(tile, tma=tile.tma, **mode), div,
                          num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=True)
         assert_mma_not_serialised(k.asm["ptx"], (tile, mode))
         # every table N is a multiple of its tiles: the outputs leave as vectors, one scalar
-        # store per row only for residual_linear's sums of squares (EVEN_N; s22)
+        # store per row only for residual_linear's sums of squares (EVEN_N)
         scalar = len(re.findall("st[.]global[.]b(?:16|32) ", k.asm["ptx"]))  # not .v2 / .v4
         assert scalar == (1 if mode.get("RESIDUAL") else 0), (tile, mode, scalar)
     print("compiled")

@@ -4,7 +4,7 @@
 On CUDA the kernels run compiled. Without CUDA they run under Triton's interpreter
 (TRITON_INTERPRET=1, CPU tensors); without `triton` (CPU CI: the CPU torch wheel does not bring
 it) the file is skipped. Where `triton`'s NVIDIA backend is installed, the kernels are also
-compiled offline for sm_90 (no GPU needed) so a compile error shows up before the H200 run.
+compiled offline for sm_90 (no GPU needed) so a compile error shows up before a GPU run.
 
 Tolerances: the kernels replicate every rounding of the torch path, so
 * residual sums and 16-bit RoPE are bit-identical (products of two 16-bit floats are exact in

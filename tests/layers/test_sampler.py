@@ -405,7 +405,7 @@ class OldSampler:
     """The previous implementation, verbatim apart from the class name and the race noise
     (now runner.layers.sampler.race_noise): penalties, full ascending sort for top-k / top-p,
     softmax, min-p, exponential race. Also timed by
-    deploy/bench_sampler.py. Not used by the server."""
+    deploy/bench/sampler.py. Not used by the server."""
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
