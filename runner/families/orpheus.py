@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from runner.codecs.config import CodecConfig
+from runner.codecs.stage import CodecStage
+from runner.families.base import CodecStageLike, LogitsConstraint, ModelFamily
+
 
 class OrpheusCodeConstraint:
     def __init__(self, audio_token_offset: int, codebook_size: int, tokens_per_frame: int, end_token_id: int,
@@ -73,3 +77,25 @@ class OrpheusCodeConstraint:
             return self._kernels.code_window_ids(cols, out_index, self.offset, self.cb, self.tpf, self.end)
         lo = self.offset + (out_index % self.tpf) * self.cb
         return torch.where(cols < self.cb, lo + cols, self.end)
+
+
+class OrpheusFamily(ModelFamily):
+    """A Llama that emits SNAC codes as tokens: one code per step, 7 steps per SNAC frame, in
+    codebook slots k % 7; speech ends with the end token at a frame boundary."""
+
+    name = "orpheus"
+
+    def build_codec(self, device: torch.device, dtype: torch.dtype) -> CodecStageLike | None:
+        if self.profile.codec is None:
+            return None
+        return CodecStage(CodecConfig(**self.profile.codec), device, dtype)
+
+    def logits_constraint(self, backend: str) -> LogitsConstraint | None:
+        c = self.profile.codec
+        if c is None:
+            return None
+        return OrpheusCodeConstraint(c["audio_token_offset"], c["codebook_size"], c.get("tokens_per_frame", 7),
+                                     c["end_token_id"], backend=backend)
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return (self.profile.codec["end_token_id"],) if self.profile.codec is not None else ()
