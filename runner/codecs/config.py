@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from runner.codecs.orpheus_tokens import FRAME_WIDTH
 from streaming.audio import WindowPolicy
+from streaming.profile import ORPHEUS_AUDIO_TOKEN_OFFSET, ORPHEUS_CODEBOOK_SIZE, ORPHEUS_END_OF_SPEECH, ORPHEUS_SAMPLE_RATE
 
 KERNEL_CHOICES = ("auto", "torch", "triton")
 # tl.dot input precisions of the fused SNAC kernels (runner/kernels/snac.py validates against
@@ -20,11 +21,12 @@ class CodecError(ValueError):
 @dataclass(frozen=True)
 class CodecConfig:
     path: str  # local SNAC folder: config.json + pytorch_model.bin (or model.safetensors)
-    audio_token_offset: int = 128266
-    codebook_size: int = 4096
-    end_token_id: int = 128258
-    tokens_per_frame: int = 7
-    sample_rate: int = 24000
+    # the Orpheus layout's defaults are the profile's (streaming/profile.py), stated there once
+    audio_token_offset: int = ORPHEUS_AUDIO_TOKEN_OFFSET
+    codebook_size: int = ORPHEUS_CODEBOOK_SIZE
+    end_token_id: int = ORPHEUS_END_OF_SPEECH
+    tokens_per_frame: int = FRAME_WIDTH
+    sample_rate: int = ORPHEUS_SAMPLE_RATE
     samples_per_frame: int = 2048
     policy: WindowPolicy = field(default_factory=WindowPolicy)
     noise_seed: int = 0  # default seed of the positional decoder noise (runner/codecs/noise.py)
