@@ -16,7 +16,6 @@ from runner.codecs.decoder import offline_decode
 from runner.codecs.orpheus_tokens import codes_to_tokens, tokens_to_codes
 from runner.codecs.snac import load_snac
 from runner.codecs.stage import CodecStage, StageResult
-from runner.models.builders import make_tiny_snac
 from streaming.audio import WindowPolicy, plan_offline
 
 SPF = 2048
@@ -24,13 +23,8 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def snac_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_snac(tmp_path_factory.mktemp("snac") / "tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
-def cfg(snac_dir: Path) -> CodecConfig:
-    return CodecConfig(path=str(snac_dir), codebook_size=64)
+def cfg(tiny_snac_dir: Path) -> CodecConfig:
+    return CodecConfig(path=str(tiny_snac_dir), codebook_size=64)
 
 
 @pytest.fixture(scope="module")
@@ -84,22 +78,22 @@ def test_allowed_token_range(stage_factory) -> None:
     assert st.allowed_token_range(7 * 11 + 2) == (off + 2 * 64, off + 3 * 64)
 
 
-def test_bad_config_rejected(snac_dir: Path) -> None:
+def test_bad_config_rejected(tiny_snac_dir: Path) -> None:
     with pytest.raises(CodecError, match="codebook_size"):
-        CodecStage(CodecConfig(path=str(snac_dir)), CPU)  # 4096 vs the tiny model's 64
+        CodecStage(CodecConfig(path=str(tiny_snac_dir)), CPU)  # 4096 vs the tiny model's 64
     with pytest.raises(CodecError, match="tokens_per_frame"):
-        CodecConfig(path=str(snac_dir), codebook_size=64, tokens_per_frame=8)
+        CodecConfig(path=str(tiny_snac_dir), codebook_size=64, tokens_per_frame=8)
     with pytest.raises(CodecError, match="end_token_id"):
-        CodecConfig(path=str(snac_dir), codebook_size=64, end_token_id=128266 + 5)
+        CodecConfig(path=str(tiny_snac_dir), codebook_size=64, end_token_id=128266 + 5)
     with pytest.raises(CodecError, match="not found"):
-        CodecStage(CodecConfig(path=str(snac_dir / "missing"), codebook_size=64), CPU)
+        CodecStage(CodecConfig(path=str(tiny_snac_dir / "missing"), codebook_size=64), CPU)
 
 
-def test_weight_layouts_load_identically(cfg: CodecConfig, snac_dir: Path, tmp_path: Path) -> None:
+def test_weight_layouts_load_identically(cfg: CodecConfig, tiny_snac_dir: Path, tmp_path: Path) -> None:
     """Legacy weight_g/weight_v .bin, parametrized-key .bin and safetensors give one model."""
     from safetensors.torch import save_file
 
-    legacy = torch.load(snac_dir / "pytorch_model.bin", weights_only=True)
+    legacy = torch.load(tiny_snac_dir / "pytorch_model.bin", weights_only=True)
     modern = {
         k.replace("weight_g", "parametrizations.weight.original0").replace("weight_v", "parametrizations.weight.original1"): v
         for k, v in legacy.items()
@@ -107,7 +101,7 @@ def test_weight_layouts_load_identically(cfg: CodecConfig, snac_dir: Path, tmp_p
     for name, sd in [("modern", modern), ("st", legacy)]:
         d = tmp_path / name
         d.mkdir()
-        (d / "config.json").write_text((snac_dir / "config.json").read_text())
+        (d / "config.json").write_text((tiny_snac_dir / "config.json").read_text())
         if name == "st":
             save_file(sd, str(d / "model.safetensors"))
         else:
@@ -115,7 +109,7 @@ def test_weight_layouts_load_identically(cfg: CodecConfig, snac_dir: Path, tmp_p
         a = load_snac(cfg, CPU).state_dict()
         b = load_snac(replace(cfg, path=str(d)), CPU).state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert json.loads((snac_dir / "config.json").read_text())["vq_strides"] == [4, 2, 1]
+    assert json.loads((tiny_snac_dir / "config.json").read_text())["vq_strides"] == [4, 2, 1]
 
 
 # ---------------------------------------------------------------- decoding

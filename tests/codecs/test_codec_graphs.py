@@ -3,6 +3,8 @@ bit for bit (CUDA)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -31,16 +33,14 @@ def test_split_rows_covers_every_row_once_with_little_padding(max_rows: int) -> 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graph_decode_equals_eager_decode(tmp_path) -> None:
+def test_graph_decode_equals_eager_decode(tiny_snac_dir: Path) -> None:
     """The same windows through the captured graphs (padded and split batches included) and
     through the eager fused decoder give the same int16 PCM."""
     from runner.codecs.config import CodecConfig
     from runner.codecs.stage import CodecStage
-    from runner.models.builders import make_tiny_snac
     from streaming.audio import WindowJob
 
-    folder = make_tiny_snac(tmp_path / "snac")
-    st = CodecStage(CodecConfig(path=str(folder), codebook_size=64), torch.device("cuda"))
+    st = CodecStage(CodecConfig(path=str(tiny_snac_dir), codebook_size=64), torch.device("cuda"))
     dec = st.decoder
     assert dec.graphs is not None and dec.graphs.window_lengths == {3, 4, 5, 6, 8, 12}
     rng = np.random.default_rng(0)
