@@ -1,14 +1,16 @@
 """IPC messages between front ends and the engine process: one msgspec Struct per message,
 one encode path and one decode path. Never pickle.
 
-Wire format (ZeroMQ multipart): frame 0 is the msgpack-encoded message; tensors travel as
+Wire format (ZeroMQ multipart): frame 0 is the msgpack-encoded message; numpy arrays travel as
 raw little-endian frames 1..n that the message points at with `TensorRef` (zero-copy on both
-ends: numpy buffers are sent as they are and read back with `np.frombuffer`).
+ends: numpy buffers are sent as they are and read back with `np.frombuffer`). The array <->
+TensorRef conversion is msgspec's enc_hook / dec_hook, so a Struct with `np.ndarray` fields
+(RequestOutput) is itself the wire record: no second, hand-copied message type.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
 from typing import Union
 
 import msgspec
@@ -33,17 +35,14 @@ class AddRequest(msgspec.Struct, tag="add", forbid_unknown_fields=True):
     # Hidden states of every computed position at these layers (HF indexing; see Request).
     hidden_state_layers: list[int] = []
     audio: bool = False  # route sampled tokens through the codec stage and return PCM
-    # Front-end identity the engine replies to (the ROUTER identity of the sending socket).
-    client: bytes = b""
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
-    client: bytes = b""
 
 
 class GetStats(msgspec.Struct, tag="stats"):
-    client: bytes = b""
+    pass
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -56,12 +55,15 @@ EngineInbound = Union[AddRequest, AbortRequests, GetStats, Shutdown]
 # ---- engine -> front end -------------------------------------------------------------------
 
 
-class OutputMsg(msgspec.Struct, omit_defaults=True):
+class RequestOutput(msgspec.Struct, omit_defaults=True):
+    """One request's news from one engine step: what Engine.step() returns, what crosses the
+    process boundary (inside StepOutputs) and what the front end reads."""
+
     request_id: str
     new_token_ids: list[int] = []
-    hidden: TensorRef | None = None  # [n_new_positions, n_layers, hidden] in model dtype
-    hidden_positions: list[int] = []  # [first, last+1) positions the hidden rows belong to
-    audio: TensorRef | None = None  # int16 PCM samples of this step
+    hidden: np.ndarray | None = None  # [n_new_positions, n_layers, hidden]; bf16 as raw uint16
+    hidden_positions: tuple[int, int] = (0, 0)  # [first, last+1) positions of the hidden rows
+    audio: np.ndarray | None = None  # int16 PCM samples of this step
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None  # "field: message" for rejected requests
@@ -72,7 +74,7 @@ class OutputMsg(msgspec.Struct, omit_defaults=True):
 
 
 class StepOutputs(msgspec.Struct, tag="step"):
-    outputs: list[OutputMsg]
+    outputs: list[RequestOutput]
 
 
 class EngineStats(msgspec.Struct, tag="stats"):
@@ -107,44 +109,33 @@ class EngineDead(msgspec.Struct, tag="dead"):
 EngineOutbound = Union[StepOutputs, EngineStats, Ready, EngineDead]
 
 
-# ---- in-memory output (what Engine.step() returns and the client reconstructs) --------------
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    hidden: np.ndarray | None = None  # [n, n_layers, hidden]
-    hidden_positions: tuple[int, int] = (0, 0)
-    audio: np.ndarray | None = None  # int16 [n_samples]
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    error_field: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-
-
 # ---- one encode / decode path ---------------------------------------------------------------
 
-_enc = msgspec.msgpack.Encoder()
-_in_dec = msgspec.msgpack.Decoder(EngineInbound)
-_out_dec = msgspec.msgpack.Decoder(EngineOutbound)
+# The multipart frames of the message being encoded or decoded on this thread: the hooks below
+# append arrays to them (encode) or view arrays in them (decode). Set only around one call.
+_frames = threading.local()
 
 
-def _ref(arr: np.ndarray | None, frames: list) -> TensorRef | None:
-    if arr is None:
-        return None
-    arr = np.ascontiguousarray(arr)
+def _array_to_ref(obj: object) -> TensorRef:
+    if not isinstance(obj, np.ndarray):
+        raise NotImplementedError(f"cannot encode {type(obj).__name__} in an IPC message")
+    arr = np.ascontiguousarray(obj)
+    frames: list = _frames.current
     frames.append(memoryview(arr).cast("B"))
     return TensorRef(frame=len(frames) - 1, dtype=arr.dtype.str, shape=list(arr.shape))
 
 
-def _view(ref: TensorRef | None, frames: list) -> np.ndarray | None:
-    if ref is None:
-        return None
-    return np.frombuffer(frames[ref.frame], dtype=np.dtype(ref.dtype)).reshape(ref.shape)
+def _ref_to_array(tp: type, obj: object) -> np.ndarray:
+    if tp is not np.ndarray:
+        raise NotImplementedError(f"cannot decode {tp} from an IPC message")
+    ref = TensorRef(*obj)  # array_like: decoded as [frame, dtype, shape]
+    return np.frombuffer(_frames.current[ref.frame], dtype=np.dtype(ref.dtype)).reshape(ref.shape)
+
+
+_enc = msgspec.msgpack.Encoder()
+_array_enc = msgspec.msgpack.Encoder(enc_hook=_array_to_ref)
+_in_dec = msgspec.msgpack.Decoder(EngineInbound)
+_out_dec = msgspec.msgpack.Decoder(EngineOutbound, dec_hook=_ref_to_array)
 
 
 def encode_inbound(msg: EngineInbound) -> bytes:
@@ -156,26 +147,13 @@ def decode_inbound(buf: bytes | memoryview) -> EngineInbound:
 
 
 def encode_outputs(outputs: list[RequestOutput]) -> list:
-    """-> multipart frames: [header, tensor frames...]"""
+    """-> multipart frames: [header, array frames...]"""
     frames: list = [b""]
-    msgs = [
-        OutputMsg(
-            request_id=o.request_id,
-            new_token_ids=o.new_token_ids,
-            hidden=_ref(o.hidden, frames),
-            hidden_positions=list(o.hidden_positions) if o.hidden is not None else [],
-            audio=_ref(o.audio, frames),
-            finished=o.finished,
-            finish_reason=o.finish_reason,
-            error=o.error,
-            error_field=o.error_field,
-            num_prompt_tokens=o.num_prompt_tokens,
-            num_output_tokens=o.num_output_tokens,
-            num_cached_tokens=o.num_cached_tokens,
-        )
-        for o in outputs
-    ]
-    frames[0] = _enc.encode(StepOutputs(msgs))
+    _frames.current = frames
+    try:
+        frames[0] = _array_enc.encode(StepOutputs(outputs))
+    finally:
+        _frames.current = None
     return frames
 
 
@@ -186,23 +164,9 @@ def encode_outbound(msg: EngineOutbound) -> list:
 def decode_outbound(frames: list) -> EngineOutbound | list[RequestOutput]:
     """Decode a multipart message from the engine. Step outputs come back as RequestOutputs
     whose arrays are read-only views on the received frames."""
-    msg = _out_dec.decode(frames[0])
-    if not isinstance(msg, StepOutputs):
-        return msg
-    return [
-        RequestOutput(
-            request_id=m.request_id,
-            new_token_ids=m.new_token_ids,
-            hidden=_view(m.hidden, frames),
-            hidden_positions=tuple(m.hidden_positions) if m.hidden_positions else (0, 0),
-            audio=_view(m.audio, frames),
-            finished=m.finished,
-            finish_reason=m.finish_reason,
-            error=m.error,
-            error_field=m.error_field,
-            num_prompt_tokens=m.num_prompt_tokens,
-            num_output_tokens=m.num_output_tokens,
-            num_cached_tokens=m.num_cached_tokens,
-        )
-        for m in msg.outputs
-    ]
+    _frames.current = frames
+    try:
+        msg = _out_dec.decode(frames[0])
+    finally:
+        _frames.current = None
+    return msg.outputs if isinstance(msg, StepOutputs) else msg
