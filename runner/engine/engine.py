@@ -8,7 +8,6 @@ for the host to look at step N's tokens.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import msgspec
@@ -16,12 +15,14 @@ import torch
 
 from runner.config import EngineConfig
 from runner.engine.kv_cache import BlockManager
-from runner.engine.model_runner import AsyncOutput, ModelRunner, StepResult
+from runner.engine.model_runner import ModelRunner
+from runner.engine.output_copier import AsyncOutput, StepResult
+from runner.engine.phase_timer import PhaseTimer
 from runner.engine.request import FinishReason, Request
 from runner.engine.scheduler import Scheduler, SchedulerOutput
 from runner.families.base import CodecStageLike, ModelFamily
 from runner.families.text import TextFamily
-from runner.layers.sampler import pick_backend
+from runner.layers import pick_sampling_backend as pick_backend
 from streaming.ipc import EngineStats, RequestOutput
 from streaming.profile import ModelProfile
 from streaming.sampling_params import InvalidRequest, SamplingParams
@@ -54,6 +55,9 @@ def num_kv_blocks(cfg: EngineConfig, bytes_per_token: int) -> int:
 
 
 class Engine:
+    # Host seconds per phase, summed over steps (`phase_s`; the engine process logs them):
+    # schedule, execute (pack inputs + launch the forward), sample (launch), emit (wait for the
+    # emitted step's ids + bookkeeping), codec (collect + launch windows).
     PHASES = ("schedule", "execute", "sample", "emit", "codec")
 
     def __init__(self, cfg: EngineConfig, model: torch.nn.Module | None = None, family: ModelFamily | None = None,
@@ -165,43 +169,57 @@ class Engine:
     # ---- the step --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        ph, t0 = self.phase_s, time.perf_counter()
-        sched = self.last_scheduled = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        out = None
+        """Schedule, execute, sample, emit (then the codec's turn). With async scheduling the
+        tokens emitted are those of the step launched before this one: step N's emit waits for
+        its ids only after step N+1 is on the device, so the device never waits for the host."""
+        with self.timer("schedule"):
+            sched = self.last_scheduled = self.scheduler.schedule()
+        launched = None
         if not sched.is_empty:
-            self.runner.execute_model(sched)
-            t2 = time.perf_counter()
-            out = self.runner.sample_tokens()
-            self.step_count += 1
-        else:
-            t2 = t1
-        t3 = time.perf_counter()
-        if self.cfg.scheduler.async_scheduling:
-            prev, self._pending = self._pending, (_Pending(sched, out) if out is not None else None)
-        else:
-            prev = _Pending(sched, out) if out is not None else None
-        results = self._emit(prev) if prev is not None else []
-        t4 = time.perf_counter()
+            with self.timer("execute"):
+                self.runner.execute_model(sched)
+            with self.timer("sample"):
+                launched = _Pending(sched, self.runner.sample_tokens())
+                self.step_count += 1
+        with self.timer("emit"):
+            ready = self._hand_over(launched)
+            results = self._emit(ready) if ready is not None else []
         if self.codec is not None and self._audio_open:
-            # with no model work queued the host would only spin on the codec: wait for it
-            idle = sched.is_empty and self._pending is None
-            results = self._merge(results, self._codec_step(wait=idle))
-        t5 = time.perf_counter()
-        ph[0] += t1 - t0
-        ph[1] += t2 - t1
-        ph[2] += t3 - t2
-        ph[3] += t4 - t3
-        ph[4] += t5 - t4
+            with self.timer("codec"):
+                # with no model work queued the host would only spin on the codec: wait for it
+                idle = sched.is_empty and self._pending is None
+                results = self._merge(results, self._codec_step(wait=idle))
+        return self._finish_failed() + results
+
+    @property
+    def phase_s(self) -> list[float]:
+        """Host seconds per phase (PHASES order), summed since the last reset."""
+        return self.timer.seconds
+
+    @phase_s.setter
+    def phase_s(self, seconds: list[float]) -> None:
+        # a reset (__init__, warm_up, the engine process's periodic log): a timer on the new list
+        self.timer = PhaseTimer(self.PHASES, seconds)
+
+    def _hand_over(self, launched: _Pending | None) -> _Pending | None:
+        """The step whose tokens to emit now: with async scheduling the one launched before
+        (`_pending`, held one step), and `launched` waits in its place; else `launched`."""
+        if not self.cfg.scheduler.async_scheduling:
+            return launched
+        ready, self._pending = self._pending, launched
+        return ready
+
+    def _finish_failed(self) -> list[RequestOutput]:
+        """Final outputs of requests that ended outside a step's tokens: aborts, and requests
+        the scheduler failed (e.g. could never fit the KV cache). They go first."""
         for req in self.scheduler.failed:
             self._forget(req)
             if self._audio_open.pop(id(req), None) is not None:
                 self.codec.abort(id(req))
             self._finished_out.append(self._output(req, [], finished=True))
         self.scheduler.failed.clear()
-        if self._finished_out:
-            results, self._finished_out = self._finished_out + results, []
-        return results
+        out, self._finished_out = self._finished_out, []
+        return out
 
     def _emit(self, p: _Pending) -> list[RequestOutput]:
         res: StepResult = p.out.get()
@@ -300,8 +318,8 @@ class Engine:
     def warm_up(self) -> None:
         """Run one audio request through every path a first real request takes (eager prefill,
         graphed decode, the sampler's window variant, the codec's windows of every chunk
-        size), so Triton compiles now and not in the first client's time to first audio (the
-        H200 log showed ~2.7 s there); then, on CUDA, the eager prefill path
+        size), so Triton compiles now and not in the first client's time to first audio (seconds
+        of it); then, on CUDA, the eager prefill path
         (warm_up_eager_prefill), the lm_head at every row count and the sampler at its largest
         (ModelRunner.warm_sampling). Counters are reset afterwards; the prefix cache keeps the
         prompts' blocks, which is harmless."""
@@ -325,11 +343,10 @@ class Engine:
 
     def warm_up_eager_prefill(self) -> None:
         """Run the eager prefill path once alone (with hidden states) and once joining running
-        decodes: prompts past MAX_TOKEN_ROW_QUERY, which no decode graph serves. On the H200
-        the first such prompt after start-up took 85-137 ms against 35-56 ms for the next one,
-        and 46-58 ms with this warm-up (probably CUDA modules loaded on first launch;
-        deploy/RESULTS.md, s10), and every stream of the batch waited for it. The lengths (356,
-        461) are not the ones `bench_gpu.py --sections first_use` times (300, 517, 400), so that
+        decodes: prompts past MAX_TOKEN_ROW_QUERY, which no decode graph serves. Without it the
+        first such prompt after start-up takes about twice as long as the next one (probably
+        CUDA modules loaded on first launch), and every stream of the batch waits for it. The
+        lengths here are not the ones the benchmark's `first_use` section times, so that
         section measures other shapes than these. Nothing to do where prompts that long cannot
         occur."""
         from runner.engine.model_runner import MAX_TOKEN_ROW_QUERY

@@ -1,15 +1,16 @@
 """The model runner: turns a SchedulerOutput into a forward pass and sampled tokens.
 
 Two phases, as in the engine step's description:
-  execute_model(sched)  prepare inputs, run the forward pass to the final norm; keeps ExecuteState.
-  sample_tokens()       lm_head over the columns each row can sample, sample, record the ids in device-side slot state, start the device->host
-                        copies (sampled ids, and hidden rows only for requests that asked) and
-                        return an AsyncOutput without waiting for them.
+  execute_model(sched)  pack the host inputs (step_inputs.py), run the forward pass to the final
+                        norm as a graph replay or eagerly, keep the hidden rows requests asked
+                        for; leaves an ExecuteState.
+  sample_tokens()       lm_head over the columns each row can sample, sample, record the ids in
+                        device-side slot state, start the device->host copies (sampled ids, and
+                        hidden rows only for requests that asked) and return an AsyncOutput
+                        without waiting for them (output_copier.py).
 
 Sampled ids never need the host to feed the next step: a decode position whose token is still in
 flight reads it from `SlotState.last_token[slot]` on the device.
-
-CPU and CUDA differ only in `OutputCopier`, picked once at construction.
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ from runner.config import EngineConfig
 from runner.engine.cuda_graphs import DecodeGraphs
 from runner.engine.graph_inputs import pack_graph_inputs
 from runner.engine.host_staging import staging_for
+from runner.engine.output_copier import AsyncOutput, HiddenSpan, output_copier_for
 from runner.engine.request import Request
-from runner.engine.scheduler import ScheduledRequest, SchedulerOutput
+from runner.engine.scheduler import SchedulerOutput
+from runner.engine.step_inputs import SampleRows, StepInputs, pack_step_inputs
 from runner.layers.attention import AttentionMetadata, allocate_kv_cache
-from runner.layers.sampler import Sampler, SamplingBatch, SamplingTable, SlotState
+from runner.layers.sampler import Sampler
+from runner.layers.sampling_batch import SamplingBatch, SamplingTable
+from runner.layers.slot_state import SlotState
 from streaming.sampling_params import SamplingParams
 
 # Longest query chunk run as per-token decode rows: each row re-reads its context, so the KV
@@ -57,94 +62,12 @@ class LogitsConstraint(Protocol):
 
 @dataclass
 class ExecuteState:
-    sched: SchedulerOutput
-    # the rows that sample, in order, gathered by execute_model's pass over the entries so that
-    # sample_tokens needs no pass of its own: request, slot, sampling params, index among the
-    # request's outputs of the token sampled now, and which rows are under the constraint
-    sample_reqs: list[Request]
-    sample_slots: list[int]
-    sample_params: list[SamplingParams]
-    out_index: list[int]
-    constrained_rows: list[int]
-    final_hidden: torch.Tensor | None  # [S, H] last hidden state (after the final norm) per sampling entry
+    """What execute_model leaves for sample_tokens."""
+
+    sample: SampleRows
+    final_hidden: torch.Tensor | None  # [S, H] last hidden state (after the final norm) per sampling row
     hidden: torch.Tensor | None  # [R, n_capture, H] rows of requests that want hidden states
-    hidden_spans: list[tuple[Request, int, int, int, tuple[int, ...]]]  # (req, row0, nrows, first_pos, layer idx)
-
-
-@dataclass
-class StepResult:
-    sampled: list[int]  # one per sampling entry, in order
-    hidden: dict[int, tuple[int, np.ndarray]]  # id(req) -> (first position, [n, n_layers, H])
-
-
-class AsyncOutput:
-    """Handle to a step's outputs being copied to the host; `get()` waits only for this copy."""
-
-    def __init__(self, sampled: torch.Tensor, hidden: torch.Tensor | None, spans, event: torch.cuda.Event | None,
-                 ring_row: tuple[list, int] | None = None):
-        self._sampled, self._hidden, self._spans, self._event = sampled, hidden, spans, event
-        self._ring_row = ring_row  # (owners, index): the copier's pinned row holding the ids
-
-    def get(self) -> StepResult:
-        if self._event is not None:
-            self._event.synchronize()
-        if self._ring_row is not None:
-            owners, i = self._ring_row
-            assert owners[i] is self, "step output read after its pinned row was reused (read within 3 steps)"
-        sampled = self._sampled.tolist()
-        hidden: dict[int, tuple[int, np.ndarray]] = {}
-        if self._hidden is not None:
-            h = self._hidden
-            if h.dtype == torch.bfloat16:
-                h = h.view(torch.uint16)  # numpy has no bf16: ship the raw bits
-            arr = h.numpy()
-            for req, row0, n, first_pos, layer_idx in self._spans:
-                hidden[id(req)] = (first_pos, arr[row0 : row0 + n][:, layer_idx, :])
-        return StepResult(sampled, hidden)
-
-
-class OutputCopier:
-    """CPU: results are already on the host."""
-
-    def copy(self, sampled: torch.Tensor, hidden: torch.Tensor | None, spans) -> AsyncOutput:
-        return AsyncOutput(sampled, hidden, spans, None)
-
-
-class CudaOutputCopier(OutputCopier):
-    """Copies on a side stream into pinned buffers and records an event, so the compute stream
-    moves on to the next step while the copy runs.
-
-    The sampled ids land in a ring of RING preallocated pinned rows (a fresh pinned tensor per
-    step cost the H200 host ~0.1 ms). Row i is rewritten RING steps later; the engine reads a
-    step's output within the next step (async scheduling keeps one step pending), and
-    AsyncOutput checks that its row was not rewritten before it was read."""
-
-    RING = 4
-
-    def __init__(self, device: torch.device, max_rows: int):
-        self.stream = torch.cuda.Stream(device)
-        self._ring = torch.empty(self.RING, max(max_rows, 1), dtype=torch.int64, pin_memory=True)
-        self._owner: list[object] = [None] * self.RING  # the AsyncOutput each row belongs to
-        self._next = 0
-
-    def copy(self, sampled: torch.Tensor, hidden: torch.Tensor | None, spans) -> AsyncOutput:
-        main = torch.cuda.current_stream()
-        self.stream.wait_stream(main)
-        i, self._next = self._next, (self._next + 1) % self.RING
-        with torch.cuda.stream(self.stream):
-            s_host = self._ring[i, : sampled.shape[0]]
-            s_host.copy_(sampled, non_blocking=True)
-            sampled.record_stream(self.stream)
-            h_host = None
-            if hidden is not None:
-                h_host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
-                h_host.copy_(hidden, non_blocking=True)
-                hidden.record_stream(self.stream)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        out = AsyncOutput(s_host, h_host, spans, event, (self._owner, i))
-        self._owner[i] = out
-        return out
+    hidden_spans: list[HiddenSpan]
 
 
 class ModelRunner:
@@ -165,7 +88,7 @@ class ModelRunner:
         self.slot_owner: list[Request | None] = [None] * S
         self.sampling_table = SamplingTable(S, cfg.model.eos_token_ids)
         self._seed_rng = random.Random()
-        self.copier = CudaOutputCopier(self.device, S) if self.device.type == "cuda" else OutputCopier()
+        self.copier = output_copier_for(self.device, S)
         if constraint is not None and not (0 <= constraint.vocab_span[0] < constraint.vocab_span[1] <= cfg.model.vocab_size):
             raise ValueError(f"the model's logits constraint spans ids {constraint.vocab_span}, outside the "
                              f"vocabulary of {cfg.model.vocab_size} (codec audio_token_offset / codebook_size?)")
@@ -175,18 +98,16 @@ class ModelRunner:
         self.eos = cfg.model.eos_token_ids
         self._state: ExecuteState | None = None
         self.staging = staging_for(self.device) if self.device.type == "cuda" else None
-        # host mirror of every slot's block table; rows are rewritten at admission and
-        # extended as requests grow, so a step copies only the rows it needs
+        # host mirror of every slot's block table (pack_step_inputs keeps it up to date)
         self.block_table = np.zeros((S, self.max_blocks_per_seq), dtype=np.int32)
         self.blocks_written = [0] * S
         # short prefill chunks through the decode kernel, one row per token (AttentionMetadata)
-        self.token_rows = bool(getattr(getattr(model, "attn", None), "supports_token_rows", False))
+        self.token_rows = bool(model.attn.supports_token_rows)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and cfg.runner.cuda_graphs:
             # rows: with token rows, every step whose chunks are short enough (up to the token
-            # budget: a burst of arrivals fills it with prompts). An eager step costs the host
-            # ~40 ms at that size (H200, 400 streams arriving together: 52 ms steps for ~20 ms
-            # of GPU work), a replay ~1 ms. Without token rows, a full decode batch.
+            # budget: a burst of arrivals fills it with prompts), as an eager step of that size
+            # is host-bound and a replay is not. Without token rows, a full decode batch.
             rows = max(S, cfg.scheduler.max_num_batched_tokens) if self.token_rows else S
             self.graphs = DecodeGraphs(model, self.kv_caches, min(cfg.runner.max_graph_batch_size, rows),
                                        self.max_blocks_per_seq, num_blocks, self.block_size, self.device,
@@ -205,200 +126,113 @@ class ModelRunner:
 
     # ---- phase 1 ---------------------------------------------------------------------------
 
-    def _admit(self, e: ScheduledRequest, admitted: list) -> None:
-        """Reset device slot state when a request (re)starts (queued into `admitted` for one
-        SlotState.admit_many per step). A request re-admitted after preemption keeps its noise
-        seed; its noise is keyed on the output index, so sampling continues exactly as if it
-        had not been preempted."""
-        req = e.req
-        if self.slot_owner[req.slot] is not req:
-            self.slot_owner[req.slot] = req
-            p = req.sampling
-            self.sampling_table.set(req.slot, p, p.seed if p.seed is not None else self._seed_rng.getrandbits(63))
-        admitted.append((req.slot, req.prompt_token_ids, req.output_token_ids, req.sampling.uses_penalties))
-
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> None:
+        """Pack the host inputs, run the forward pass (a graph replay or eager) to the final
+        norm, keep the hidden rows requests asked for; sample_tokens() goes on from there."""
         assert self._state is None, "sample_tokens() must follow execute_model()"
-        entries = sched.scheduled
-        B = len(entries)
-        bs = self.block_size
-        T = sched.num_batched_tokens
-        # Host inputs, packed so one pinned copy moves them all:
-        # [ids T | positions T | slot_mapping T | seq_lens B | query_start_loc B+1]. Segments
-        # start at even offsets (16 bytes): Triton specialises pointer arguments on 16-byte
-        # alignment, and an odd T gave the RoPE/KV-write kernel's positions and slot mapping a
-        # second compiled variant (a 0.2 s stall the first time it happened).
-        Ta, Ba = T + T % 2, B + B % 2
-        pack = np.zeros(3 * Ta + 2 * Ba + 2, dtype=np.int64)
-        ids, pos, slot_map = pack[:T], pack[Ta : Ta + T], pack[2 * Ta : 2 * Ta + T]
-        seq_lens, qsl = pack[3 * Ta : 3 * Ta + B], pack[3 * Ta + Ba : 3 * Ta + Ba + B + 1]
-        # One pass over the entries collects per-row Python ints (numpy scalar writes cost ~0.1 us
-        # each, and there are hundreds of rows); the arrays are then filled with vector ops.
-        row_slots: list[int] = []
-        starts: list[int] = []
-        counts: list[int] = []
-        host_rows: list[int] = []  # one-token rows whose token is on the host (sync mode, recompute)
-        host_ids: list[int] = []
-        dev_rows: list[int] = []  # flat rows whose token is still on the device
-        dev_slots: list[int] = []
-        logits_rows: list[int] = []
-        sample_reqs: list[Request] = []
-        sample_slots: list[int] = []
-        sample_params: list[SamplingParams] = []
-        out_index: list[int] = []
-        constrained_rows: list[int] = []
-        wants_constraint = self.wants_constraint
-        hidden_spans = []
-        hidden_rows: list[np.ndarray] = []
-        capture: set[int] = set()
-        admitted: list = []
-        table, written = self.block_table, self.blocks_written
-        t = 0
-        for e in entries:
-            req = e.req
-            slot = req.slot
-            blocks = req.block_ids
-            if e.new_admission:
-                self._admit(e, admitted)
-                table[slot, : len(blocks)] = blocks
-                written[slot] = len(blocks)
-            elif len(blocks) > written[slot]:  # block tables only grow while running
-                w = written[slot]
-                table[slot, w : len(blocks)] = blocks[w:]
-                written[slot] = len(blocks)
-            n, s = e.num_tokens, e.start
-            row_slots.append(slot)
-            starts.append(s)
-            counts.append(n)
-            prompt, outs = req.prompt_token_ids, req.output_token_ids
-            known = len(prompt) + len(outs)
-            k_end = s + n
-            if k_end > known:  # the chunk's last token is in flight: take it on the device
-                assert k_end == known + 1
-                k_end = known
-                dev_rows.append(t + n - 1)
-                dev_slots.append(slot)
-            if k_end > s:
-                if n == 1:
-                    host_rows.append(t)
-                    host_ids.append(prompt[s] if s < len(prompt) else outs[s - len(prompt)])
-                else:
-                    ids[t : t + k_end - s] = prompt[s:k_end] if k_end <= len(prompt) else (prompt + outs)[s:k_end]
-            if req.hidden_state_layers:
-                first = max(s, req.num_hidden_emitted)
-                if first < s + n:
-                    layers = tuple(l if l >= 0 else self.cfg.model.num_layers + 1 + l for l in req.hidden_state_layers)
-                    capture.update(layers)
-                    hidden_spans.append((req, first, s + n - first, layers))
-                    hidden_rows.append(np.arange(t + first - s, t + n, dtype=np.int64))
-                    req.num_hidden_emitted = s + n
-            if e.sample:
-                logits_rows.append(t + n - 1)
-                if wants_constraint is not None and wants_constraint(req):
-                    constrained_rows.append(len(sample_reqs))
-                sample_reqs.append(req)
-                sample_slots.append(slot)
-                sample_params.append(req.sampling)
-                out_index.append(len(outs) + req.num_inflight - 1)  # the in-flight count includes it
-            t += n
-        slots = np.array(row_slots, dtype=np.int64)
-        start = np.array(starts, dtype=np.int64)
-        count = np.array(counts, dtype=np.int64)
-        seq_lens[:] = start + count
-        np.cumsum(count, out=qsl[1:])
-        if T == B:  # one token per row
-            pos[:] = start
-            tok_slots = slots
-        else:  # row b's tokens sit at flat rows qsl[b] .. qsl[b + 1] - 1
-            pos[:] = np.repeat(start - qsl[:-1], count) + np.arange(T)
-            tok_slots = np.repeat(slots, count)
-        if host_rows:
-            ids[host_rows] = host_ids
-        slot_map[:] = table[tok_slots, pos // bs].astype(np.int64) * bs + pos % bs
-        max_blocks = -(-int(seq_lens.max()) // bs)
-        tables = table[slots, :max_blocks]
-        self.slots.admit_many(admitted)  # before the sampler reads the rows, after this loop
-
+        inp = pack_step_inputs(sched, self.block_table, self.blocks_written, self.block_size,
+                               self.cfg.model.num_layers, self.wants_constraint)
+        self._admit(inp.admitted)
         if self.record_timeline:
             self._t0 = torch.cuda.Event(enable_timing=True)
             self._t0.record()
-        q_lens = np.diff(qsl)
+        q_lens = np.diff(inp.split(inp.pack)[4])
         # every query chunk short enough to run as per-token decode rows (MAX_TOKEN_ROW_QUERY)
         token_rows = self.token_rows and int(q_lens.max()) <= MAX_TOKEN_ROW_QUERY
-        cap = tuple(sorted(capture))
-        bucket = None
-        if self.graphs is not None:
-            if hidden_spans:  # the all-layers graphs (if captured) serve pure decode only
-                bucket = self.graphs.bucket_for(B, all_layers=True) if T == B else None
-            elif T == B:
-                bucket = self.graphs.bucket_for(B)
-            elif token_rows:
-                # Short prefill chunks as decode rows (one per token, causal by its own sequence
-                # length: the eager token-row path's computation) fit the decode graphs too, so
-                # a step that admits requests replays a graph instead of ~300 eager launches
-                # (H200: ~17 ms of host time per eager forward).
-                bucket = self.graphs.bucket_for(T)
+        bucket = self._graph_bucket(inp, token_rows)
         if bucket is not None:
-            # one array, one copy; the graph unpacks it (runner/engine/graph_inputs.py)
-            dev_slot = np.full(T, -1, dtype=np.int64)
-            dev_slot[dev_rows] = dev_slots
-            if T == B:  # pure decode
-                staged = pack_graph_inputs(ids, pos, slot_map, seq_lens, dev_slot, tables)
-            else:  # token rows: each sees its own sequence up to itself
-                staged = pack_graph_inputs(ids, pos, slot_map, pos + 1, dev_slot, np.repeat(tables, q_lens, axis=0))
-            final_h, layers = self.graphs.run(bucket, staged, T == B, all_layers=bool(hidden_spans))
-            captured = {layer: layers[layer] for layer in cap}
+            final_h, captured = self._forward_graph(bucket, inp, q_lens)
         else:
-            pk = self._to_dev(pack)
-            input_ids, pos_d, slot_d = pk[:T], pk[Ta : Ta + T], pk[2 * Ta : 2 * Ta + T]
-            seq_d, qsl_d = pk[3 * Ta : 3 * Ta + B], pk[3 * Ta + Ba : 3 * Ta + Ba + B + 1]
-            if dev_rows:
-                rs = self._to_dev(np.asarray([dev_rows, dev_slots], dtype=np.int64))
-                input_ids[rs[0]] = self.slots.last_token[rs[1]]
-            nd = sched.num_decodes if T > B else 0  # the scheduler puts one-token rows first
-            tok_lens = tok_tables = None
-            if token_rows:
-                tok_lens = (pos_d + 1).to(torch.int32)
-                tok_tables = self._to_dev(np.repeat(tables, q_lens, axis=0))
-            meta = AttentionMetadata(
-                query_start_loc=qsl_d.to(torch.int32),
-                seq_lens=seq_d.to(torch.int32),
-                block_tables=self._to_dev(tables),
-                slot_mapping=slot_d,
-                max_query_len=int(q_lens.max()),
-                max_seq_len=int(seq_lens.max()),
-                num_decodes=nd,
-                prefill_max_seq_len=int(seq_lens[nd:].max()) if nd else 0,
-                token_seq_lens=tok_lens,
-                token_block_tables=tok_tables,
-                pure_decode=T == B,
-            )
-            final_h, captured = self.model(input_ids, pos_d, self.kv_caches, meta, cap)
-        if len(logits_rows) != T:  # [T, H] -> the sampling rows
-            final_h = final_h[self._to_dev(np.asarray(logits_rows, dtype=np.int64))] if logits_rows else None
+            final_h, captured = self._forward_eager(inp, q_lens, token_rows)
+        if len(inp.logits_rows) != inp.num_tokens:  # [T, H] -> the sampling rows
+            final_h = final_h[self._to_dev(np.asarray(inp.logits_rows, dtype=np.int64))] if inp.logits_rows else None
+        self._state = ExecuteState(inp.sample, final_h, self._gather_hidden(inp, captured), inp.hidden_spans)
 
-        h_out = None
-        spans = []
-        if hidden_spans:
-            stacked = torch.stack([captured[l] for l in cap], dim=1)  # [T, n_capture, H]
-            rows = np.concatenate(hidden_rows)
-            h_out = stacked[self._to_dev(rows)]
-            r0 = 0
-            for req, first, n, layers in hidden_spans:
-                spans.append((req, r0, n, first, [cap.index(l) for l in layers]))
-                r0 += n
-        self._state = ExecuteState(sched, sample_reqs, sample_slots, sample_params, out_index, constrained_rows,
-                                   final_h, h_out, spans)
+    def _admit(self, admitted: list[Request]) -> None:
+        """Reset device slot state of the requests (re)starting in their slot this step, before
+        the sampler reads the rows. A request re-admitted after preemption keeps its noise seed;
+        its noise is keyed on the output index, so sampling continues exactly as if it had not
+        been preempted."""
+        if not admitted:
+            return
+        for req in admitted:
+            if self.slot_owner[req.slot] is not req:
+                self.slot_owner[req.slot] = req
+                p = req.sampling
+                self.sampling_table.set(req.slot, p, p.seed if p.seed is not None else self._seed_rng.getrandbits(63))
+        self.slots.admit_many([(r.slot, r.prompt_token_ids, r.output_token_ids, r.sampling.uses_penalties) for r in admitted])
+
+    def _graph_bucket(self, inp: StepInputs, token_rows: bool) -> int | None:
+        """The captured graph bucket that serves this step, None: run it eagerly."""
+        if self.graphs is None:
+            return None
+        if inp.hidden_spans:  # the all-layers graphs (if captured) serve pure decode only
+            return self.graphs.bucket_for(inp.num_seqs, all_layers=True) if inp.pure_decode else None
+        if inp.pure_decode:
+            return self.graphs.bucket_for(inp.num_seqs)
+        if token_rows:
+            # Short prefill chunks as decode rows (one per token, causal by its own sequence
+            # length: the eager token-row path's computation) fit the decode graphs too, so a
+            # step that admits requests replays a graph instead of hundreds of eager launches.
+            return self.graphs.bucket_for(inp.num_tokens)
+        return None
+
+    def _forward_graph(self, bucket: int, inp: StepInputs, q_lens: np.ndarray) -> tuple[torch.Tensor, dict]:
+        """Replay: one array, one copy; the graph unpacks it (runner/engine/graph_inputs.py)."""
+        ids, pos, slot_map, seq_lens, _ = inp.split(inp.pack)
+        dev_slot = np.full(inp.num_tokens, -1, dtype=np.int64)
+        dev_slot[inp.dev_rows] = inp.dev_slots
+        if inp.pure_decode:
+            staged = pack_graph_inputs(ids, pos, slot_map, seq_lens, dev_slot, inp.tables)
+        else:  # token rows: each sees its own sequence up to itself
+            staged = pack_graph_inputs(ids, pos, slot_map, pos + 1, dev_slot, np.repeat(inp.tables, q_lens, axis=0))
+        final_h, layers = self.graphs.run(bucket, staged, inp.pure_decode, all_layers=bool(inp.hidden_spans))
+        return final_h, {layer: layers[layer] for layer in inp.capture}
+
+    def _forward_eager(self, inp: StepInputs, q_lens: np.ndarray, token_rows: bool) -> tuple[torch.Tensor, dict]:
+        T, B = inp.num_tokens, inp.num_seqs
+        seq_lens = inp.split(inp.pack)[3]
+        input_ids, pos_d, slot_d, seq_d, qsl_d = inp.split(self._to_dev(inp.pack))
+        if inp.dev_rows:
+            rs = self._to_dev(np.asarray([inp.dev_rows, inp.dev_slots], dtype=np.int64))
+            input_ids[rs[0]] = self.slots.last_token[rs[1]]
+        nd = inp.num_decodes if T > B else 0  # the scheduler puts one-token rows first
+        tok_lens = tok_tables = None
+        if token_rows:
+            tok_lens = (pos_d + 1).to(torch.int32)
+            tok_tables = self._to_dev(np.repeat(inp.tables, q_lens, axis=0))
+        meta = AttentionMetadata(
+            query_start_loc=qsl_d.to(torch.int32),
+            seq_lens=seq_d.to(torch.int32),
+            block_tables=self._to_dev(inp.tables),
+            slot_mapping=slot_d,
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            num_decodes=nd,
+            prefill_max_seq_len=int(seq_lens[nd:].max()) if nd else 0,
+            token_seq_lens=tok_lens,
+            token_block_tables=tok_tables,
+            pure_decode=T == B,
+        )
+        return self.model(input_ids, pos_d, self.kv_caches, meta, inp.capture)
+
+    def _gather_hidden(self, inp: StepInputs, captured: dict) -> torch.Tensor | None:
+        """[R, n_capture, H]: the captured layers' rows of the requests that want hidden states."""
+        if not inp.hidden_spans:
+            return None
+        stacked = torch.stack([captured[l] for l in inp.capture], dim=1)  # [T, n_capture, H]
+        return stacked[self._to_dev(inp.hidden_rows)]
 
     # ---- phase 2 ---------------------------------------------------------------------------
 
     def _sampling_batch(self, st: ExecuteState, rows: list[int] | None = None) -> SamplingBatch:
         """The sampling inputs of the step's sampling rows (`rows` of them; None: all)."""
+        s = st.sample
         if rows is None:
-            return self.sampling_table.batch(st.sample_slots, st.out_index, st.sample_params, self.device)
-        return self.sampling_table.batch([st.sample_slots[i] for i in rows], [st.out_index[i] for i in rows],
-                                         [st.sample_params[i] for i in rows], self.device)
+            return self.sampling_table.batch(s.slots, s.out_index, s.params, self.device)
+        return self.sampling_table.batch([s.slots[i] for i in rows], [s.out_index[i] for i in rows],
+                                         [s.params[i] for i in rows], self.device)
 
     def _sample_constrained(self, final_h: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Rows under the model's constraint: logits of the constraint's vocabulary span only,
@@ -413,7 +247,7 @@ class ModelRunner:
     def _sample_free(self, final_h: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy and not batch.any_penalty and batch.bias_vals is None:
             # nothing changes the logits: argmax over the model-dtype ones (the same ids) saves
-            # writing and reading the [N, V] fp32 copy (H200, batch 64: ~50 us of a 3.2 ms step)
+            # writing and reading the [N, V] fp32 copy
             return self.model.greedy_ids(final_h)
         return self.sampler(self.model.compute_logits(final_h), batch, self.slots)
 
@@ -424,12 +258,11 @@ class ModelRunner:
         at max_num_seqs padding rows (the scratch slot; every filter and penalty on).
 
         Why: the first lm_head GEMM at a row count never seen before blocks the host until the
-        device is idle. On the H200 a burst of 400 arrivals spent ~19 ms of host time per
-        prefill step in compute_logits (rows 193 and 379), so the next step could not be
-        prepared while the forward ran; with this pass it stayed under 0.5 ms. The sampler pass
-        alone (caching-allocator blocks for the largest step) did not remove it, so the cost is
-        per GEMM shape: most likely cuBLAS loading the kernel it picks for that shape, as torch
-        runs CUDA with lazy module loading (deploy/RESULTS.md, s8)."""
+        device is idle (most likely cuBLAS loading the kernel it picks for that shape: torch runs
+        CUDA with lazy module loading), so the next step cannot be prepared while the forward
+        runs, and a burst of arrivals meets many new row counts at once. Warming the sampler
+        alone (caching-allocator blocks for the largest step) does not remove it: the cost is
+        per GEMM shape."""
         S = self.cfg.scheduler.max_num_seqs
         h = torch.zeros(S, self.cfg.model.hidden_size, device=self.device, dtype=self.dtype)
         spans = [None] + ([self.constraint.vocab_span] if self.constraint is not None else [])
@@ -438,8 +271,8 @@ class ModelRunner:
                 self.model.compute_logits(h[:m], span)
             self.model.greedy_ids(h[:m])  # greedy steps: the head's fused argmax (ops.greedy_head)
         # The penalty buffers are allocated here, not at the first request with a penalty: that
-        # request would otherwise compile the penalty and counting record kernels mid-serving
-        # (a text model on the H200, s10), and their memory is better taken before serving.
+        # request would otherwise compile the penalty and counting record kernels mid-serving,
+        # and their memory is better taken before serving.
         self.slots.allocate_penalty_buffers()
         sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
                             frequency_penalty=0.1, presence_penalty=0.1)
@@ -456,10 +289,10 @@ class ModelRunner:
         ids are copied to the host asynchronously."""
         st, self._state = self._state, None
         assert st is not None, "execute_model() must come first"
-        n = len(st.sample_reqs)
+        n = len(st.sample.reqs)
         if not n:
             return self.copier.copy(torch.empty(0, dtype=torch.int64, device=self.device), st.hidden, st.hidden_spans)
-        c_rows = st.constrained_rows
+        c_rows = st.sample.constrained
         final_h = st.final_hidden
         if not c_rows or len(c_rows) == n:
             batch = self._sampling_batch(st)

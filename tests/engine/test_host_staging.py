@@ -43,7 +43,7 @@ def test_ring_keeps_every_copy_intact_while_the_stream_lags():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_copier_refuses_an_output_whose_pinned_row_was_reused():
-    from runner.engine.model_runner import CudaOutputCopier
+    from runner.engine.output_copier import CudaOutputCopier
 
     cp = CudaOutputCopier(torch.device("cuda"), max_rows=8)
     outs = [cp.copy(torch.arange(3, device="cuda") + i, None, []) for i in range(cp.RING + 1)]
