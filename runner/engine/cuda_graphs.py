@@ -22,8 +22,8 @@ Optionally (`hidden_rows` > 0, RunnerConfig.hidden_state_graphs) a third family 
 steps in which some request wants hidden states: the same forward, in the same form as the
 plain graph of its bucket (so the same values), that also keeps every layer's output (0 =
 embeddings .. L = after the final norm, as the model's `capture_layers`). Without it such a step
-runs eagerly, and an eager step is host-bound (H200, Orpheus-3B: 15-28 ms against 2-8 ms
-replayed), which every other stream of the batch waits for.
+runs eagerly, and an eager step is host-bound (several times a replay's time), which every
+other stream of the batch waits for.
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ def no_gc_while_capturing() -> Iterator[None]:
     """Collect now, then keep Python's cyclic GC off until the captures are done. A collection
     during a capture runs the finalizers of whatever garbage it finds (an earlier engine's
     graphs, events, streams), and a CUDA call from one of those while the stream captures
-    aborts the process (seen on the H200 in tests/gpu/test_gpu.py, which builds engine after
-    engine). torch.cuda.graph no longer collects before a capture by itself."""
+    aborts the process (seen in tests/gpu/test_gpu.py, which builds engine after engine). torch.cuda.graph no longer collects before a capture by itself."""
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()

@@ -2,9 +2,9 @@
 sampling parameters), through one pinned ring buffer.
 
 Why: `torch.from_numpy(a).pin_memory().to(dev, non_blocking=True)` allocates a pinned block
-per call (the caching host allocator's bookkeeping plus an event per block); on the H200 host
-that was ~50-140 µs per copy and ~10 copies per step. Here a copy is a memcpy into the ring,
-one non-blocking cudaMemcpyAsync and one event.
+per call (the caching host allocator's bookkeeping plus an event per block), a host cost paid
+~10 times per step. Here a copy is a memcpy into the ring, one non-blocking cudaMemcpyAsync and
+one event.
 
 Invariant: a region of the ring is rewritten only after the copy that read it last has
 completed. Regions are handed out in address order and wrap to the start; each copy records

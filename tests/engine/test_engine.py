@@ -11,7 +11,7 @@ import torch
 from runner.config import EngineConfig
 from runner.engine.engine import Engine
 from streaming.sampling_params import InvalidRequest, SamplingParams
-from tests.support.tiny_models import load_hf, make_tiny_model
+from tests.support.tiny_models import load_hf
 
 FAMILIES = {
     "llama": dict(rope_llama3=True, tie=False),
@@ -22,15 +22,15 @@ NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family_model(request, tmp_path_factory):
+def family_model(request, tiny_model_dir):
     fam = request.param
-    path = make_tiny_model(fam, tmp_path_factory.mktemp(fam), seed=7, **FAMILIES[fam])
+    path = tiny_model_dir(fam, seed=7, **FAMILIES[fam])
     return fam, path, load_hf(path)
 
 
 @pytest.fixture(scope="module")
-def llama_path(tmp_path_factory):
-    return make_tiny_model("llama", tmp_path_factory.mktemp("llama_small"), seed=3)
+def llama_path(tiny_model_dir):
+    return tiny_model_dir("llama", seed=3)
 
 
 def make_engine(path, *, block_size=4, num_blocks=512, prefix=True, max_model_len=256, budget=64,
@@ -333,13 +333,11 @@ def test_duplicate_live_request_id_rejected(llama_path):
 
 
 @pytest.fixture(scope="module")
-def audio_engine(tmp_path_factory):
+def audio_engine(default_model_dir):
     from runner.engine.args import engine_args
     from runner.engine.process import build_engine
-    from runner.models.default_model import ensure_default_model
 
-    path = ensure_default_model(tmp_path_factory.mktemp("default"))
-    return build_engine(engine_args(str(path), max_num_seqs=8,
+    return build_engine(engine_args(str(default_model_dir), max_num_seqs=8,
                                        max_model_len=512, cpu_threads=1))
 
 
@@ -396,7 +394,7 @@ def test_warm_sampling_changes_no_result(audio_engine):
 def test_warm_sampling_takes_the_penalty_buffers_and_changes_no_tokens(llama_path):
     """A text model has no audio warm-up request, so the penalty buffers used to appear at the
     first request with a penalty, whose step then compiled the penalty and counting record
-    kernels (H200, s10). warm_sampling now allocates them and runs those kernels on padding
+    kernels. warm_sampling now allocates them and runs those kernels on padding
     rows only: penalised and plain requests give the tokens of an engine that never warmed."""
     sps = [SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True, frequency_penalty=0.7,
                           presence_penalty=0.4, repetition_penalty=1.3),
