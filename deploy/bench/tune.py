@@ -3,7 +3,8 @@ table. Sections (pick with --sections):
 
   gemm      tile sweep of qkv / o_proj / gate_up / down / lm_head against cuBLAS at M = 1..64;
             writes gemm_tuned.json into --out (`python -m deploy.bench.engine --tuned FILE`
-            runs the engine on it)
+            runs the engine on it) and, with --write-table PATH, the winners into that tuning
+            table (runner/kernels/tuning/NAME.json, the data the engine reads per device)
   splitk    split-K variants of o_proj / down at M = 16..64 against cuBLAS
   variants  greedy decode per kernel variant (--variants, as in deploy.bench.engine); the
             variant `swept` takes the tile table from this run's gemm section
@@ -53,6 +54,9 @@ def main() -> int:
     ap.add_argument("--sections", default="bandwidth,gemm", help="comma-separated: bandwidth, gemm, splitk, variants")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="variants section: batch sizes")
     ap.add_argument("--variants", default="default;swept", help="variants section: as in deploy.bench.engine")
+    ap.add_argument("--write-table", default=None, metavar="PATH",
+                    help="gemm section: write the winners into this tuning table's linear section "
+                         "(runner/kernels/tuning/NAME.json; deploy.bench.gemm.write_table)")
     add_kernel_args(ap)
     add_out_arg(ap, "tune")
     args = ap.parse_args()
@@ -64,12 +68,15 @@ def main() -> int:
         res["bandwidth_Bps"] = bench_bandwidth()
         log(f"copy bandwidth: {res['bandwidth_Bps']/1e12:.2f} TB/s")
     if "gemm" in secs:
-        from deploy.bench.gemm import run_gemm_sweep, tuned_literal
+        from deploy.bench.gemm import run_gemm_sweep, tuned_literal, write_table
 
         res["gemm"] = run_gemm_sweep()
         out.mkdir(parents=True, exist_ok=True)
         (out / "gemm_tuned.json").write_text(json.dumps(res["gemm"]["tuned"]))
         log(tuned_literal(res["gemm"]["tuned"]))
+        if args.write_table:
+            write_table(args.write_table, res["gemm"]["tuned"])
+            log(f"wrote the linear section of {args.write_table}")
     if "splitk" in secs:
         from deploy.bench.gemm import run_splitk_sweep
 

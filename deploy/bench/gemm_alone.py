@@ -2,35 +2,30 @@
 given on the command line (split-K and ragged column groups included), each in a CUDA graph of
 28 launches over 8 weight copies (so weights come from HBM, as in a step).
 
-    python3 deploy/gemm_alone.py --shape 5120x3072 --m 64 \\
+    python -m deploy.bench.gemm_alone --shape 5120x3072 --m 64 \\
         --tiles "64/128/128/4/4/0/0/3;64/128/128/4/4/0/44/3"
-    python3 deploy/gemm_alone.py --shape 3072x3072 --m 64 --residual --tiles "64/32/128/4/6/0/0/1"
+    python -m deploy.bench.gemm_alone --shape 3072x3072 --m 64 --residual --tiles "64/32/128/4/6/0/0/1"
 
-A tile is bm/bn/bk/warps/stages/late/groups[/tma]/splits (deploy/bench_gpu.py parse_tile, then the
+A tile is bm/bn/bk/warps/stages/late/groups[/tma]/splits (deploy/bench/common.py parse_tile, then the
 split count last): 8 fields are a pointer tile and its splits, so a TMA tile takes all 9. A split
 tile's time is the partials' GEMM alone: whoever consumes them adds its sum.
 --residual also times each unsplit tile as residual_linear (the residual epilogue of the norm fold).
 --head-argmax times greedy ids instead (the lm_head: N is the vocabulary): cuBLAS on the
-zero-padded weight + runner/kernels/argmax.py (the engine's path where HEAD_TUNED has no tile),
+zero-padded weight + runner/kernels/argmax.py (the engine's path where the table has no head tile),
 then per tile that tile's GEMM + the argmax, and runner/kernels/head_argmax.py (one split only).
 
-    python3 deploy/gemm_alone.py --shape 156940x3072 --m 64 --head-argmax --tiles "64/128/128/8/4/0/0/1/1"
+    python -m deploy.bench.gemm_alone --shape 156940x3072 --m 64 --head-argmax --tiles "64/128/128/8/4/0/0/1/1"
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_gemm import _inputs, _time_graph  # noqa: E402
-from bench_gpu import parse_tile  # noqa: E402
+from deploy.bench.common import parse_tile
+from deploy.bench.gemm import _inputs, _time_graph
 
 
 def main() -> None:

@@ -3,8 +3,11 @@ Orpheus-3B shapes, at the graph bucket sizes where the tile can change (M = 1, 1
 
 For each (GEMM, M) every candidate tile is timed, and so is cuBLAS (F.linear); gate_up with
 the SiLU*mul epilogue (gated) is timed against the faster plain GEMM + the SiLU*mul kernel.
-The winners form a tile table in runner.kernels.linear.TUNED's layout, written to
-gemm_tuned.json and printed as the Python literal that goes into the source.
+The winners form the `linear` section of a tuning table (runner/kernels/tuning, the JSON the
+engine reads for the device it runs on): `--write-table PATH` writes it into PATH (the other
+sections of an existing table are kept; a new file is named after this GPU), e.g.
+runner/kernels/tuning/nvidia_h200.json. The raw sweep goes to gemm_sweep.json and its rows to
+gemm_tuned.json (what `python -m deploy.bench.engine --tuned FILE` runs on).
 
 Timing: a CUDA graph of 24 launches, replayed; weights rotate over enough copies (>= 256 MB in
 all) that no launch finds its weight in L2, as in a real decode step. Launches are without PDL,
@@ -12,7 +15,8 @@ so a figure is kernel time + the graph's launch gap, like a step's GEMM without 
 Worker processes compile every variant first (a JIT launch on the real shapes fills Triton's
 on-disk cache), then this process times them.
 
-    python3 deploy/bench_gemm.py --out DIR          # or bench_gpu.py --sections gemm
+    python -m deploy.bench.gemm --out DIR [--write-table runner/kernels/tuning/nvidia_h200.json]
+    python -m deploy.bench.tune --sections gemm     # the same sweep inside the tuning bench
 """
 
 from __future__ import annotations
@@ -29,14 +33,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from runner.kernels.linear import GATED, KIND_NAMES, PLAIN, LinearTile, skinny_linear  # noqa: E402
+from runner.kernels.linear import GATED, PLAIN, LinearTile, skinny_linear
+from runner.kernels.tuning import TABLES_DIR, LinearTables, dumps_table, linear_to_json, with_linear_rows
 
 # name: (weight rows, K, whether the gated kind is timed too)
 SHAPES = {"qkv": (5120, 3072, False), "o": (3072, 3072, False), "gate_up": (16384, 3072, True),
           "down": (3072, 8192, False)}
-MS = (1, 16, 32, 64)  # bucket thresholds of runner.kernels.linear.tile_for
+MS = (1, 16, 32, 64)  # bucket thresholds of the linear table's rows
 LAUNCHES = 24
 SMEM_BUDGET = 200 * 1024
 
@@ -233,7 +236,7 @@ def run_splitk_sweep(workers: int = 14, ms: tuple[int, ...] = (16, 32, 64)) -> d
 
 
 def load_tuned_rows(tuned: list) -> dict:
-    """The sweep's "tuned" rows -> runner.kernels.linear.TUNED entries."""
+    """The sweep's "tuned" rows -> a linear table's `tuned` entries ((kind, N, K) -> rows)."""
     table = {}
     for kind, n, k, rows in tuned:
         table[(kind, n, k)] = tuple((m, None if t is None else LinearTile(*t)) for m, t in rows)
@@ -241,16 +244,32 @@ def load_tuned_rows(tuned: list) -> dict:
 
 
 def load_tuned(path: str | Path) -> dict:
-    """gemm_tuned.json (the sweep's "tuned") -> runner.kernels.linear.TUNED entries."""
+    """gemm_tuned.json (the sweep's "tuned") -> a linear table's `tuned` entries."""
     return load_tuned_rows(json.loads(Path(path).read_text()))
 
 
 def tuned_literal(tuned: list) -> str:
-    lines = ["TUNED = {"]
-    for prologue, n, k, rows in tuned:
-        cells = ", ".join(f"({m}, {'None' if t is None else repr(LinearTile(*t))})" for m, t in rows)
-        lines.append(f"    ({KIND_NAMES[prologue].upper()}, {n}, {k}): ({cells},),")
-    return "\n".join(lines + ["}"])
+    """The sweep's rows as the `linear` section of a tuning table (JSON text, for the log)."""
+    section = linear_to_json(LinearTables(load_tuned_rows(tuned), default_tiles=True))["linear"]
+    return dumps_table({"linear": section})
+
+
+def write_table(path: str | Path, tuned: list, provenance: str | None = None) -> dict:
+    """Put the sweep's rows into the `linear` section of the tuning table at `path`, with one line
+    of provenance: the swept (kind, N, K) entries are replaced, the table's other entries and
+    sections (split, fold, head, attention, ...) kept. A new file is named after this GPU and
+    serves it by name (provenance None: this GPU and this sweep). Returns the table written."""
+    if provenance is None:
+        provenance = (f"{torch.cuda.get_device_name()}, bf16: decode GEMMs swept alone against cuBLAS "
+                      "(python -m deploy.bench.gemm), the faster per row; null rows: cuBLAS")
+    path = Path(path)
+    if path.is_file():
+        raw = json.loads(path.read_text())
+    else:
+        raw = {"name": path.stem, "gpu_names": [torch.cuda.get_device_name()]}
+    raw = with_linear_rows(raw, load_tuned_rows(tuned), provenance)
+    path.write_text(dumps_table(raw))
+    return raw
 
 
 def main() -> int:
@@ -259,6 +278,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--workers", type=int, default=14)
+    ap.add_argument("--write-table", default=None, metavar="PATH",
+                    help=f"write the winners as the linear section of this tuning table (e.g. {TABLES_DIR}/NAME.json)")
     args = ap.parse_args()
     res = run_gemm_sweep(args.workers)
     out = Path(args.out)
@@ -266,6 +287,9 @@ def main() -> int:
     (out / "gemm_sweep.json").write_text(json.dumps(res, indent=1))
     (out / "gemm_tuned.json").write_text(json.dumps(res["tuned"]))
     print(tuned_literal(res["tuned"]))
+    if args.write_table:
+        write_table(args.write_table, res["tuned"])
+        print(f"wrote the linear section of {args.write_table}")
     return 0
 
 
