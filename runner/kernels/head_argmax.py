@@ -6,11 +6,9 @@ logits (Orpheus: 156940 ids, 20 MB in bf16 at 64 rows) and reads them back in th
 pieces (runner/kernels/argmax.py): ~9 us of the argmax plus the write, on every step's critical
 path. Here each program of the lm_head GEMM reduces its own [BLOCK_M, BLOCK_N] tile of logits to
 each row's maximum and its first index, and writes only those (8 bytes per row and tile); the
-second launch (`pick_pieces`) picks, per row, the first tile holding the row's maximum. H200,
-Orpheus-3B's head at 64 rows alone: 225.7 us (4.27 TB/s of weight bytes) against 247.0 for cuBLAS
-+ the argmax, and 245.7 for this tile writing its logits + the argmax; engine batch 16 / 32 / 64,
-alternated on fresh models: 2.367-2.369 / 2.524-2.527 / 2.793-2.802 ms per step against
-2.386-2.394 / 2.532-2.538 / 2.813-2.820 (deploy/RESULTS.md s24-run1).
+second launch (`pick_pieces`) picks, per row, the first tile holding the row's maximum. At 64
+rows of Orpheus-3B's head that is ~9% less time than cuBLAS + the argmax, and less than this
+tile writing its logits + the argmax.
 
 Numerics: the logits are the GEMM's accumulator rounded to the model dtype, the value
 `skinny_linear` with the same tile would store, so the ids are exactly
@@ -19,8 +17,9 @@ argmax of those logits, first index of the maximum, for rows without NaN. Agains
 logits (the unfused path where no tile is tuned) a row may differ where two logits are within
 one rounding of each other: another GEMM, another accumulation order.
 
-Used by TritonOps.greedy_head only where `HEAD_TUNED` names the head's shape and the step's row
-count; elsewhere the head and the argmax stay two kernels.
+Used by TritonOps.greedy_head only where the device's table (runner/kernels/tuning, its `head`
+rows) names the head's shape and the step's row count; elsewhere the head and the argmax stay
+two kernels.
 
 Importing this module needs `triton` (CUDA, or the interpreter in tests).
 """
@@ -32,8 +31,14 @@ import triton
 import triton.language as tl
 
 from runner.kernels.argmax import pick_pieces
-from runner.kernels.linear import LinearTile, check_operands, tile_descriptors
+from runner.kernels.linear import (
+    REFERENCE,
+    LinearTile,
+    check_operands,
+    tile_descriptors,
+)
 from runner.kernels.pdl import pdl_trigger, pdl_wait
+from runner.kernels.tuning import LinearTables, row_tile
 
 
 # M varies per eager step and V is any vocabulary: neither is specialised (one variant per tile).
@@ -107,26 +112,17 @@ def _head_argmax_kernel(
         pdl_trigger(USE_GDC)
 
 
-# (V, K) -> ((max_m, tile or None), ...) in increasing max_m: the lm_head shapes TritonOps.greedy_head
-# fuses, by row count (thresholds at graph bucket sizes, like triton_linear.tile_for); None, or
-# an M past the last row: the head and runner/kernels/argmax.py, two kernels. M = 1 keeps the
-# GEMV head: a [1, V] row of logits is 0.3 MB, little to save. Orpheus-3B (s24-run1/2, alone):
-# 16 / 32 / 64 rows 215.8 / 225.4 / 225.7 us against cuBLAS + argmax 232.7 / 235.7 / 247.0; at 64
-# rows 64 x 128 x 64 in 8 stages and 4 warps tied in the engine, ragged groups and pointer loads
-# were slower alone (228.6 / 229.2); at 65..256 rows (128-row tiles) the engine gained nothing.
-HEAD_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None], ...]] = {
-    (156940, 3072): ((1, None), (16, LinearTile(16, 128, 128, 4, 4, tma=True)),
-                     (32, LinearTile(32, 128, 128, 4, 4, tma=True)), (64, LinearTile(64, 128, 128, 8, 4, tma=True)),
-                     (128, None), (256, None)),
-}
+# The reference device's head rows (runner/kernels/tuning/nvidia_h200.json "head"), as a mutable
+# dict: the default of head_tile_for for a caller that passes no `tables`. (V, K) -> ((max_m,
+# tile or None), ...) in increasing max_m, thresholds at graph bucket sizes; None, or an M past
+# the last row: the head and runner/kernels/argmax.py, two kernels. One row keeps the GEMV head:
+# a [1, V] row of logits is little to save.
+HEAD_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None], ...]] = dict(REFERENCE.head)
 
 
-def head_tile_for(v: int, k: int, m: int) -> LinearTile | None:
-    """head_argmax's tile for a head [v, k] at m rows, or None (HEAD_TUNED)."""
-    for max_m, tile in HEAD_TUNED.get((v, k), ()):
-        if m <= max_m:
-            return tile
-    return None
+def head_tile_for(v: int, k: int, m: int, tables: LinearTables | None = None) -> LinearTile | None:
+    """head_argmax's tile for a head [v, k] at m rows, or None (`tables`' head rows; None: HEAD_TUNED)."""
+    return tables.head_tile(v, k, m) if tables is not None else row_tile(HEAD_TUNED.get((v, k), ()), m)
 
 
 def head_argmax(x: torch.Tensor, weight: torch.Tensor, tile: LinearTile, *, pdl: bool = False) -> torch.Tensor:

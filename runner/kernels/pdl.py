@@ -2,7 +2,7 @@
 
 Why: a decode step is ~300 kernels in a row (B=64: ~290, each 1-30 µs). Without PDL each one
 starts only after its predecessor has fully drained, and the GPU sits ~1.5-2 µs between them
-(~0.5 ms of a 3.3 ms step at batch 64, H200 profile s4-run6). With PDL a kernel is launched
+(about a sixth of a batch-64 step). With PDL a kernel is launched
 while its predecessor is still running; its programs reach `griddepcontrol.wait` early, and
 the wait returns as soon as the predecessor's memory is visible.
 

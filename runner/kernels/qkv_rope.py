@@ -3,12 +3,11 @@
 Why: at batch 64 the attention kernel rotated q and this token's k itself and wrote k / v to
 the cache before attending (`runner/kernels/attention.py`, FUSED_ROPE, write-first). That chain
 (positions -> RoPE rows -> q / k / v -> rotate -> store -> CTA barrier) sits at the start of
-each of its 512 programs, before the first K/V byte is requested: 3 us of a 30 us kernel at 350
-tokens (H200, s7). Here the GEMM that produces q / k / v finishes them (its programs already
-hold the values in registers), and the attention kernel after it is the plain one
-(`TritonPagedAttention.forward_decode_cached`). Batch 64 steps take 11-23 us less (H200,
-deploy/RESULTS.md s23-run10), less than the chain's 3 us per layer: the RoPE rows are loaded
-after the K loop (see the kernel), on the GEMM's tail.
+each of its 512 programs, before the first K/V byte is requested: a tenth of the kernel at 350
+tokens. Here the GEMM that produces q / k / v finishes them (its programs already hold the
+values in registers), and the attention kernel after it is the plain one
+(`TritonPagedAttention.forward_decode_cached`). The step gains less than the chain's cost per
+layer: the RoPE rows are loaded after the K loop (see the kernel), on the GEMM's tail.
 
 Layout: a program owns BLOCK_N columns of each half of one head: columns [n_a, n_a + BLOCK_N)
 and [n_a + D/2, ...), n_a = head * D + part * BLOCK_N, so the rotate-half pairs (j, j + D/2)
@@ -108,7 +107,8 @@ def _qkv_rope_kernel(
         acc_a = tl.dot(a, tl.trans(wa), acc_a)
         acc_b = tl.dot(a, tl.trans(wb), acc_b)
     # The RoPE rows ([BM, BN] fp32 each; L2-hot: the layer before read the same rows) after the
-    # loop: loaded before it, they made ptxas serialise the loop's wgmma (C7514), as s21's xg did.
+    # loop: loaded before it, they made ptxas serialise the loop's wgmma (C7514), as residual_linear's
+    # xg did with an unspecialised stride (runner/kernels/linear.py).
     freq = part * BLOCK_N + cols  # [BN] index into the table's first half
     c = tl.load(cos_ptr + pos[:, None] * stride_cos + freq[None, :])  # [BM, BN] fp32
     s = tl.load(sin_ptr + pos[:, None] * stride_sin + freq[None, :])
