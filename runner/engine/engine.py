@@ -14,7 +14,7 @@ import msgspec
 import torch
 
 from runner.config import EngineConfig
-from runner.engine.kv_cache import BlockManager
+from runner.engine.kv_cache import BlockManager, num_kv_blocks
 from runner.engine.model_runner import ModelRunner
 from runner.engine.output_copier import AsyncOutput, StepResult
 from runner.engine.phase_timer import PhaseTimer
@@ -34,24 +34,6 @@ log = logging.getLogger(__name__)
 class _Pending:
     sched: SchedulerOutput
     out: AsyncOutput
-
-
-def num_kv_blocks(cfg: EngineConfig, bytes_per_token: int) -> int:
-    """Blocks from an explicit count, a memory budget, or (default) enough for every sequence
-    at full length, capped by 90% of free device memory on CUDA / 2 GiB on the CPU."""
-    c, s = cfg.cache, cfg.scheduler
-    if c.num_blocks is not None:
-        return c.num_blocks
-    per_block = bytes_per_token * c.block_size
-    if c.kv_memory_gb is not None:
-        return max(1, int(c.kv_memory_gb * 2**30) // per_block)
-    want = s.max_num_seqs * -(-s.max_model_len // c.block_size)
-    if cfg.runner.torch_device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(cfg.runner.torch_device)
-        cap = int(free * 0.9) // per_block
-    else:
-        cap = (2 * 2**30) // per_block
-    return max(1, min(want, cap))
 
 
 class Engine:

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import torch
+
+from runner.config import EngineConfig
 from runner.engine.request import Request
 
 
@@ -134,3 +137,21 @@ class BlockManager:
         req.block_ids = []
         req.num_hashed_blocks = 0
         self._hashes.pop(id(req), None)
+
+
+def num_kv_blocks(cfg: EngineConfig, bytes_per_token: int) -> int:
+    """Blocks from an explicit count, a memory budget, or (default) enough for every sequence
+    at full length, capped by 90% of free device memory on CUDA / 2 GiB on the CPU."""
+    c, s = cfg.cache, cfg.scheduler
+    if c.num_blocks is not None:
+        return c.num_blocks
+    per_block = bytes_per_token * c.block_size
+    if c.kv_memory_gb is not None:
+        return max(1, int(c.kv_memory_gb * 2**30) // per_block)
+    want = s.max_num_seqs * -(-s.max_model_len // c.block_size)
+    if cfg.runner.torch_device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(cfg.runner.torch_device)
+        cap = int(free * 0.9) // per_block
+    else:
+        cap = (2 * 2**30) // per_block
+    return max(1, min(want, cap))

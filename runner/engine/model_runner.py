@@ -16,8 +16,9 @@ flight reads it from `SlotState.last_token[slot]` on the device.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch

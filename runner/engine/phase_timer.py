@@ -10,7 +10,7 @@ from time import perf_counter
 
 
 class PhaseTimer:
-    __slots__ = ("names", "seconds", "_index", "_i", "_t0")
+    __slots__ = ("_i", "_index", "_t0", "names", "seconds")
 
     def __init__(self, names: tuple[str, ...], seconds: list[float] | None = None):
         self.names = names

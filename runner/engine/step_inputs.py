@@ -7,8 +7,8 @@ first. T = tokens, B = entries (sequences).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
