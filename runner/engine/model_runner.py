@@ -18,7 +18,6 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -31,6 +30,7 @@ from runner.engine.output_copier import AsyncOutput, HiddenSpan, output_copier_f
 from runner.engine.request import Request
 from runner.engine.scheduler import SchedulerOutput
 from runner.engine.step_inputs import SampleRows, StepInputs, pack_step_inputs
+from runner.families.base import LogitsConstraint
 from runner.layers.attention import AttentionMetadata, allocate_kv_cache
 from runner.layers.sampler import Sampler
 from runner.layers.sampling_batch import SamplingBatch, SamplingTable
@@ -41,24 +41,6 @@ from streaming.sampling_params import SamplingParams
 # traffic grows with q_len * context; TTS prompts (~30-60 tokens) and prefix-cache tails sit
 # far below, long prompts take the padded torch path.
 MAX_TOKEN_ROW_QUERY = 128
-
-
-class LogitsConstraint(Protocol):
-    """A model-declared rule on which ids may come next, as a per-row window of allowed ids.
-
-    vocab_span: [lo, hi), contiguous ids holding every window; the runner computes only those
-    logits for constrained rows. out_index: index among the request's outputs of the token
-    being sampled ([R] int64, on the device), true even in async mode. gather_window gives the
-    window's logits ([R, W], -inf on ids not allowed) from logits of ids [base, base + N);
-    window_ids maps sampled window columns back to token ids. The sampler's filters and race
-    then run over W columns instead of the vocabulary."""
-
-    @property
-    def vocab_span(self) -> tuple[int, int]: ...
-
-    def gather_window(self, logits: torch.Tensor, out_index: torch.Tensor, base: int = 0) -> torch.Tensor: ...
-
-    def window_ids(self, cols: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass

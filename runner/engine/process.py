@@ -214,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     args = msgspec.json.decode(argv[0].encode(), type=EngineProcArgs)
     # The busy loop, the input thread and the output thread share the GIL. With CPython's
     # default 5 ms switch interval a thread that wants the GIL can wait a whole interval, which
-    # showed up as ~6 ms of extra time per engine step when serving (8.9 ms/step at batch 1
-    # against 2.7 ms in-process). Hand the GIL over sooner.
+    # added several ms to every served engine step against the same step in-process. Hand the
+    # GIL over sooner.
     sys.setswitchinterval(2e-4)
     logging.basicConfig(level=args.log_level, format="%(asctime)s engine %(levelname)s %(message)s")
     ctx = zmq.Context()
