@@ -26,7 +26,7 @@ def test_small_buckets_unchanged():
     assert graph_buckets(2048)[-9:] == [1024, 1152, 1280, 1408, 1536, 1664, 1792, 1920, 2048]
 
 
-def test_all_layers_family_buckets_keys_and_forward(tmp_path):
+def test_all_layers_family_buckets_keys_and_forward(tiny_model_dir):
     """hidden_rows > 0 adds an all-layers family for pure decode up to that many rows, in the
     form (pure or token-row) of each bucket's plain graph; its forward keeps every layer's
     output, the last being the final hidden. Built on the CPU without capturing (capture and
@@ -38,9 +38,8 @@ def test_all_layers_family_buckets_keys_and_forward(tmp_path):
     from runner.engine.cuda_graphs import DecodeGraphs
     from runner.engine.graph_inputs import pack_graph_inputs
     from runner.models.loader import load_model
-    from tests.support.tiny_models import make_tiny_model
 
-    cfg = ModelConfig.from_pretrained(make_tiny_model("llama", tmp_path / "m", seed=1))
+    cfg = ModelConfig.from_pretrained(tiny_model_dir("llama", seed=1))
     model = load_model(cfg, torch.device("cpu"), torch.float32)
     bs, nb = 16, 8
     kv = [torch.zeros(2, nb, bs, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]

@@ -25,8 +25,8 @@ from runner.codecs.decoder import SnacWindowDecoder, float_to_s16  # noqa: E402
 from runner.codecs.noise import noise_salts, positional_noise  # noqa: E402
 from runner.codecs.orpheus_tokens import ORPHEUS_LEVELS  # noqa: E402
 from runner.codecs.snac import load_snac  # noqa: E402
-from runner.models.builders import TINY_SNAC_CONFIG, make_tiny_snac, write_random_snac  # noqa: E402
 from runner.kernels import snac as sk  # noqa: E402
+from runner.models.builders import TINY_SNAC_CONFIG, write_random_snac  # noqa: E402
 
 INTERPRET = not _CUDA
 DEVICE = "cuda" if _CUDA else "cpu"
@@ -160,9 +160,8 @@ def test_final_conv_tanh_matches_torch():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> SnacWindowDecoder:
-    d = make_tiny_snac(tmp_path_factory.mktemp("snac") / "tiny", seed=0)
-    model = load_snac(CodecConfig(path=str(d), codebook_size=64), torch.device(DEVICE))
+def tiny(tiny_snac_dir: Path) -> SnacWindowDecoder:
+    model = load_snac(CodecConfig(path=str(tiny_snac_dir), codebook_size=64), torch.device(DEVICE))
     return SnacWindowDecoder(model, 2048, kernels="triton", matmul_precision="tf32x3")
 
 
@@ -259,10 +258,9 @@ def test_decoder_without_noise_blocks(tmp_path):
     _close(dec.decode(codes, starts, seeds), want, 1e-5)
 
 
-def test_bf16_decoder_close_to_fp32(tmp_path):
+def test_bf16_decoder_close_to_fp32(tiny_snac_dir: Path):
     """bf16 model: bf16 activations and dots; as far from fp32 as SNAC's own bf16 path is."""
-    d = make_tiny_snac(tmp_path / "b", seed=0)
-    cfg = CodecConfig(path=str(d), codebook_size=64)
+    cfg = CodecConfig(path=str(tiny_snac_dir), codebook_size=64)
     fp32 = SnacWindowDecoder(load_snac(cfg, torch.device(DEVICE)), 2048, kernels="torch")
     dec = SnacWindowDecoder(load_snac(cfg, torch.device(DEVICE), torch.bfloat16), 2048, kernels="triton")
     codes, starts, seeds = _case(2, 2, 64)
