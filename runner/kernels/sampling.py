@@ -46,8 +46,9 @@ import triton.language as tl
 from runner.kernels.gpu_info import num_sms
 from runner.kernels.hashing import hash32, uniform24
 
-if TYPE_CHECKING:  # runtime import would be circular (runner.layers.sampler imports this lazily)
-    from runner.layers.sampler import SamplingBatch, SlotState
+if TYPE_CHECKING:  # annotations only: kernels never import runner.layers at run time
+    from runner.layers.sampling_batch import SamplingBatch
+    from runner.layers.slot_state import SlotState
 
 # Launch configuration of `_filter_sample_kernel` (see `set_config`):
 #   BLOCK_P  tokens per chunk of a pivot pass; its accumulators are [BLOCK_P, NP] per stat
@@ -418,7 +419,7 @@ def apply_penalties(logits: torch.Tensor, batch: "SamplingBatch", state: "SlotSt
 
 @triton.jit
 def _race_noise_kernel(seed_ptr, ctr_ptr, salt_ptr, out_ptr, stride_o, V, BLOCK: tl.constexpr):
-    # runner.layers.sampler.race_noise, one [BLOCK] piece of one row per program: same hash bits
+    # runner.layers.noise.race_noise, one [BLOCK] piece of one row per program: same hash bits
     # (uint32 here, int64 in [0, 2^32) there); -log may round differently in the last ulp.
     row = tl.program_id(0)
     seed = tl.load(seed_ptr + row)
@@ -441,19 +442,19 @@ _NOISE_BLOCK = 2048
 
 
 @functools.lru_cache(maxsize=None)
-def _salts(device: torch.device) -> torch.Tensor:
-    from runner.layers.sampler import NOISE_SALTS
-
-    return torch.tensor(NOISE_SALTS, dtype=torch.int64, device=device)
+def _salts(device: torch.device, salts: tuple[int, int, int]) -> torch.Tensor:
+    return torch.tensor(salts, dtype=torch.int64, device=device)
 
 
-def race_noise(seeds: torch.Tensor, counters: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Fill out [B, V] (contiguous rows) with runner.layers.sampler.race_noise(seeds, counters, V), one launch."""
+def race_noise(seeds: torch.Tensor, counters: torch.Tensor, out: torch.Tensor,
+               salts: tuple[int, int, int]) -> torch.Tensor:
+    """Fill out [B, V] (contiguous rows) with runner.layers.noise.race_noise(seeds, counters, V), one
+    launch; `salts`: runner.layers.noise.NOISE_SALTS."""
     b, v = out.shape
     assert out.stride(1) == 1 and seeds.shape == (b,) and counters.shape == (b,)
     if b:
         grid = (b, triton.cdiv(v, _NOISE_BLOCK))
-        _race_noise_kernel[grid](seeds, counters, _salts(out.device), out, out.stride(0), v, BLOCK=_NOISE_BLOCK, num_warps=4)
+        _race_noise_kernel[grid](seeds, counters, _salts(out.device, tuple(salts)), out, out.stride(0), v, BLOCK=_NOISE_BLOCK, num_warps=4)
     return out
 
 
@@ -514,7 +515,7 @@ _ROW_BLOCK = 256
 @triton.jit(do_not_specialize=["B"])
 def _record_kernel(slots_ptr, tok_ptr, idx_ptr, last_ptr, hist_ptr, stride_h, cnt_ptr, stride_c, B,
                    HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr):
-    # runner.layers.sampler.SlotState.record: padding rows (slot < 0) write nothing; real slots are
+    # runner.layers.slot_state.SlotState.record: padding rows (slot < 0) write nothing; real slots are
     # distinct within a call, so only the counts need atomics (and only for their bincount).
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < B

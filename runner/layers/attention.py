@@ -5,8 +5,9 @@ KV cache: one tensor per layer, shape [2, num_blocks, block_size, num_kv_heads, 
 block_table[p // block_size] at offset p % block_size; its flat slot is
 block_id * block_size + offset, which is what `AttentionMetadata.slot_mapping` holds.
 
-Backends share one signature, `forward(q, k, v, kv_cache, meta, scale) -> out`, and are chosen
-once at construction by `make_attention_backend` (runner/kernels/attention.py on CUDA).
+Backends implement `AttentionBackend` (runner/layers/base.py) and are chosen once at
+construction by the registry (runner/layers/__init__.py): this module's `TorchPagedAttention`,
+or `TritonPagedAttention` (runner/layers/triton_attention.py) on CUDA.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class AttentionMetadata:
     # may then write each row's K/V inside the attention launch (no row reads another's slot).
     pure_decode: bool = False
 
-    def prefill_part(self) -> "AttentionMetadata":
+    def prefill_part(self) -> AttentionMetadata:
         """Metadata of sequences [num_decodes, B) alone (query rows num_decodes..T-1)."""
         nd = self.num_decodes
         return AttentionMetadata(
@@ -82,11 +83,9 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 # SDPA backends for the CUDA prefill path: kernels that are compiled in, nothing set up per shape.
-# On the H200 (torch 2.11) SDPA's own choice paid 77-1914 ms on its first call at each new prompt
-# length (per-shape setup; most likely a cuDNN execution plan, not traced), against 0.4-0.5 ms
-# with these; in the engine a 303-token prompt's prefill step took 1019 ms, every other stream
-# waiting, and 79 ms with these (deploy/RESULTS.md, s9). Memory-efficient attention takes the
-# boolean mask; math is the fallback.
+# Left to choose, SDPA paid a per-shape setup (most likely a cuDNN execution plan) on its first
+# call at each new prompt length, hundreds of times the call itself, while every other stream of
+# the batch waited. Memory-efficient attention takes the boolean mask; math is the fallback.
 NO_PLAN_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -105,17 +104,17 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 class TorchPagedAttention:
     """Vectorised paged attention with SDPA: gather each sequence's KV into a padded batch.
 
-    supports_token_rows = False: it ignores AttentionMetadata.token_* (no decode kernel here).
-    fuses_decode_rope = False: the model applies RoPE itself.
-    decodes_from_cache = False: no forward_decode_cached (RoPE + KV write in the qkv GEMM).
-
     Works on any device; cost is O(B * max_seq_len) gathered KV per layer, which is fine on CPU
-    and for prefill, and is what the GPU decode kernel will replace.
+    and for prefill, and is what the GPU decode kernel replaces. Its capabilities
+    (runner/layers/base.py AttentionBackend) are all off: it ignores AttentionMetadata.token_*,
+    the model writes K/V and applies RoPE through `forward`; `forward_prewritten_kv` and
+    `forward_decode_cached` would attend from the cache all the same, but are never asked for.
     """
 
     supports_token_rows = False
-    fuses_decode_rope = False
+    accepts_prewritten_kv = False
     decodes_from_cache = False
+    fuses_decode_rope = False
 
     def __init__(self, sdpa_backends: list[SDPBackend] | None = None) -> None:
         # None: SDPA picks as it likes (CPU). TritonPagedAttention passes NO_PLAN_BACKENDS.
@@ -123,6 +122,11 @@ class TorchPagedAttention:
 
     def decode_rope_fused(self, batch: int, num_kv_heads: int, device: torch.device) -> bool:
         return False
+
+    def forward_decode_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError("TorchPagedAttention does not fuse RoPE (decode_rope_fused is always False)")
 
     def forward(
         self,
@@ -134,7 +138,19 @@ class TorchPagedAttention:
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
         write_kv(k, v, kv_cache, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta, scale)
 
+    def forward_prewritten_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._attend(q, kv_cache, meta, scale)
+
+    def forward_decode_cached(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                              scale: float) -> torch.Tensor:
+        return self._attend(q, kv_cache, meta, scale)
+
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """q [T, Hq, D] over the cached K/V of its sequences (this step's included) -> [T, Hq, D]."""
         t, hq, d = q.shape
         _, nb, bs, hkv, _ = kv_cache.shape
         group = hq // hkv
@@ -181,20 +197,3 @@ class TorchPagedAttention:
 
     __call__ = forward
 
-
-def make_attention_backend(device: torch.device | str, pdl: bool = True, rope_in_attention: bool = True,
-                           attention_prefetch: bool = True):
-    """Pick the attention backend for a device once, at model construction: the Triton paged
-    decode kernel on CUDA (prefill still goes through the torch path; `pdl`: launched with
-    programmatic dependent launch where the GPU has it; `rope_in_attention`: pure-decode steps
-    do RoPE and the KV write inside the kernel; `attention_prefetch`: those steps' split kernel
-    loads the block table and first K/V tile before the PDL wait), plain torch elsewhere."""
-    if torch.device(device).type == "cuda":
-        from runner.kernels.attention import (
-            TritonPagedAttention,  # needs triton, present with CUDA torch
-        )
-        from runner.kernels.pdl import pdl_available
-
-        return TritonPagedAttention(pdl=pdl and pdl_available(device), rope_in_attention=rope_in_attention,
-                                    prefetch=attention_prefetch)
-    return TorchPagedAttention()

@@ -6,8 +6,8 @@ Numerics follow transformers (RMSNorm in fp32, RoPE cos/sin from fp32 tables cas
 model dtype, residual adds in model dtype) so outputs match it within dtype tolerance.
 
 The elementwise work (norms, residual adds, RoPE, SiLU*mul, KV write) goes through an ops
-object fixed at construction (runner/layers/ops.py): plain torch on CPU, fused Triton kernels on
-CUDA. Residual adds are folded into the next RMSNorm ("residual stream"): each layer takes and
+backend fixed at construction (runner/layers/base.py OpsBackend, chosen by the registry in
+runner/layers/__init__.py): plain torch on CPU, fused Triton kernels on CUDA. Residual adds are folded into the next RMSNorm ("residual stream"): each layer takes and
 returns (sublayer output, residual) and `add_rmsnorm` forms their sum, which is the same value
 transformers' `h = h + sublayer(norm(h))` produces.
 
@@ -25,8 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.config import ModelConfig, RopeConfig
-from runner.layers.attention import AttentionMetadata, make_attention_backend
-from runner.layers.ops import make_ops, torch_rmsnorm
+from runner.layers import make_attention, make_ops
+from runner.layers.attention import AttentionMetadata
+from runner.layers.base import AttentionBackend, OpsBackend
+from runner.layers.ops import torch_rmsnorm
 
 
 class RMSNorm(nn.Module):
@@ -97,7 +99,8 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, attn, rotary: RotaryEmbedding, ops):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, attn: AttentionBackend, rotary: RotaryEmbedding,
+                 ops: OpsBackend):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_heads
@@ -117,7 +120,7 @@ class Attention(nn.Module):
         self.ops = ops
         # A backend that declares `accepts_prewritten_kv` lets the RoPE launch also write this
         # step's K/V into the cache (one launch instead of three); fixed here, not per call.
-        self.fuse_kv_write = bool(getattr(attn, "accepts_prewritten_kv", False))
+        self.fuse_kv_write = attn.accepts_prewritten_kv
         # ... and one that `fuses_decode_rope` does RoPE + KV write + attention of a pure-decode
         # step in a single launch (at the batch sizes where its `decode_rope_fused` says so).
         self.rope_in_attention = self.fuse_kv_write and attn.fuses_decode_rope
@@ -177,7 +180,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, attn, rotary: RotaryEmbedding, ops):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, attn: AttentionBackend, rotary: RotaryEmbedding,
+                 ops: OpsBackend):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx, attn, rotary, ops)
@@ -216,15 +220,15 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Parameter names mirror HF's minus the split projections (qkv_proj, gate_up_proj).
 
-    `attn` (attention backend) and `ops` (elementwise ops, runner/layers/ops.py) default to the
-    variants for the default device; build_empty_model passes the target device's.
+    `attn` (attention backend) and `ops` (runner/layers/base.py) default to the registry's
+    choice for the default device; build_empty_model passes the target device's.
     """
 
-    def __init__(self, cfg: ModelConfig, attn=None, ops=None):
+    def __init__(self, cfg: ModelConfig, attn: AttentionBackend | None = None, ops: OpsBackend | None = None):
         super().__init__()
         self.cfg = cfg
-        self.attn = attn if attn is not None else make_attention_backend(torch.get_default_device())
-        self.ops = ops if ops is not None else make_ops(torch.get_default_device())
+        self.attn = attn if attn is not None else make_attention(None, torch.get_default_device())
+        self.ops = ops if ops is not None else make_ops(None, torch.get_default_device())
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
@@ -248,8 +252,8 @@ class LlamaForCausalLM(nn.Module):
         """Store the head's weight (the embedding, if tied) as the first V rows of a [V', H]
         tensor with V' a multiple of `multiple`, before the weights are filled. Why: with an odd
         vocabulary (Orpheus: 156940) the logits' rows are not 16-byte aligned and cuBLAS on
-        Hopper falls back to an sm80 kernel (H200, batch 400: 1.77 ms for this one GEMM);
-        computing V' columns and dropping the zero ones keeps the fast kernels."""
+        Hopper falls back to a much slower sm80 kernel; computing V' columns and dropping the
+        zero ones keeps the fast kernels."""
         v, h = self.lm_head_weight.shape
         vp = -(-v // multiple) * multiple
         if vp == v:
@@ -304,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
             # Row stride V always: `.float()` keeps a one-row view's padded stride V' (torch
             # counts a [1, V] slice of [1, V'] as contiguous), so one sampled row would reach
             # the sampling kernels with another row stride than several (a Triton
-            # specialisation compiled mid-serving on the H200, s9).
+            # specialisation compiled mid-serving).
             return torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)
         return logits.float()
 
@@ -322,17 +326,19 @@ class LlamaForCausalLM(nn.Module):
 
 
 def build_empty_model(
-    cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, attn=None, ops=None
+    cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, attn: AttentionBackend | None = None,
+    ops: OpsBackend | None = None, model_cls: type[LlamaForCausalLM] = LlamaForCausalLM,
 ) -> LlamaForCausalLM:
-    """Allocate the model on `device` in `dtype` with uninitialised parameters (no init kernels,
-    no CPU copy); RoPE tables are computed for real. `attn`/`ops` default to `device`'s variants."""
+    """Allocate the model (`model_cls`: runner.models.model_class_for(cfg) when loading) on
+    `device` in `dtype` with uninitialised parameters (no init kernels, no CPU copy); RoPE tables
+    are computed for real. `attn`/`ops` default to the registry's choice for `device`."""
     device = torch.device(device)
     if attn is None:
-        attn = make_attention_backend(device)
+        attn = make_attention(None, device)
     if ops is None:
-        ops = make_ops(device)
+        ops = make_ops(None, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, attn, ops)
+        model = model_cls(cfg, attn, ops)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_buffers(device)
     if device.type == "cuda":  # chosen once: the alignment matters to cuBLAS only
@@ -342,7 +348,8 @@ def build_empty_model(
 
 @torch.no_grad()
 def build_random_model(
-    cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int = 0, attn=None, ops=None
+    cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int = 0,
+    attn: AttentionBackend | None = None, ops: OpsBackend | None = None,
 ) -> LlamaForCausalLM:
     """Random weights (std 0.02, biases 0, norms 1) generated directly on `device`, for benchmarks."""
     model = build_empty_model(cfg, device, dtype, attn, ops)

@@ -18,8 +18,9 @@ import torch
 from safetensors import safe_open
 
 from runner.config import ModelConfig, RunnerConfig
-from runner.layers.attention import make_attention_backend
-from runner.layers.ops import make_ops
+from runner.layers import make_backends
+from runner.layers.base import AttentionBackend, OpsBackend
+from runner.models import model_class_for
 from runner.models.llama import LlamaForCausalLM, build_empty_model, o_proj_has_bias
 
 # Checkpoint entries that carry no weights we need (recomputed or redundant).
@@ -157,22 +158,20 @@ def _names(names: list[str], limit: int = 8) -> str:
     return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
 
 
-def kernels_for(runner: RunnerConfig) -> tuple[object, object]:
-    """(attention backend, elementwise/GEMM ops) for the runner's device and kernel options,
-    chosen once per model (runner/layers/attention.py, runner/layers/ops.py)."""
-    dev = runner.torch_device
-    attn = make_attention_backend(dev, pdl=runner.pdl, rope_in_attention=runner.rope_in_attention,
-                                  attention_prefetch=runner.attention_prefetch)
-    return attn, make_ops(dev, skinny_linear=runner.skinny_linear, pdl=runner.pdl, split_k=runner.split_k,
-                          norm_fold=runner.norm_fold, qkv_rope=runner.qkv_rope)
+def kernels_for(runner: RunnerConfig) -> tuple[AttentionBackend, OpsBackend]:
+    """(attention backend, ops) for the runner's device and kernel options, chosen once per
+    model: the registry's runner.layers.make_backends (callers may use that directly)."""
+    return make_backends(runner)
 
 
 @torch.no_grad()
-def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, attn=None, ops=None) -> LlamaForCausalLM:
-    """Build the model for `cfg` on `device` in `dtype` and fill it from the safetensors in cfg.path."""
+def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, attn: AttentionBackend | None = None,
+               ops: OpsBackend | None = None) -> LlamaForCausalLM:
+    """Build the model for `cfg` (its class from the registry, runner/models/__init__.py) on
+    `device` in `dtype` and fill it from the safetensors in cfg.path."""
     _check_unsupported_features(Path(cfg.path))
     plan = plan_load(cfg, find_safetensors(cfg.path))
-    model = build_empty_model(cfg, device, dtype, attn, ops)
+    model = build_empty_model(cfg, device, dtype, attn, ops, model_cls=model_class_for(cfg))
     params = dict(model.named_parameters())
     _check_coverage(plan, params)
     by_file: dict[Path, list[tuple[str, _Target]]] = {}

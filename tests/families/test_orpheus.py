@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from runner.families.orpheus import OrpheusCodeConstraint
-from runner.layers.sampler import Sampler, SamplingBatch, SlotState
+from runner.layers.sampler import Sampler
+from runner.layers.sampling_batch import SamplingBatch
+from runner.layers.slot_state import SlotState
 from streaming.sampling_params import SamplingParams
 
 OFFSET, CB, TPF, END, V = 40, 8, 7, 30, 120  # audio ids [40, 96); end token below them

@@ -234,7 +234,7 @@ def test_split_k_into_norm_keeps_graphs_equal_and_hf_close(model_dir, monkeypatc
     this tiny model's shapes; the real table only has Orpheus-3B's), with pointer or TMA loads
     (LinearTile.tma, as the real table's 17..64-row tiles): graphs + async give the same tokens
     as eager, and bf16 hidden states / logits stay within tolerance of transformers."""
-    import runner.kernels.fused_ops as tfo
+    import runner.layers.triton_ops as tfo
     from runner.kernels import linear as triton_linear
     from runner.kernels.linear import LinearTile
 
@@ -257,7 +257,7 @@ def test_norm_fold_keeps_graphs_equal_and_hf_close(model_dir, monkeypatch, tma):
     table pointed at this tiny model's o_proj at every M up to 64; the real table only has
     Orpheus-3B's, at 2..16 and 33..64 rows): graphs + async give the same tokens as eager, and bf16 hidden
     states / logits stay within tolerance of transformers."""
-    import runner.kernels.fused_ops as tfo
+    import runner.layers.triton_ops as tfo
     from runner.kernels import linear as triton_linear
     from runner.kernels.linear import LinearTile
 
@@ -275,7 +275,7 @@ def test_norm_fold_keeps_graphs_equal_and_hf_close(model_dir, monkeypatch, tma):
 
 def test_triton_decode_backend_matches_torch_backend(model_dir):
     """Same tokens whether decode attention runs in the Triton kernel or the torch gather path."""
-    from runner.kernels.attention import TritonPagedAttention
+    from runner.layers.triton_attention import TritonPagedAttention
     from runner.layers.attention import TorchPagedAttention
     from runner.models.loader import load_model
 

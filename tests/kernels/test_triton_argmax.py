@@ -27,7 +27,7 @@ _CUDA = interpret_without_cuda()
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
 
 from runner.kernels.argmax import CHUNK, _piece_max_kernel, row_argmax  # noqa: E402
-from runner.kernels.fused_ops import TritonOps  # noqa: E402
+from runner.layers.triton_ops import TritonOps  # noqa: E402
 
 DEVICE = "cuda" if _CUDA else "cpu"
 if not _CUDA:
@@ -91,7 +91,7 @@ def test_nan_rows_get_an_index_of_the_row():
 
 
 def test_triton_ops_argmax_is_the_kernel_pair(monkeypatch):
-    import runner.kernels.fused_ops as tfo
+    import runner.layers.triton_ops as tfo
 
     calls = []
     monkeypatch.setattr(tfo, "row_argmax", lambda x, pdl: calls.append(pdl) or x.argmax(dim=-1))

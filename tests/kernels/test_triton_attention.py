@@ -26,7 +26,6 @@ triton = pytest.importorskip("triton", reason="triton not installed (CPU torch w
 
 from runner.kernels.attention import (  # noqa: E402
     MAX_SPLITS,
-    TritonPagedAttention,
     _paged_decode_kernel,
     choose_block_n,
     choose_num_splits,
@@ -38,6 +37,7 @@ from runner.layers.attention import (  # noqa: E402
     AttentionMetadata,
     TorchPagedAttention,
 )
+from runner.layers.triton_attention import TritonPagedAttention  # noqa: E402
 
 DEVICE = "cuda" if _CUDA else "cpu"
 INTERPRET = not _CUDA

@@ -28,9 +28,7 @@ from tests.support.triton_interpreter import (
 _CUDA = interpret_without_cuda()
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
 
-from runner.kernels import fused_ops as triton_fused_ops
 from runner.kernels.argmax import row_argmax
-from runner.kernels.fused_ops import TritonOps
 from runner.kernels.head_argmax import (
     HEAD_TUNED,
     _head_argmax_kernel,
@@ -38,6 +36,8 @@ from runner.kernels.head_argmax import (
     head_tile_for,
 )
 from runner.kernels.linear import LinearTile, skinny_linear
+from runner.layers import triton_ops as triton_fused_ops
+from runner.layers.triton_ops import TritonOps
 
 DEVICE = "cuda" if _CUDA else "cpu"
 if not _CUDA:

@@ -31,7 +31,7 @@ _CUDA = interpret_without_cuda()
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
 
 from runner.engine.cuda_graphs import graph_buckets  # noqa: E402
-from runner.kernels.fused_ops import TritonOps, silu_and_mul  # noqa: E402
+from runner.kernels.fused_ops import silu_and_mul  # noqa: E402
 from runner.kernels.gpu_info import num_sms  # noqa: E402
 from runner.kernels.linear import (  # noqa: E402
     FOLD_TUNED,
@@ -53,6 +53,7 @@ from runner.kernels.linear import (  # noqa: E402
     tile_for,
 )
 from runner.layers.ops import TorchOps  # noqa: E402
+from runner.layers.triton_ops import TritonOps  # noqa: E402
 
 DEVICE = "cuda" if _CUDA else "cpu"
 if not _CUDA:
@@ -198,7 +199,7 @@ def test_head_runs_here_only_where_the_table_names_its_shape(monkeypatch):
         calls.append(tile)
         return skinny_linear(x, w, b, tile, **kw)
 
-    monkeypatch.setattr("runner.kernels.fused_ops.skinny_linear", spy)
+    monkeypatch.setattr("runner.layers.triton_ops.skinny_linear", spy)
     for m in (1, 5):
         x = _rand(m, k, seed=71 + m)
         want = ref.head(x, weight, padded)
@@ -387,7 +388,7 @@ def test_post_attention_folds_the_norm_where_the_table_says(m, monkeypatch):
     the real table's rows), o_proj runs as residual_linear and gate_up with the row scale (two
     launches, no norm kernel); M = 1 (a None row) keeps the add + RMSNorm. Either way the MLP output and the residual are TorchOps' within bf16
     tolerance, and folding off (norm_fold=False) takes the unfolded path."""
-    import runner.kernels.fused_ops as tfo
+    import runner.layers.triton_ops as tfo
 
     q, h, inter = 128, 64, 96
     dt = torch.bfloat16

@@ -30,9 +30,10 @@ _CUDA = interpret_without_cuda()
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
 
 from runner.config import RopeConfig
-from runner.kernels.fused_ops import TritonOps, rope_
+from runner.kernels.fused_ops import rope_
 from runner.kernels.linear import PLAIN, TUNED, LinearTile, skinny_linear
 from runner.kernels.qkv_rope import _qkv_rope_kernel, qkv_rope_write
+from runner.layers.triton_ops import TritonOps
 from runner.models.llama import RotaryEmbedding
 
 DEVICE = "cuda" if _CUDA else "cpu"
@@ -115,8 +116,8 @@ def test_model_decodes_the_same_with_it(monkeypatch):
     """A bf16 Llama-shaped model with TritonOps and the Triton attention: pure-decode steps
     through qkv_rope_write give the logits and KV cache of the unfused path (qkv_rope=False)."""
     from runner.config import ModelConfig
-    from runner.kernels.attention import TritonPagedAttention
     from runner.layers.attention import AttentionMetadata, allocate_kv_cache
+    from runner.layers.triton_attention import TritonPagedAttention
     from runner.models.llama import build_random_model
 
     cfg = ModelConfig.from_dict({

@@ -1,5 +1,6 @@
-"""Fused Triton elementwise kernels (runner/kernels/fused_ops.py) vs the torch reference ops
-(runner/layers/ops.py TorchOps), and a whole tiny model run with each.
+"""Fused Triton elementwise kernels (runner/kernels/fused_ops.py, through runner/layers/triton_ops.py
+TritonOps) vs the torch reference ops (runner/layers/ops.py TorchOps), and a whole tiny model run
+with each; the registry's choice of backend per device (runner/layers/__init__.py).
 
 On CUDA the kernels run compiled. Without CUDA they run under Triton's interpreter
 (TRITON_INTERPRET=1, CPU tensors); without `triton` (CPU CI: the CPU torch wheel does not bring
@@ -32,17 +33,18 @@ _CUDA = interpret_without_cuda()  # before any runner module with Triton kernels
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
 
 from runner.config import ModelConfig  # noqa: E402
-from runner.kernels.attention import TritonPagedAttention  # noqa: E402
-from runner.kernels.fused_ops import TritonOps, _rmsnorm_kernel  # noqa: E402
+from runner.kernels.fused_ops import _rmsnorm_kernel  # noqa: E402
+from runner.layers import make_attention, make_ops  # noqa: E402
 from runner.layers.attention import (  # noqa: E402
     AttentionMetadata,
     TorchPagedAttention,
     allocate_kv_cache,
 )
-from runner.layers.ops import TorchOps, make_ops  # noqa: E402
+from runner.layers.ops import TorchOps  # noqa: E402
+from runner.layers.triton_attention import TritonPagedAttention  # noqa: E402
+from runner.layers.triton_ops import TritonOps  # noqa: E402
 from runner.models.llama import build_empty_model  # noqa: E402
 from runner.models.loader import load_model  # noqa: E402
-from tests.support.tiny_models import make_tiny_model  # noqa: E402
 
 DEVICE = "cuda" if _CUDA else "cpu"
 INTERPRET = not _CUDA
@@ -236,10 +238,20 @@ def test_zero_tokens():
 # --- whole model -----------------------------------------------------------------------------
 
 
-def test_make_ops_selects_by_device():
-    assert isinstance(make_ops("cpu"), TorchOps)
+def test_registry_selects_by_device():
+    assert isinstance(make_ops(None, "cpu"), TorchOps)
+    assert isinstance(make_attention(None, "cpu"), TorchPagedAttention)
     if _CUDA:
-        assert isinstance(make_ops("cuda"), TritonOps)
+        assert isinstance(make_ops(None, "cuda"), TritonOps)
+        assert isinstance(make_attention(None, "cuda"), TritonPagedAttention)
+
+
+@pytest.mark.parametrize("backend", [TorchPagedAttention, TritonPagedAttention])
+def test_attention_backends_declare_every_capability(backend):
+    """Callers read capabilities as attributes (no getattr defaults): each backend sets all."""
+    attn = backend()
+    for cap in ("supports_token_rows", "accepts_prewritten_kv", "decodes_from_cache", "fuses_decode_rope"):
+        assert isinstance(getattr(attn, cap), bool), cap
 
 
 class _Paged:
@@ -290,10 +302,10 @@ _MODELS = {
 
 
 @pytest.fixture(scope="module", params=sorted(_MODELS))
-def tiny(request, tmp_path_factory):
+def tiny(request, tiny_model_dir):
     pytest.importorskip("transformers")
     family = request.param
-    path = make_tiny_model(family, tmp_path_factory.mktemp(family), seed=3, **_MODELS[family])
+    path = tiny_model_dir(family, seed=3, **_MODELS[family])
     return ModelConfig.from_pretrained(path)
 
 
@@ -415,7 +427,7 @@ def test_model_with_split_k_into_norm(monkeypatch):
         calls.append(k.get("split_k", 1))
         return real(*a, **k)
 
-    import runner.kernels.fused_ops as tfo
+    import runner.layers.triton_ops as tfo
 
     monkeypatch.setattr(tfo, "skinny_linear", spy)
     dtype = torch.bfloat16

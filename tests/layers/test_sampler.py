@@ -31,7 +31,11 @@ from transformers.generation.logits_process import (
 )
 
 from runner.kernels.gpu_info import num_sms
-from runner.layers.sampler import Sampler, SamplingBatch, SlotState, race_noise
+from runner.layers.noise import NOISE_SALTS, race_noise
+from runner.layers.sampler import Sampler
+from runner.layers.sampling_batch import SamplingBatch
+from runner.layers.sampling_torch import TorchSampling
+from runner.layers.slot_state import SlotState
 from streaming.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -403,7 +407,7 @@ def test_build_flags_and_bias():
 
 class OldSampler:
     """The previous implementation, verbatim apart from the class name and the race noise
-    (now runner.layers.sampler.race_noise): penalties, full ascending sort for top-k / top-p,
+    (now runner.layers.noise.race_noise): penalties, full ascending sort for top-k / top-p,
     softmax, min-p, exponential race. Also timed by
     deploy/bench/sampler.py. Not used by the server."""
 
@@ -607,7 +611,7 @@ def _process_both(sampler: Sampler, logits: torch.Tensor, params: list[SamplingP
 
 
 def test_order_key_is_monotone_and_merges_signed_zeros():
-    from runner.layers.sampler import order_key
+    from runner.layers.radix_select import order_key
 
     tiny = torch.finfo(torch.float32).tiny
     inf = float("inf")
@@ -804,7 +808,7 @@ def test_triton_race_picks_the_torch_backend_token(kernel_cfg):
         ids = SK.filter_and_sample(logits.clone().to(KDEV), batch, q.clone().to(KDEV)).cpu()
         cpu_batch = build(params, range(b), CPU)
         ref = Sampler(CPU, backend="torch")
-        want = ref._filter_torch(logits.clone(), cpu_batch, q.clone())
+        want = TorchSampling(CPU).filter(logits.clone(), cpu_batch, q.clone())
         want = torch.where(cpu_batch.temperature == 0, logits.argmax(-1), want)
         if not torch.equal(ids, want):
             # The GPU's exp / division differ from the CPU's in the last bits: a different winner
@@ -1055,7 +1059,7 @@ def test_triton_race_noise_equals_torch():
     ctrs = torch.tensor([0, 5, 3, 2**31 + 9, 7, 100000], dtype=torch.int64)
     v = 5003
     out = torch.empty(6, v, device=KDEV)
-    SK.race_noise(seeds.to(KDEV), ctrs.to(KDEV), out)
+    SK.race_noise(seeds.to(KDEV), ctrs.to(KDEV), out, NOISE_SALTS)
     torch.testing.assert_close(out.cpu(), race_noise(seeds, ctrs, v), rtol=1e-6, atol=0)
 
 
@@ -1095,7 +1099,7 @@ def test_triton_record_equals_torch(track):
 def test_sampling_table_batch_equals_build():
     """The runner's per-slot table gives the batch SamplingBatch.build gives from the params,
     min_tokens' stop-id bans and logit_bias included."""
-    from runner.layers.sampler import SamplingTable
+    from runner.layers.sampling_batch import SamplingTable
 
     params = [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1),
               SamplingParams(top_k=5, min_tokens=3, stop_token_ids=[7, 9]),

@@ -13,19 +13,19 @@ from safetensors.torch import load_file, save_file
 
 from runner.config import ConfigError, ModelConfig
 from runner.models.loader import LoadError, load_model
-from tests.support.tiny_models import load_hf, make_tiny_model
+from tests.support.tiny_models import load_hf
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"), seed=1)
+def llama_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir("llama", seed=1)
 
 
 @pytest.fixture(scope="module")
-def tied_dir(tmp_path_factory) -> Path:
-    return make_tiny_model("qwen2", tmp_path_factory.mktemp("qwen2"), tie=True, seed=2)
+def tied_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir("qwen2", tie=True, seed=2)
 
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -6,16 +6,22 @@ import pytest
 import torch
 
 from runner.config import ModelConfig
+from runner.layers import make_attention
 from runner.layers.attention import (
     AttentionMetadata,
     TorchPagedAttention,
     allocate_kv_cache,
     kv_bytes_per_token,
-    make_attention_backend,
 )
-from runner.models.llama import build_random_model, rope_inv_freq
+from runner.models import (
+    MODEL_REGISTRY,
+    UnsupportedArchitecture,
+    model_class,
+    model_class_for,
+)
+from runner.models.llama import LlamaForCausalLM, build_random_model, rope_inv_freq
 from runner.models.loader import load_model
-from tests.support.tiny_models import EOS_ID, load_hf, make_tiny_model
+from tests.support.tiny_models import EOS_ID, load_hf
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -68,9 +74,9 @@ class PagedSequences:
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
-def pair(request, tmp_path_factory):
+def pair(request, tiny_model_dir):
     family = request.param
-    path = make_tiny_model(family, tmp_path_factory.mktemp(family), seed=7, **FAMILIES[family])
+    path = tiny_model_dir(family, seed=7, **FAMILIES[family])
     cfg = ModelConfig.from_pretrained(path)
     ours = load_model(cfg, torch.device("cpu"), torch.float32)
     return cfg, ours, load_hf(path)
@@ -245,4 +251,18 @@ def test_build_random_model_and_kv_helpers():
     ids, pos, meta = seqs.step([(0, [1, 2, 3, 4, 5]), (1, [6])])
     hidden, cap = a(ids, pos, kv, meta, capture_layers=(2,))
     assert hidden.shape == (6, 32) and cap[2].shape == (6, 32) and torch.isfinite(hidden).all()
-    assert isinstance(make_attention_backend(torch.device("cpu")), TorchPagedAttention)
+    assert isinstance(make_attention(None, torch.device("cpu")), TorchPagedAttention)
+
+
+def test_registry_maps_architectures_to_the_class():
+    """runner.models' registry picks the model class from config.json's `architectures`; every
+    architecture runner.config accepts has a class."""
+    from runner.config import SUPPORTED_ARCHITECTURES
+
+    assert set(SUPPORTED_ARCHITECTURES) <= set(MODEL_REGISTRY)
+    assert model_class(["SomethingElse", "Qwen3ForCausalLM"]) is LlamaForCausalLM
+    with pytest.raises(UnsupportedArchitecture):
+        model_class(["GPT2LMHeadModel"])
+    cfg = ModelConfig.from_dict({"architectures": ["Qwen2ForCausalLM"], "vocab_size": 32, "hidden_size": 16,
+                                 "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2})
+    assert model_class_for(cfg) is LlamaForCausalLM
