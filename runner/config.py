@@ -210,6 +210,10 @@ class RunnerConfig:
     # its epilogue where its Triton tile runs (runner/kernels/qkv_rope.py), and the attention
     # kernel after it only attends
     qkv_rope: bool = knob(True, "RoPE + KV write in the qkv GEMM's epilogue (A/B switch)", flag="--no-qkv-rope")
+    # "auto": the device's table if present; "none": generic tiles/cuBLAS everywhere
+    # (runner/kernels/tuning: the tables as data, looked up once per backend)
+    tuning: str = knob("auto", "kernel tuning tables: auto (the device's table if there is one), none (generic tiles "
+                               "and cuBLAS everywhere, A/B switch)")
     # Also capture pure-decode graphs that keep every layer's output, so a decode step with a
     # hidden-state request replays a graph instead of running eagerly (host-bound: every stream
     # of the batch waits). Memory: (layers + 1) x max_num_seqs x hidden x dtype in the graph

@@ -47,40 +47,57 @@ import triton.language as tl
 from runner.kernels.fused_ops import rope_rows
 from runner.kernels.gpu_info import num_sms
 from runner.kernels.pdl import pdl_enter
+from runner.kernels.tuning import AttentionTuning, read_table
 
 # Finite "minus infinity" for the running max; see the module docstring. (constexpr: jit
 # functions may only read globals declared as such.)
 _NEG = tl.constexpr(-1.0e30)
 _LOG2E = 1.4426950408889634
 
-# Tile length in tokens (rounded up to a multiple of the block size). 64 tokens x 128 dims x
-# bf16 = 16 KiB per K (or V) tile: large enough to keep many loads in flight, small enough for
-# several pipeline stages in shared memory.
-DEFAULT_BLOCK_N = 64
-# ... while the sequences are split (few programs): shorter tiles, more of them in flight. H200
-# sweep s6-run2, batch 1 at 135 / 350 / 600 tokens: 5.5 / 5.7 / 6.8 us per layer, against
-# 6.0 / 6.2 / 7.2 with 64-token tiles.
-SPLIT_BLOCK_N = 32
-# Split-K sizing: aim for about this many programs per SM, never more than MAX_SPLITS splits.
-_TARGET_PROGRAMS_PER_SM = 2
-MAX_SPLITS = 32
-_NUM_WARPS = 4
-NUM_STAGES = 3
-# Block-table entries per chunk read ahead of the tile loop (`TABLE_P`); 0: each tile loads its
-# own entries, and then the K/V loads wait on that load and Triton issues them one tile ahead
-# only (one K and one V buffer), whatever the stage count. Read in chunks, the K/V addresses come
-# from registers and the loads run LOOP_STAGES - 1 tiles ahead. Where that pays (`choose_tiling`,
-# H200 s17-run2, 350 tokens): split launches, batch 8 engine step 2.352 / 2.367 ms against 2.445 /
-# 2.448; not the 32-split batch 1 (a tile or two per split: 2.027 against 2.008-2.012), nor
-# batch 64 with 64-token tiles (3 programs per SM instead of 4 by shared memory, two waves:
-# 3.142 against 2.983-2.987). Unsplit launches of up to SHORT_WAVE_PROGRAMS_PER_SM programs per
-# SM take 32-token tiles and SHORT_WAVE_STAGES stages (4 programs per SM): batch 32 alone
-# 16.9 us against 19.9. 0 turns either off (bench A/B).
-TABLE_CHUNK = 128
-SHORT_WAVE_PROGRAMS_PER_SM = 2
-SHORT_WAVE_STAGES = 4
+# Launch choices (runner/kernels/tuning/tiles.py AttentionTuning says what each one is). A backend
+# passes its device's (`Tables.attention`, chosen once at its construction) to every launch; a
+# caller that passes none gets these module values, the reference device's table
+# (runner/kernels/tuning/nvidia_h200.json), which benchmarks may set one by one. Why these: tiles
+# of 64 tokens x 128 dims x bf16 = 16 KiB per K (or V) tile keep many loads in flight and still
+# fit several stages; while the sequences are split (few programs) shorter tiles put more of them
+# in flight. Reading the block table in chunks ahead of the tile loop (`TABLE_P`) lets the K/V
+# loads run LOOP_STAGES - 1 tiles ahead (read per tile, the K/V loads wait on that load and
+# Triton issues them one tile ahead only); it pays for split launches with several tiles per
+# split and for unsplit launches of at most a short wave (those also take 32-token tiles and
+# more stages), not for the 32-split batch 1 (a tile or two per split) nor for full waves of
+# 64-token tiles (fewer programs per SM by shared memory). 0 turns either off (bench A/B).
+_REF = read_table("nvidia_h200").attention
+DEFAULT_BLOCK_N = _REF.block_n
+SPLIT_BLOCK_N = _REF.split_block_n
+_TARGET_PROGRAMS_PER_SM = _REF.target_programs_per_sm
+MAX_SPLITS = _REF.max_splits
+_NUM_WARPS = _REF.num_warps
+NUM_STAGES = _REF.num_stages
+TABLE_CHUNK = _REF.table_chunk
+SHORT_WAVE_PROGRAMS_PER_SM = _REF.short_wave_programs_per_sm
+SHORT_WAVE_STAGES = _REF.short_wave_stages
 # Fused RoPE only while B * Hkv programs fit in about one wave (TritonPagedAttention.decode_rope_fused)
-_FUSED_ROPE_PROGRAMS_PER_SM = 4
+_FUSED_ROPE_PROGRAMS_PER_SM = _REF.fused_rope_programs_per_sm
+
+
+class _ModuleTuning:
+    """AttentionTuning read from this module's values at each access (so a benchmark's or a
+    test's setattr on them holds): the tuning of a caller that passes none."""
+
+    block_n = property(lambda self: DEFAULT_BLOCK_N)
+    split_block_n = property(lambda self: SPLIT_BLOCK_N)
+    num_stages = property(lambda self: NUM_STAGES)
+    num_warps = property(lambda self: _NUM_WARPS)
+    target_programs_per_sm = property(lambda self: _TARGET_PROGRAMS_PER_SM)
+    max_splits = property(lambda self: MAX_SPLITS)
+    table_chunk = property(lambda self: TABLE_CHUNK)
+    short_wave_programs_per_sm = property(lambda self: SHORT_WAVE_PROGRAMS_PER_SM)
+    short_wave_stages = property(lambda self: SHORT_WAVE_STAGES)
+    prefetch_min_splits = property(lambda self: PREFETCH_MIN_SPLITS)
+    fused_rope_programs_per_sm = property(lambda self: _FUSED_ROPE_PROGRAMS_PER_SM)
+
+
+_MODULE_TUNING = _ModuleTuning()
 
 
 @triton.jit
@@ -269,7 +286,7 @@ def _paged_decode_kernel(
         # first and the loop reads them back like any cached position, after a CTA barrier (its
         # own stores are then visible to all its threads): the unfused kernel's arithmetic
         # exactly, and at one program per (sequence, KV head) cheaper than the fold, which sits
-        # on every program's critical path (H200 batch 64, 350 tokens: +1.8 against +3.0 us).
+        # on every program's critical path (batch 64, 350 tokens: +1.8 against +3.0 us).
         k_row = knew_ptr + b * stride_knb + kvh * stride_knh + tl.zeros([1, 1], tl.int32)
         k_cur = rope_rows(k_row, 1, offs_d, offs_d[None, :] < HEAD_DIM, c, s_, HEAD_DIM, ROUND)
         k_cur = k_cur.to(kv_ptr.dtype.element_ty)
@@ -395,66 +412,73 @@ def _is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, tuning: AttentionTuning | None = None) -> int:
     """Split-K count from the batch shape alone: the same for an eager step (whose block table
     is as wide as its longest sequence) and for the graph replay of its bucket (full-width
     tables), so both split every sequence into the same tile runs and compute the same values.
 
     No split once B * Hkv programs fill the SMs; otherwise enough splits for about
-    _TARGET_PROGRAMS_PER_SM programs per SM (splits past a short sequence's last tile just
+    target_programs_per_sm programs per SM (splits past a short sequence's last tile just
     exit), rounded down to a power of two: NUM_SPLITS is a compile-time constant, and each
     value compiles when the decode graphs are captured (batch 1, 2, 4, 8, 16, >= 17 on 8 KV
     heads), never mid-serving.
     """
+    t = tuning or _MODULE_TUNING
     programs = batch * num_kv_heads
     if programs == 0 or programs >= num_sms:
         return 1
-    n = max(1, min(math.ceil(_TARGET_PROGRAMS_PER_SM * num_sms / programs), MAX_SPLITS))
+    n = max(1, min(math.ceil(t.target_programs_per_sm * num_sms / programs), t.max_splits))
     return 1 << (n.bit_length() - 1)
 
 
 # Split pure-decode launches with at least this many splits load their first tile before the
-# PDL wait (`prefetches`); bench variants override it. H200, 350 tokens, greedy engine step
-# (deploy/RESULTS.md, s11-run2/3): batch 1 (32 splits) with the qkv GEMM in Triton 2.162 /
-# 2.164 ms against 2.232 without the prefetch; batch 2 (16 splits) 2.498 / 2.497 with it
-# against 2.475 / 2.473, batch 8 (4 splits) 2.672 / 2.674 against 2.647 / 2.648 (the peeled
-# tile delays the loop's pipelined loads past the wait). Unsplit (write-first), batch 64, it
-# cost 3.37 against 3.16 ms, and that form was removed.
-PREFETCH_MIN_SPLITS = 32
+# PDL wait (`prefetches`); bench variants override it. It pays at 32 splits (batch 1: a split
+# attends a tile or two, so its time is a chain of dependent loads), not at 4-16 (the peeled tile
+# delays the loop's pipelined loads past the wait), nor unsplit (that form was removed).
+PREFETCH_MIN_SPLITS = _REF.prefetch_min_splits
 
 
-def prefetches(num_splits: int) -> bool:
+def prefetches(num_splits: int, tuning: AttentionTuning | None = None) -> bool:
     """Whether a fused-RoPE decode launch with `num_splits` splits issues its block-table, first
     K/V tile and RoPE-row loads before the PDL wait: a function of the split count alone, which
     the batch shape fixes, so eager steps and graph replays run the same kernel."""
-    return num_splits > 1 and num_splits >= PREFETCH_MIN_SPLITS
+    return num_splits > 1 and num_splits >= (tuning or _MODULE_TUNING).prefetch_min_splits
 
 
-def _short_wave(batch: int, num_kv_heads: int, num_sms: int) -> bool:
+def _short_wave(batch: int, num_kv_heads: int, num_sms: int, t: AttentionTuning) -> bool:
     # strict: batch 32 on 8 KV heads and 132 SMs is in, 33 out, so the limit sits at a graph
     # bucket (32) and an eager step takes its bucket's tiles
     programs = batch * num_kv_heads
-    return num_sms <= programs < SHORT_WAVE_PROGRAMS_PER_SM * num_sms and TABLE_CHUNK > 0
+    return num_sms <= programs < t.short_wave_programs_per_sm * num_sms and t.table_chunk > 0
 
 
-def choose_block_n(batch: int, num_kv_heads: int, num_sms: int) -> int:
-    """Tile length from the batch shape alone (like the split count): SPLIT_BLOCK_N while the
-    sequences are split or fill at most a short wave (TABLE_CHUNK), DEFAULT_BLOCK_N above."""
-    if batch * num_kv_heads < num_sms or _short_wave(batch, num_kv_heads, num_sms):
-        return SPLIT_BLOCK_N
-    return DEFAULT_BLOCK_N
+def choose_block_n(batch: int, num_kv_heads: int, num_sms: int, tuning: AttentionTuning | None = None) -> int:
+    """Tile length from the batch shape alone (like the split count): split_block_n while the
+    sequences are split or fill at most a short wave (table_chunk), block_n above."""
+    t = tuning or _MODULE_TUNING
+    if batch * num_kv_heads < num_sms or _short_wave(batch, num_kv_heads, num_sms, t):
+        return t.split_block_n
+    return t.block_n
 
 
-def choose_tiling(batch: int, num_kv_heads: int, num_sms: int, num_splits: int) -> tuple[int, int, int]:
+def choose_tiling(batch: int, num_kv_heads: int, num_sms: int, num_splits: int,
+                  tuning: AttentionTuning | None = None) -> tuple[int, int, int]:
     """(tile length, loop stages, block-table chunk) from the batch shape and split count alone,
-    so an eager step and the graph replay of its bucket tile every sequence alike (TABLE_CHUNK's
-    comment has the measurements)."""
-    block_n = choose_block_n(batch, num_kv_heads, num_sms)
+    so an eager step and the graph replay of its bucket tile every sequence alike (the launch
+    choices' comment says where each pays)."""
+    t = tuning or _MODULE_TUNING
+    block_n = choose_block_n(batch, num_kv_heads, num_sms, t)
     if num_splits > 1:
-        return block_n, NUM_STAGES, 0 if prefetches(num_splits) else TABLE_CHUNK
-    if _short_wave(batch, num_kv_heads, num_sms):
-        return block_n, SHORT_WAVE_STAGES, TABLE_CHUNK
-    return block_n, NUM_STAGES, 0
+        return block_n, t.num_stages, 0 if prefetches(num_splits, t) else t.table_chunk
+    if _short_wave(batch, num_kv_heads, num_sms, t):
+        return block_n, t.short_wave_stages, t.table_chunk
+    return block_n, t.num_stages, 0
+
+
+def fused_rope_fits(batch: int, num_kv_heads: int, num_sms: int, tuning: AttentionTuning | None = None) -> bool:
+    """Whether a pure-decode launch of `batch` rows has few enough programs for RoPE + KV write
+    inside the kernel (B * Hkv <= fused_rope_programs_per_sm per SM: about one wave)."""
+    return batch * num_kv_heads <= (tuning or _MODULE_TUNING).fused_rope_programs_per_sm * num_sms
 
 
 class DecodeRope(NamedTuple):
@@ -481,10 +505,11 @@ def paged_decode_attention(
     block_n: int | None = None,  # tile length in tokens; None: choose_tiling
     pdl: bool = False,  # launch with programmatic dependent launch (runner/kernels/pdl.py)
     rope: DecodeRope | None = None,
-    num_warps: int | None = None,  # None: _NUM_WARPS (bench sweeps pass others)
+    num_warps: int | None = None,  # None: the tuning's (bench sweeps pass others)
     num_stages: int | None = None,  # None: choose_tiling
     prefetch: bool = True,  # with `rope`: load all but q/k/v before the PDL wait (prefetches())
     table_chunk: int | None = None,  # block-table entries read ahead of the tiles; None: choose_tiling
+    tuning: AttentionTuning | None = None,  # the device's launch choices; None: this module's values
 ) -> torch.Tensor:  # [B, Hq, D], q's dtype unless `out` is given
     """Attention of one query token per sequence over positions [0, seq_lens[b]) of its paged KV.
 
@@ -519,8 +544,9 @@ def paged_decode_attention(
     group_p = max(16, triton.next_power_of_2(group))
     sms = num_sms(q.device)
     max_blocks = block_tables.shape[1]
-    splits = num_splits or choose_num_splits(bsz, hkv, sms)
-    auto_bn, auto_stages, auto_chunk = choose_tiling(bsz, hkv, sms, splits)
+    t = tuning or _MODULE_TUNING
+    splits = num_splits or choose_num_splits(bsz, hkv, sms, t)
+    auto_bn, auto_stages, auto_chunk = choose_tiling(bsz, hkv, sms, splits, t)
     bn = max(block_n or auto_bn, bs)
     assert _is_pow2(bn), f"block_n {bn} must be a power of two"
     dot_prec = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
@@ -558,9 +584,9 @@ def paged_decode_attention(
         hq, max_blocks, *rope_args,
         GROUP=group, GROUP_P=group_p, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=bn,
         NUM_SPLITS=splits, DOT_PREC=dot_prec, LOOP_STAGES=stages,
-        num_warps=num_warps or _NUM_WARPS, num_stages=stages, USE_GDC=pdl, launch_pdl=pdl,
+        num_warps=num_warps or t.num_warps, num_stages=stages, USE_GDC=pdl, launch_pdl=pdl,
         FUSED_ROPE=rope is not None, ROUND=q.dtype != torch.float32, FOLD_CURRENT=fold,
-        PREFETCH=fold and prefetch and prefetches(splits), TABLE_P=table_p,
+        PREFETCH=fold and prefetch and prefetches(splits, t), TABLE_P=table_p,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(bsz, hq)](
@@ -568,6 +594,6 @@ def paged_decode_attention(
             out.stride(0), out.stride(1), out.stride(2),
             hq,
             HEAD_DIM=d, NUM_SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits),
-            num_warps=_NUM_WARPS, USE_GDC=pdl, launch_pdl=pdl,
+            num_warps=t.num_warps, USE_GDC=pdl, launch_pdl=pdl,
         )  # fmt: skip
     return out

@@ -1,7 +1,7 @@
 """Triton kernels of the sampler's 'triton' backend (runner/layers/sampler.py has the semantics).
 
 Why: at batch 256 x 156940 the sort-based top-p sorted 40M floats per step (most of ~7.5 ms of
-sampling on an H200) and the rest was ~15 elementwise passes. Here a step is:
+sampling) and the rest was ~15 elementwise passes. Here a step is:
 
   * `_penalty_kernel`: repetition / frequency / presence penalties in one pass that reads the
     slot-state rows in place (no [B, V] gathers), with the reference roundings (x * p, x / p,
@@ -37,6 +37,7 @@ Importing this module needs `triton`; the sampler imports it only for the triton
 from __future__ import annotations
 
 import functools
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,31 +46,19 @@ import triton.language as tl
 
 from runner.kernels.gpu_info import num_sms
 from runner.kernels.hashing import hash32, uniform24
+from runner.kernels.tuning.tiles import SamplingTuning
 
 if TYPE_CHECKING:  # annotations only: kernels never import runner.layers at run time
     from runner.layers.sampling_batch import SamplingBatch
     from runner.layers.slot_state import SlotState
 
-# Launch configuration of `_filter_sample_kernel` (see `set_config`):
-#   BLOCK_P  tokens per chunk of a pivot pass; its accumulators are [BLOCK_P, NP] per stat
-#            (count and mass, both fp32: 2 * BLOCK_P * NP / (32 * num_warps) registers/thread);
-#   NP       pivots per pass (power of two);
-#   BLOCK_S  tokens per chunk of the streaming passes (pass 1, compaction, race);
-#   C        scratch capacity: the search compacts the interval once it holds <= C tokens and
-#            finishes in registers (C / (32 * num_warps) keys + masses per thread);
-#   MAX_PASSES  safety stop for pivot passes (the key midpoint pivot bounds them at 32);
-#   num_warps   when B > the SM count: 8 warps at <= 128 registers = two programs per SM;
-#   num_warps_small  when B <= the SM count a row has an SM to itself: more warps hide more
-#               latency (16 warps at ~90 registers, one program per SM).
-# Every pass loads the next chunk before working on the current one (a hand-rolled pipeline:
-# with one or two programs per SM nothing else would hide the memory latency).
-_CONFIG: dict[str, int] = {
-    "BLOCK_P": 512, "NP": 8, "BLOCK_S": 2048, "C": 8192, "MAX_PASSES": 40, "num_warps": 8,
-    # equal to num_warps on purpose: a seeded request must give the same tokens whatever the
-    # batch size, so the reduction tree may not depend on B (16 warps could hide more latency
-    # at small batches; the difference was not measured)
-    "num_warps_small": 8,
-}
+# Launch configuration of `_filter_sample_kernel` (runner/kernels/tuning/tiles.py SamplingTuning
+# says what each one is): a backend passes its device's (`Tables.sampling`) to each launch; a
+# caller that passes none gets this module's, the untuned values unless `set_config` changed them
+# (benchmark sweeps, tests forcing multi-pass paths). Every pass loads the next chunk before
+# working on the current one (a hand-rolled pipeline: with one or two programs per SM nothing
+# else would hide the memory latency).
+_CONFIG: dict[str, int] = asdict(SamplingTuning())
 _PENALTY_BLOCK = 2048
 
 
@@ -245,10 +234,10 @@ def _search(y_row, sk_row, V, m, lo, hi, n_in, bound, frac, on,
 
 # The batch's filter flags are runtime arguments (uniform branches), not constexprs: with 2^3
 # combinations a combination first met mid-serving would compile then (~1 s with every stream
-# waiting; H200 test in tests/gpu/test_gpu.py). Not specialised, so 0 and 1 share one variant; nor
+# waiting; tests/gpu/test_gpu.py holds it to none). Not specialised, so 0 and 1 share one variant; nor
 # are the row strides: a prefill step's logits can be a view of the padded lm_head output (row
 # stride 156992, a multiple of 16) where warm-up saw contiguous rows (156940), and that alone
-# compiled a second variant for the first long prompt (H200, s9). With V not a multiple of 16
+# compiled a second variant for the first long prompt. With V not a multiple of 16
 # the row loads are not vectorised either way.
 @triton.jit(do_not_specialize=["stride_y", "stride_q", "has_top_k", "has_top_p", "has_min_p"])
 def _filter_sample_kernel(
@@ -458,18 +447,19 @@ def race_noise(seeds: torch.Tensor, counters: torch.Tensor, out: torch.Tensor,
     return out
 
 
-def _launch(logits: torch.Tensor, batch: "SamplingBatch", q: torch.Tensor | None, ids: torch.Tensor | None) -> None:
+def _launch(logits: torch.Tensor, batch: "SamplingBatch", q: torch.Tensor | None, ids: torch.Tensor | None,
+            tuning: SamplingTuning | None) -> None:
     b, v = logits.shape
     if b == 0:
         return
     if logits.stride(1) != 1:  # the kernel walks rows with unit stride; rare, so a copy is fine
         dense = logits.contiguous()
-        _launch(dense, batch, q, ids)
+        _launch(dense, batch, q, ids, tuning)
         logits.copy_(dense)
         return
     if v >= 1 << 24:
         raise ValueError(f"vocabulary {v} too large: pivot counts are accumulated in fp32 (exact below 2^24)")
-    cfg = _CONFIG
+    cfg = _CONFIG if tuning is None else asdict(tuning)
     warps = cfg["num_warps_small"] if b <= num_sms(logits.device) else cfg["num_warps"]
     filt = batch.any_top_k or batch.any_top_p
     c = cfg["C"] if filt else 1  # no search: no scratch
@@ -488,30 +478,32 @@ def _launch(logits: torch.Tensor, batch: "SamplingBatch", q: torch.Tensor | None
     )
 
 
-def filter_and_sample(logits: torch.Tensor, batch: "SamplingBatch", q: torch.Tensor) -> torch.Tensor:
-    """Stages 3-5: ids [B] int64 (greedy rows: argmax). logits are left scaled, not masked."""
+def filter_and_sample(logits: torch.Tensor, batch: "SamplingBatch", q: torch.Tensor,
+                      tuning: SamplingTuning | None = None) -> torch.Tensor:
+    """Stages 3-5: ids [B] int64 (greedy rows: argmax). logits are left scaled, not masked.
+    `tuning`: the device's launch configuration (None: this module's `_CONFIG`)."""
     if q.stride(1) != 1 or q.shape != logits.shape:
         raise ValueError("noise must be [B, V] with contiguous rows")
     ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    _launch(logits, batch, q, ids)
+    _launch(logits, batch, q, ids, tuning)
     return ids
 
 
-def filter_logits(logits: torch.Tensor, batch: "SamplingBatch") -> None:
+def filter_logits(logits: torch.Tensor, batch: "SamplingBatch", tuning: SamplingTuning | None = None) -> None:
     """Stage 4 in place: scaled logits with -inf on the filtered tokens (greedy rows: T = 1)."""
-    _launch(logits, batch, None, None)
+    _launch(logits, batch, None, None, tuning)
 
 
 # --------------------------------------------------------------------------- slot state, code windows
 # Per-step bookkeeping that torch spells as ~10-30 small ops (where, index_put_ with a sort for
 # accumulate, gather, cat): one launch each here. At 400 rows the host cost of those ops was
-# ~1.5 ms of a ~10 ms step on the H200 (deploy/RESULTS.md), with the GPU work ~6 ms.
+# about a sixth of the step's host time.
 
 _ROW_BLOCK = 256
 
 
 # B (and the row counts below) change every step: not specialising on them (== 1, % 16) keeps one
-# compiled variant, so no Triton compile lands in a serving step (H200 log: a 700 ms step).
+# compiled variant, so no Triton compile (hundreds of ms) lands in a serving step.
 @triton.jit(do_not_specialize=["B"])
 def _record_kernel(slots_ptr, tok_ptr, idx_ptr, last_ptr, hist_ptr, stride_h, cnt_ptr, stride_c, B,
                    HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr):

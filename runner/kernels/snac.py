@@ -51,7 +51,12 @@ import torch
 import triton
 import triton.language as tl
 
+from runner.codecs.config import (
+    MATMUL_PRECISIONS as PRECISIONS,  # the tl.dot precisions, stated once there
+)
 from runner.kernels.hashing import hash32, uniform24
+from runner.kernels.tuning import Tables, load_tables, read_table
+from runner.kernels.tuning.tiles import SAFE_SNAC_TILES, SnacTiles
 
 # ---------------------------------------------------------------- jit helpers
 
@@ -305,63 +310,17 @@ def _noise_kernel(seed_ptr, start_ptr, salt_ptr, out_ptr, M, T, BM: tl.constexpr
 # ---------------------------------------------------------------- launchers
 
 
-@dataclass(frozen=True)
-class Tiles:
-    """Tile shape of a matmul kernel; BN / BK shrink to the layer (never below 16, tl.dot's
-    minimum). Fixed per layer, never per batch: see the module docstring. fast_sin: Snake
-    through the SFU's approximate sine (CUDA only: inline PTX; see _snake)."""
-
-    bm: int = 128
-    bn: int = 128
-    bk: int = 32
-    num_warps: int = 8
-    num_stages: int = 3
-    fast_sin: bool = False
-    # (DecoderBlock index, tiles) for the blocks whose layers (transposed conv, NoiseBlock,
-    # ResidualUnits) take other tiles: their channel counts (512 ... 64) and row counts (8x ...
-    # 512x the latent rate) differ by 8x. The latent layers and the final conv keep these.
-    per_block: tuple[tuple[int, "Tiles"], ...] = ()
-
-    def for_block(self, i: int) -> "Tiles":
-        return next((t for j, t in self.per_block if j == i), self)
-
-    @classmethod
-    def parse(cls, spec: str) -> "Tiles":
-        """'bm,bn,bk,warps,stages[,fast_sin 0/1]', optionally followed by per-block tiles
-        '+bI:bm,bn,...' (bench and tuning command lines)."""
-        base, *blocks = spec.split("+")
-        v = [int(x) for x in base.split(",")]
-        if len(v) not in (5, 6):
-            raise ValueError(f"tiles {spec!r}: expected bm,bn,bk,warps,stages[,fast_sin][+bI:...]")
-        per_block = []
-        for b in blocks:
-            idx, _, t = b.partition(":")
-            if not idx.startswith("b") or not idx[1:].isdigit():
-                raise ValueError(f"tiles {spec!r}: per-block part {b!r} is not 'bI:bm,bn,bk,warps,stages[,fast_sin]'")
-            per_block.append((int(idx[1:]), cls.parse(t)))
-        return cls(*v[:5], fast_sin=bool(v[5]) if len(v) == 6 else False, per_block=tuple(per_block))
-
-
-# Default on CUDA. The larger Tiles() (128x128, 3 stages) needed 242-274 KiB of shared memory
-# with the fused prologues on the H200 (limit 227 KiB, OutOfResources on 2026-11-30), so the
-# default is the tile shape that ran there and that deploy/RESULTS.md's codec figures used.
-CUDA_TILES = Tiles(bm=64, bn=64, bk=32, num_warps=4, num_stages=2)
-# bf16 models (the CUDA serving default): wider N tiles, 3 stages. H200, 2026-11-30
-# (deploy/bench_gpu.py --sections codec_tiles): 12-frame windows at batch 256 take 57.5 ms
-# against 66.6 ms with CUDA_TILES (batch 64: 14.7 vs 17.1 ms; one 3-frame window: 1.13 vs
-# 2.16 ms), and every other shape tried was slower or did not fit in shared memory.
-# The SFU sine halves the decode time (57.6 -> 29.8 ms; every tile shape with it was faster than
-# any without, `--sections codec_tiles`, s4-run1): libdevice's sinf, twice per element in the
-# Snake prologues and epilogues, was the decoder's bottleneck, not the matmuls. bf16 only: the
-# fp32 path keeps its ~1 LSB agreement with the torch path.
-# Per-block tiles (`Tiles.per_block`) did not beat these either: 15 other shapes for one block
-# at a time all took 29.9-35.8 ms at 256 x 12 frames against 29.8 (s8-run3, deploy/RESULTS.md).
-CUDA_TILES_BF16 = Tiles(bm=64, bn=128, bk=32, num_warps=4, num_stages=3, fast_sin=True)
-# Fallback if CUDA_TILES do not fit a GPU: 2 * (64 + 64) * 32 * 4 B = 32 KiB of pipeline buffers.
-SAFE_TILES = Tiles(bm=64, bn=64, bk=32, num_warps=4, num_stages=2)
+# The tile type lives with the tuning tables (runner/kernels/tuning); the CUDA tiles per model
+# dtype come from the device's table (`SnacTuning`), chosen once when the decoder is built.
+Tiles = SnacTiles
+# Always valid on CUDA (the untuned choice): 32 KiB of pipeline buffers, no inline PTX.
+SAFE_TILES = SAFE_SNAC_TILES
+# The reference device's tiles (runner/kernels/tuning/nvidia_h200.json "snac"): fp32, and bf16
+# models (the CUDA serving default: wider N tiles, 3 stages, the SFU sine).
+_REFERENCE = read_table("nvidia_h200").snac
+CUDA_TILES, CUDA_TILES_BF16 = _REFERENCE.float32, _REFERENCE.bfloat16
 # Under the interpreter a program costs ~ms whatever its size: few, tall tiles.
 INTERPRETER_TILES = Tiles(bm=4096, bn=64, bk=32, num_warps=4, num_stages=1)
-PRECISIONS = ("tf32x3", "bf16x3", "tf32", "ieee")
 _INTERPRETER_PRECISIONS = ("tf32", "tf32x3", "ieee")  # it runs every fp32 dot as numpy fp32
 
 
@@ -578,11 +537,14 @@ class FusedSnacDecoder:
         frame_layout: tuple[tuple[int, ...], ...],
         precision: str = "tf32x3",
         tiles: Tiles | None = None,
+        tables: Tables | None = None,
     ) -> None:
         """block_rates / salts: per DecoderBlock, output samples per codec frame and the two noise
         salts; frame_layout: per quantizer level, the positions of its codes among a frame's
         tokens in time order (Orpheus: (0,), (1, 4), (2, 3, 5, 6)). Raises ValueError (naming
-        the layer) when the model's topology is not the one the kernels implement."""
+        the layer) when the model's topology is not the one the kernels implement. `tiles`
+        overrides the device's (benchmarks, tests); else on CUDA `tables` (None: the device's,
+        runner.kernels.tuning.load_tables) gives them per model dtype."""
         from snac.layers import DecoderBlock, NoiseBlock
 
         if precision not in PRECISIONS:
@@ -599,7 +561,7 @@ class FusedSnacDecoder:
         # default setting every bf16 Triton dot compiles with.
         self.precision = precision if self.dtype == torch.float32 else "tf32"
         if tiles is None and self.device.type == "cuda":
-            tiles = CUDA_TILES_BF16 if self.dtype == torch.bfloat16 else CUDA_TILES
+            tiles = (tables or load_tables(self.device)).snac.tiles(self.dtype)
         self.tiles = tiles or INTERPRETER_TILES
         if any(t.fast_sin for t in (self.tiles, *(t for _, t in self.tiles.per_block))) and self.device.type != "cuda":
             raise ValueError("Tiles.fast_sin is inline PTX: CUDA only")
@@ -737,13 +699,10 @@ def _bench_main() -> None:
     import tempfile
     from pathlib import Path
 
-    from runner.codecs.snac import (
-        CodecConfig,
-        SnacWindowDecoder,
-        float_to_s16,
-        load_snac,
-        write_random_snac,
-    )
+    from runner.codecs.config import CodecConfig
+    from runner.codecs.decoder import SnacWindowDecoder, float_to_s16
+    from runner.codecs.snac import load_snac
+    from runner.models.builders import write_random_snac
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiles", nargs="*", default=["128,128,32,8,3", "128,64,32,4,3", "64,64,32,4,2", "64,128,32,4,3"])
