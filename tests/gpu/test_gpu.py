@@ -11,7 +11,7 @@ from runner.config import EngineConfig
 from runner.engine.engine import Engine
 from streaming.sampling_params import SamplingParams
 from tests.engine.test_engine import prompts_of, run_staggered
-from tests.support.tiny_models import load_hf, make_tiny_model
+from tests.support.tiny_models import load_hf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -24,10 +24,10 @@ def cuda_engine(path, dtype, *, graphs=True, async_sched=True, max_num_seqs=16) 
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
-def model_dir(request, tmp_path_factory):
+def model_dir(request, tiny_model_dir):
     fam = request.param
     kw = {"llama": dict(rope_llama3=True), "qwen2": dict(tie=True), "qwen3": {}}[fam]
-    return make_tiny_model(fam, tmp_path_factory.mktemp(fam), seed=7, head_dim=64 if fam != "qwen3" else 32, **kw)
+    return tiny_model_dir(fam, seed=7, head_dim=64 if fam != "qwen3" else 32, **kw)
 
 
 @pytest.fixture(autouse=True)
@@ -288,22 +288,18 @@ def test_triton_decode_backend_matches_torch_backend(model_dir):
     assert run_staggered(ref, prompts, GREEDY) == a
 
 
-def test_cuda_codec_stage_streams_equal_offline(tmp_path):
+def test_cuda_codec_stage_streams_equal_offline(tiny_snac_dir):
     """The CUDA codec path (own stream, CUDA graphs, PCM collected once it has landed) emits
     every sample once: the streamed concatenation equals the offline decode under the same
     window rule."""
     import numpy as np
 
-    from runner.codecs.snac import (
-        CodecConfig,
-        CodecStage,
-        codes_to_tokens,
-        make_tiny_snac,
-        offline_decode,
-    )
+    from runner.codecs.config import CodecConfig
+    from runner.codecs.decoder import offline_decode
+    from runner.codecs.orpheus_tokens import codes_to_tokens
+    from runner.codecs.stage import CodecStage
 
-    folder = make_tiny_snac(tmp_path / "snac")
-    st = CodecStage(CodecConfig(path=str(folder), codebook_size=64), torch.device("cuda"))
+    st = CodecStage(CodecConfig(path=str(tiny_snac_dir), codebook_size=64), torch.device("cuda"))
     rng = np.random.default_rng(0)
     codes = {k: rng.integers(0, 64, (n, 7)) for k, n in (("a", 3), ("b", 11), ("c", 23))}
     toks = {k: codes_to_tokens(st.cfg, c) + [st.cfg.end_token_id] for k, c in codes.items()}
@@ -337,10 +333,10 @@ class _Traffic:
     helpers to drive requests and a record of every Triton compile after the warm-up."""
 
     def __init__(self, model_path, max_num_seqs: int = 16):
-        from runner.engine.process import EngineProcArgs, build_engine
+        from runner.engine.args import engine_args
+        from runner.engine.process import build_engine
 
-        self.eng = build_engine(EngineProcArgs(model_path=str(model_path), input_addr="", output_addr="",
-                                               max_num_seqs=max_num_seqs, max_model_len=1024, device="cuda"))
+        self.eng = build_engine(engine_args(str(model_path), max_num_seqs=max_num_seqs, max_model_len=1024, device="cuda"))
         self.eng.warm_up()
         self.compiled: list[str] = []  # while inside `with`: runner.engine.compile_log.recording's list
 
@@ -370,15 +366,13 @@ TEXT_SAMPLING = [dict(temperature=1.0), dict(temperature=0.7, top_k=50), dict(te
                  dict(temperature=1.0, presence_penalty=0.3, repetition_penalty=1.2), dict(temperature=0.0)]
 
 
-def test_after_warm_up_serving_traffic_compiles_no_triton_kernel(tmp_path):
+def test_after_warm_up_serving_traffic_compiles_no_triton_kernel(default_model_dir):
     """After Engine.warm_up (what the server runs before it listens), the steps real traffic
     makes compile no Triton kernel: a compile mid-serving stalls every stream for ~0.5-2 s.
     Traffic: audio requests whose batch grows and shrinks, a long prompt (> 128 tokens: the
     eager prefill path) arriving alone and one joining running decodes (an eager mixed step),
     text requests with every sampling option the API takes, and a request for hidden states."""
-    from runner.models.default_model import ensure_default_model
-
-    with _Traffic(ensure_default_model(tmp_path / "default")) as t:
+    with _Traffic(default_model_dir) as t:
         eng = t.eng
         audio = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=80, seed=1)
         eng.add_request("long-alone", t.prompt(300, 1), audio, audio=True)
@@ -398,12 +392,12 @@ def test_after_warm_up_serving_traffic_compiles_no_triton_kernel(tmp_path):
     assert t.compiled == [], "\n".join(t.compiled)
 
 
-def test_after_warm_up_text_traffic_compiles_no_triton_kernel(tmp_path):
+def test_after_warm_up_text_traffic_compiles_no_triton_kernel(tiny_model_dir):
     """The same for a text model whose vocabulary (1000) is not a multiple of 64, so its lm_head
     is padded on CUDA: a step that samples one row must hand the sampler the row stride that
     warm-up's many-row steps did (the GPU compiled a second sampling kernel for it).
     Traffic: long prompts alone with each sampling option, then several requests at once."""
-    with _Traffic(make_tiny_model("llama", tmp_path / "m", vocab_size=1000, head_dim=64, max_pos=1024)) as t:
+    with _Traffic(tiny_model_dir("llama", vocab_size=1000, head_dim=64, max_pos=1024)) as t:
         for i, kw in enumerate(TEXT_SAMPLING):
             t.eng.add_request(f"alone{i}", t.prompt(200 + i, i), SamplingParams(max_tokens=4, seed=i, **kw))
             t.run()
