@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the SNAC decoder: the CUDA fast path of runner/codecs/snac.py.
+"""Fused Triton kernels for the SNAC decoder: the CUDA fast path of runner/codecs/decoder.py.
 
 Why: the torch path runs every decoder layer as separate kernels over (B, C, T) tensors.
 Per decoded 24 kHz frame that is ~150 MB of HBM traffic, mostly the Snake activation
@@ -6,7 +6,7 @@ Per decoded 24 kHz frame that is ~150 MB of HBM traffic, mostly the Snake activa
 run 7 times per DecoderBlock), the positional-noise hash (int64 ops) and the depthwise convs;
 the matmul work (~0.8 GFLOP per frame) is small next to it. Here each decoder layer is one
 kernel and every elementwise op is fused into a matmul's prologue or epilogue (about 22 MB per
-frame, see runner.codecs.snac.codec_flops_and_bytes).
+frame, see runner.codecs.cost.codec_flops_and_bytes).
 
 Layout: activations are channels-last rows, (B * T, C) contiguous (row = b * T + t), so a
 pointwise conv is one (rows, C_in) @ (C_in, C_out) matmul and every tile load is contiguous
@@ -19,7 +19,7 @@ consumes the value; "u" always means Snake(x) of the value, materialised once by
   store. Epilogue: + bias.
 * `_rows_gemm_kernel` with the NoiseBlock epilogue: x1 = y + noise(b, t) * (y @ Wn^T); stores
   x1 and u1 = Snake(x1) for the first ResidualUnit. The noise is the positional hash of
-  runner.codecs.snac.positional_noise computed per row in registers (uint32 arithmetic, the same
+  runner.codecs.noise.positional_noise computed per row in registers (uint32 arithmetic, the same
   bits as the int64 torch emulation).
 * `_rows_gemm_kernel` with the depthwise prologue, once per ResidualUnit: the A tile is
   Snake2(dwconv7_dil(u) + b_dw) computed in registers from 7 shifted loads of u (cache hits),
@@ -86,7 +86,7 @@ def _store_snake(out_ptr, offs, val, alpha_ptr, inv_ptr, cols, col_ok, mask, FAS
 
 @triton.jit
 def _positional_noise(seed, pos, salt_a, salt_b):
-    # runner.codecs.snac.positional_noise for one (seed, absolute position) per element: seed and pos
+    # runner.codecs.noise.positional_noise for one (seed, absolute position) per element: seed and pos
     # int64 (taken mod 2^32 like the torch version's `& 0xFFFFFFFF`), salts uint32.
     base = hash32(pos.to(tl.uint32) ^ hash32(seed.to(tl.uint32)))
     h1 = hash32(base ^ salt_a)

@@ -1,7 +1,7 @@
 """Counter-based 32-bit hashing shared by the stages that need reproducible noise.
 
 Noise keyed on (seed, position) instead of drawn from a stateful generator gives the same value
-whatever batch, window or step computes it: the codec's decoder noise (runner/codecs/snac.py) and the
+whatever batch, window or step computes it: the codec's decoder noise (runner/codecs/noise.py) and the
 sampler's race noise (runner/layers/sampler.py) both rely on that. The Triton kernels use
 runner/kernels/hashing.py, which computes the same bits on uint32.
 
