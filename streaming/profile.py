@@ -27,7 +27,11 @@ from pathlib import Path
 
 import msgspec
 
-from streaming.sampling_params import InvalidRequest, SamplingParams, decode_sampling_params
+from streaming.sampling_params import (
+    InvalidRequest,
+    SamplingParams,
+    decode_sampling_params,
+)
 
 PROFILE_FILE = "omnistream.json"
 FAMILIES = ("orpheus", "text")

@@ -135,11 +135,11 @@ def engine_config(max_seqs: int, graphs: bool, async_sched: bool) -> EngineConfi
 
 def build_orpheus_model():
     """The random Orpheus-3B-shaped model (bf16) with the current KERNELS options."""
+    from runner.layers import make_backends
     from runner.models.llama import build_random_model
-    from runner.models.loader import kernels_for
 
     cfg = engine_config(1, True, True)
-    attn, ops = kernels_for(cfg.runner)
+    attn, ops = make_backends(cfg.runner)
     return build_random_model(cfg.model, "cuda", torch.bfloat16, attn=attn, ops=ops)
 
 

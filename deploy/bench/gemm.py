@@ -34,7 +34,13 @@ import torch
 import torch.nn.functional as F
 
 from runner.kernels.linear import GATED, PLAIN, LinearTile, skinny_linear
-from runner.kernels.tuning import TABLES_DIR, LinearTables, dumps_table, linear_to_json, with_linear_rows
+from runner.kernels.tuning import (
+    TABLES_DIR,
+    LinearTables,
+    dumps_table,
+    linear_to_json,
+    with_linear_rows,
+)
 
 # name: (weight rows, K, whether the gated kind is timed too)
 SHAPES = {"qkv": (5120, 3072, False), "o": (3072, 3072, False), "gate_up": (16384, 3072, True),

@@ -5,13 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from runner.codecs.orpheus_tokens import FRAME_WIDTH
+from runner.kernels.tuning.tiles import MATMUL_PRECISIONS
 from streaming.audio import WindowPolicy
-from streaming.profile import ORPHEUS_AUDIO_TOKEN_OFFSET, ORPHEUS_CODEBOOK_SIZE, ORPHEUS_END_OF_SPEECH, ORPHEUS_SAMPLE_RATE
+from streaming.profile import (
+    ORPHEUS_AUDIO_TOKEN_OFFSET,
+    ORPHEUS_CODEBOOK_SIZE,
+    ORPHEUS_END_OF_SPEECH,
+    ORPHEUS_SAMPLE_RATE,
+)
 
 KERNEL_CHOICES = ("auto", "torch", "triton")
-# tl.dot input precisions of the fused SNAC kernels (runner/kernels/snac.py validates against
-# this tuple too); stated here, in a module without triton, so a config validates without it.
-MATMUL_PRECISIONS = ("tf32x3", "bf16x3", "tf32", "ieee")
 
 
 class CodecError(ValueError):

@@ -21,7 +21,7 @@ from runner.codecs.config import KERNEL_CHOICES, CodecError
 from runner.codecs.graphs import CodecGraphs
 from runner.codecs.noise import noise_salts, positional_noise
 from runner.codecs.orpheus_tokens import FRAME_WIDTH, ORPHEUS_LEVELS, frames_to_levels
-from runner.engine.host_staging import staging_for
+from runner.utils.host_staging import staging_for
 from streaming.audio import WindowJob, WindowPolicy, plan_offline
 
 try:  # the fused path needs triton, which CPU torch wheels do not bring: then only torch runs

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.cuda_graphs import no_gc_while_capturing
+from runner.utils.capture import no_gc_while_capturing
 
 log = logging.getLogger(__name__)
 

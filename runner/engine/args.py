@@ -9,7 +9,14 @@ from pathlib import Path
 
 import msgspec
 
-from runner.config import ENGINE_PARTS, CacheConfig, ProcessConfig, RunnerConfig, SchedulerConfig, split_knobs
+from runner.config import (
+    ENGINE_PARTS,
+    CacheConfig,
+    ProcessConfig,
+    RunnerConfig,
+    SchedulerConfig,
+    split_knobs,
+)
 from streaming.profile import ModelProfile, read_profile
 
 PROCESS_PARTS = {**ENGINE_PARTS, "process": ProcessConfig}

@@ -3,7 +3,7 @@
 A pure-decode batch of B <= max sequences replays the graph of the smallest captured bucket
 >= B. Inputs live in persistent device buffers that the graph reads, and the graph fills them
 itself: its first kernel unpacks the one array the host copied into `staged` for the step
-(runner/engine/graph_inputs.py). Padded rows (B..bucket-1)
+(runner/utils/graph_inputs.py). Padded rows (B..bucket-1)
 write their K/V into a scratch block that the block manager never hands out, have seq_len 0
 (the decode kernel writes zeros for them) and their logits are ignored.
 
@@ -28,36 +28,17 @@ other stream of the batch waits for.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
-from collections.abc import Iterator
 
 import numpy as np
 import torch
 
-from runner.engine.graph_inputs import staged_capacity, unpack_graph_inputs_torch
-from runner.engine.host_staging import staging_for
 from runner.layers.attention import AttentionMetadata
+from runner.utils.capture import no_gc_while_capturing
+from runner.utils.graph_inputs import staged_capacity, unpack_graph_inputs_torch
+from runner.utils.host_staging import staging_for
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def no_gc_while_capturing() -> Iterator[None]:
-    """Collect now, then keep Python's cyclic GC off until the captures are done. A collection
-    during a capture runs the finalizers of whatever garbage it finds (an earlier engine's
-    graphs, events, streams), and a CUDA call from one of those while the stream captures
-    aborts the process (seen in tests/gpu/test_gpu.py, which builds engine after engine).
-    torch.cuda.graph no longer collects before a capture by itself."""
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -71,7 +52,7 @@ class DecodeGraphs:
                  scratch_block: int, block_size: int, device: torch.device, last_token: torch.Tensor,
                  max_decode_rows: int | None = None, hidden_rows: int = 0):
         """last_token: the sampler's persistent [slots] int64 tensor of each slot's latest token
-        (rows whose token is still in flight read it; runner/engine/graph_inputs.py)."""
+        (rows whose token is still in flight read it; runner/utils/graph_inputs.py)."""
         self.model = model
         self.kv_caches = kv_caches
         self.max_bs = max_bs
@@ -96,7 +77,7 @@ class DecodeGraphs:
         if (scratch_block + 1) * block_size >= 2**31:
             raise ValueError(f"{scratch_block + 1} KV blocks of {block_size}: cache slots must fit int32 (graph inputs)")
         # persistent inputs, sliced per bucket; every graph starts by filling them from `staged`
-        # (runner/engine/graph_inputs.py), which one copy per step writes
+        # (runner/utils/graph_inputs.py), which one copy per step writes
         self.staged = torch.zeros(staged_capacity(max_bs, max_blocks), dtype=torch.int32, device=device)
         self.last_token = last_token
         # the step's one copy (through the pinned ring on CUDA: non-blocking) and the unpack

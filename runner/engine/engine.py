@@ -15,14 +15,17 @@ import torch
 
 from runner.config import EngineConfig
 from runner.engine.kv_cache import BlockManager, num_kv_blocks
-from runner.engine.model_runner import ModelRunner
+from runner.engine.model_runner import MAX_TOKEN_ROW_QUERY, ModelRunner
 from runner.engine.output_copier import AsyncOutput, StepResult
 from runner.engine.phase_timer import PhaseTimer
 from runner.engine.request import FinishReason, Request
 from runner.engine.scheduler import Scheduler, SchedulerOutput
 from runner.families.base import CodecStageLike, ModelFamily
 from runner.families.text import TextFamily
+from runner.layers import make_backends
 from runner.layers import pick_sampling_backend as pick_backend
+from runner.layers.attention import kv_bytes_per_token
+from runner.models.loader import load_model
 from streaming.ipc import EngineStats, RequestOutput
 from streaming.profile import ModelProfile
 from streaming.sampling_params import InvalidRequest, SamplingParams
@@ -46,15 +49,10 @@ class Engine:
                  codec: CodecStageLike | None = None):
         """family: the model family (default: a plain language model); codec: its codec stage
         (family.build_codec), None for an engine that serves no audio."""
-        from runner.layers.attention import kv_bytes_per_token
-        from runner.models.loader import load_model
-
         self.cfg = cfg
         self.device = cfg.runner.torch_device
         if model is None:
-            from runner.models.loader import kernels_for
-
-            attn, ops = kernels_for(cfg.runner)
+            attn, ops = make_backends(cfg.runner)
             model = load_model(cfg.model, self.device, cfg.runner.torch_dtype, attn=attn, ops=ops)
         self.model = model
         self.num_blocks = num_kv_blocks(cfg, kv_bytes_per_token(cfg.model, cfg.runner.torch_dtype))
@@ -331,8 +329,6 @@ class Engine:
         lengths here are not the ones the benchmark's `first_use` section times, so that
         section measures other shapes than these. Nothing to do where prompts that long cannot
         occur."""
-        from runner.engine.model_runner import MAX_TOKEN_ROW_QUERY
-
         longest = self.cfg.scheduler.max_model_len - 4
         if longest <= MAX_TOKEN_ROW_QUERY:
             return

@@ -24,8 +24,6 @@ import torch
 
 from runner.config import EngineConfig
 from runner.engine.cuda_graphs import DecodeGraphs
-from runner.engine.graph_inputs import pack_graph_inputs
-from runner.engine.host_staging import staging_for
 from runner.engine.output_copier import AsyncOutput, HiddenSpan, output_copier_for
 from runner.engine.request import Request
 from runner.engine.scheduler import SchedulerOutput
@@ -35,6 +33,8 @@ from runner.layers.attention import AttentionMetadata, allocate_kv_cache
 from runner.layers.sampler import Sampler
 from runner.layers.sampling_batch import SamplingBatch, SamplingTable
 from runner.layers.slot_state import SlotState
+from runner.utils.graph_inputs import pack_graph_inputs
+from runner.utils.host_staging import staging_for
 from streaming.sampling_params import SamplingParams
 
 # Longest query chunk run as per-token decode rows: each row re-reads its context, so the KV
@@ -162,7 +162,7 @@ class ModelRunner:
         return None
 
     def _forward_graph(self, bucket: int, inp: StepInputs, q_lens: np.ndarray) -> tuple[torch.Tensor, dict]:
-        """Replay: one array, one copy; the graph unpacks it (runner/engine/graph_inputs.py)."""
+        """Replay: one array, one copy; the graph unpacks it (runner/utils/graph_inputs.py)."""
         ids, pos, slot_map, seq_lens, _ = inp.split(inp.pack)
         dev_slot = np.full(inp.num_tokens, -1, dtype=np.int64)
         dev_slot[inp.dev_rows] = inp.dev_slots

@@ -22,9 +22,16 @@ import time
 import traceback
 
 import msgspec
+import torch
 import zmq
 
+from runner.config import EngineConfig, parse_dtype
 from runner.engine.args import EngineProcArgs
+from runner.engine.compile_log import install
+from runner.engine.engine import Engine
+from runner.families import family_for
+from runner.layers import make_backends
+from runner.models.llama import build_random_model
 from streaming import ipc
 from streaming.gc_pause import freeze_startup_heap, log_slow_gc
 from streaming.sampling_params import InvalidRequest
@@ -37,12 +44,6 @@ SLOW_STEP_S = 0.1  # steps longer than this are logged one by one
 def build_engine(args: EngineProcArgs):
     """Config tree -> model -> family and codec -> Engine (also used in-process by tests and
     benchmarks)."""
-    import torch
-
-    from runner.config import EngineConfig, parse_dtype
-    from runner.engine.engine import Engine
-    from runner.families import family_for
-
     cfg = EngineConfig.from_parts(args.model_path, args.cache, args.scheduler, args.runner)
     dev, proc = cfg.runner.torch_device, args.process
     if dev.type == "cpu":
@@ -51,10 +52,7 @@ def build_engine(args: EngineProcArgs):
     codec = family.build_codec(dev, parse_dtype(proc.codec_dtype, dev))
     model = None
     if proc.random_weights:  # benchmarks: config.json gives the shape, no safetensors read
-        from runner.models.llama import build_random_model
-        from runner.models.loader import kernels_for
-
-        attn, ops = kernels_for(cfg.runner)
+        attn, ops = make_backends(cfg.runner)
         model = build_random_model(cfg.model, dev, cfg.runner.torch_dtype, attn=attn, ops=ops)
     return Engine(cfg, model=model, family=family, codec=codec)
 
@@ -233,8 +231,6 @@ def main(argv: list[str] | None = None) -> int:
         engine.warm_up()
     freeze_startup_heap()
     log_slow_gc(log)
-    from runner.engine.compile_log import install
-
     install(log)  # start-up compiles are done; any later one stalls the loop and is logged
     loop = EngineLoop(engine, ctx, args)
 

@@ -1,4 +1,4 @@
-"""The decode graph's input unpack (runner/engine/graph_inputs.py) as one Triton launch, captured as the
+"""The decode graph's input unpack (runner/utils/graph_inputs.py) as one Triton launch, captured as the
 first node of every decode graph: one program per row of the bucket.
 
 It runs without PDL: the launch before it in the stream is the pinned copy that filled `staged`
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.engine.graph_inputs import HEADER
+from runner.utils.graph_inputs import HEADER
 
 _BLOCK_COLS = 128  # table columns per load
 

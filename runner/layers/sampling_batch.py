@@ -10,13 +10,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from runner.engine.host_staging import staging_for
+from runner.utils.host_staging import staging_for
 from streaming.sampling_params import SamplingParams
 
 
 def to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> Tensor:
     """One host array -> `device`; on CUDA a non-blocking copy through the pinned staging ring
-    (runner/engine/host_staging.py), so the host never waits."""
+    (runner/utils/host_staging.py), so the host never waits."""
     if device.type == "cuda":
         return staging_for(device).to_device(np.asarray(data), dtype)
     if isinstance(data, np.ndarray):

@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from runner.config import ModelConfig, RunnerConfig
-from runner.layers import make_backends
+from runner.config import ModelConfig
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models import model_class_for
 from runner.models.llama import LlamaForCausalLM, build_empty_model, o_proj_has_bias
@@ -156,12 +155,6 @@ def _check_coverage(plan: dict[str, tuple[Path, _Target]], params: dict[str, tor
 def _names(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
-
-
-def kernels_for(runner: RunnerConfig) -> tuple[AttentionBackend, OpsBackend]:
-    """(attention backend, ops) for the runner's device and kernel options, chosen once per
-    model: the registry's runner.layers.make_backends (callers may use that directly)."""
-    return make_backends(runner)
 
 
 @torch.no_grad()

@@ -9,7 +9,15 @@ import dataclasses
 import msgspec
 import pytest
 
-from runner.config import ENGINE_PARTS, CacheConfig, ConfigError, ProcessConfig, RunnerConfig, SchedulerConfig, split_knobs
+from runner.config import (
+    ENGINE_PARTS,
+    CacheConfig,
+    ConfigError,
+    ProcessConfig,
+    RunnerConfig,
+    SchedulerConfig,
+    split_knobs,
+)
 from runner.engine.args import EngineProcArgs, engine_args
 from server.cli import _serve_parser
 from server.settings import ModelSource, ServerSettings
@@ -55,9 +63,8 @@ def test_options_reach_the_engine_args():
 
 
 def test_in_process_and_served_defaults_agree(tmp_path):
-    from tests.support.tiny_models import make_tiny_model
-
     from runner.config import EngineConfig
+    from tests.support.tiny_models import make_tiny_model
 
     path = make_tiny_model("llama", tmp_path / "m")
     served = engine_args(path)

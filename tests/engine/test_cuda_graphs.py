@@ -36,8 +36,8 @@ def test_all_layers_family_buckets_keys_and_forward(tiny_model_dir):
 
     from runner.config import ModelConfig
     from runner.engine.cuda_graphs import DecodeGraphs
-    from runner.engine.graph_inputs import pack_graph_inputs
     from runner.models.loader import load_model
+    from runner.utils.graph_inputs import pack_graph_inputs
 
     cfg = ModelConfig.from_pretrained(tiny_model_dir("llama", seed=1))
     model = load_model(cfg, torch.device("cpu"), torch.float32)
@@ -69,7 +69,7 @@ def test_no_gc_while_capturing_restores_the_collector():
     capture); it comes back on afterwards, also after an error, and stays off if it was off."""
     import gc
 
-    from runner.engine.cuda_graphs import no_gc_while_capturing
+    from runner.utils.capture import no_gc_while_capturing
 
     assert gc.isenabled()
     with no_gc_while_capturing():

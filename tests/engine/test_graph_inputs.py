@@ -1,4 +1,4 @@
-"""A decode graph's packed per-step inputs (runner/engine/graph_inputs.py): the host layout and the
+"""A decode graph's packed per-step inputs (runner/utils/graph_inputs.py): the host layout and the
 reference unpack that the CUDA kernel (tests/kernels/test_triton_graph_inputs.py) is held to."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runner.engine.graph_inputs import (
+from runner.utils.graph_inputs import (
     HEADER,
     pack_graph_inputs,
     staged_capacity,

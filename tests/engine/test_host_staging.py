@@ -1,4 +1,4 @@
-"""The pinned staging ring (runner/engine/host_staging.py) and the copier's pinned rows: a region is
+"""The pinned staging ring (runner/utils/host_staging.py) and the copier's pinned rows: a region is
 never rewritten before the copy that reads it has run, even when the GPU lags far behind."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from runner.engine.host_staging import PinnedStaging
+from runner.utils.host_staging import PinnedStaging
 
 CUDA = torch.cuda.is_available()
 

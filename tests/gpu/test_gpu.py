@@ -275,8 +275,8 @@ def test_norm_fold_keeps_graphs_equal_and_hf_close(model_dir, monkeypatch, tma):
 
 def test_triton_decode_backend_matches_torch_backend(model_dir):
     """Same tokens whether decode attention runs in the Triton kernel or the torch gather path."""
-    from runner.layers.triton_attention import TritonPagedAttention
     from runner.layers.attention import TorchPagedAttention
+    from runner.layers.triton_attention import TritonPagedAttention
     from runner.models.loader import load_model
 
     eng = cuda_engine(model_dir, "float32", graphs=False)

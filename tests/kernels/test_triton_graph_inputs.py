@@ -1,5 +1,5 @@
 """The decode graph's input unpack kernel (runner/kernels/graph_inputs.py) against the reference
-unpack (runner/engine/graph_inputs.py), element for element: real rows, rows whose token comes from
+unpack (runner/utils/graph_inputs.py), element for element: real rows, rows whose token comes from
 last_token, padding rows, tables wider than one column block, and a buffer's stale columns past
 this step's width left alone. Compiled on CUDA; under Triton's interpreter on CPU; skipped
 without `triton`."""
@@ -20,12 +20,12 @@ from tests.support.triton_interpreter import (
 _CUDA = interpret_without_cuda()
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
 
-from runner.engine.graph_inputs import (  # noqa: E402
+from runner.kernels.graph_inputs import _unpack_kernel, unpack_graph_inputs  # noqa: E402
+from runner.utils.graph_inputs import (  # noqa: E402
     pack_graph_inputs,
     staged_capacity,
     unpack_graph_inputs_torch,
 )
-from runner.kernels.graph_inputs import _unpack_kernel, unpack_graph_inputs  # noqa: E402
 
 DEVICE = "cuda" if _CUDA else "cpu"
 if not _CUDA:
@@ -61,7 +61,7 @@ def test_kernel_matches_the_reference(rows, bucket, width):
 
 _COMPILE_SCRIPT = """
 from runner.kernels import graph_inputs as m
-from runner.engine.graph_inputs import HEADER
+from runner.utils.graph_inputs import HEADER
 from tests.support.triton_interpreter import compile_sm90
 
 sig = dict(staged_ptr="*i32", last_token_ptr="*i64", ids_ptr="*i64", pos_ptr="*i64", slot_ptr="*i64",

@@ -7,8 +7,13 @@ import json
 import msgspec
 import pytest
 
-from streaming.profile import (ORPHEUS_AUDIO_TOKEN_OFFSET, ORPHEUS_END_OF_SPEECH, ModelProfile, ProfileError,
-                               read_profile)
+from streaming.profile import (
+    ORPHEUS_AUDIO_TOKEN_OFFSET,
+    ORPHEUS_END_OF_SPEECH,
+    ModelProfile,
+    ProfileError,
+    read_profile,
+)
 
 
 def test_no_file_is_orpheus_without_codec(tmp_path):

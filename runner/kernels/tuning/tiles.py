@@ -16,6 +16,10 @@ MAX_M = 64
 
 PER_SM = -1  # LinearTile.groups: one ragged column group per SM
 
+# tl.dot input precisions of the fused SNAC kernels (runner/kernels/snac.py); stated here, in a
+# module without triton, so a codec config validates on a machine without it.
+MATMUL_PRECISIONS = ("tf32x3", "bf16x3", "tf32", "ieee")
+
 
 @dataclass(frozen=True)
 class LinearTile:
