@@ -61,7 +61,7 @@ class ModelConfig:
     """Architecture of a Llama-family decoder, read from a Hugging Face config.json."""
 
     path: str
-    family: str  # "llama" | "qwen2" | "qwen3"
+    decoder: str  # the decoder variant: "llama" | "qwen2" | "qwen3" (runner/models registry key)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -90,8 +90,8 @@ class ModelConfig:
     @staticmethod
     def from_dict(raw: dict, path: str = "") -> "ModelConfig":
         archs = raw.get("architectures") or []
-        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if family is None:
+        decoder = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if decoder is None:
             raise ConfigError(
                 f"model.architectures: {archs!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
@@ -111,7 +111,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return ModelConfig(
             path=path,
-            family=family,
+            decoder=decoder,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
@@ -122,8 +122,8 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            attention_bias=decoder == "qwen2" or bool(raw.get("attention_bias", False)),
+            qk_norm=decoder == "qwen3",
             rope=_parse_rope(raw),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             bos_token_id=raw.get("bos_token_id"),
@@ -284,6 +284,8 @@ class EngineConfig:
             raise ConfigError("num_blocks: must be >= 1")
         if self.runner.sampler_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"sampler_backend: {self.runner.sampler_backend!r} is not one of auto, torch, triton")
+        if self.runner.tuning not in ("auto", "none"):
+            raise ConfigError(f"tuning: {self.runner.tuning!r} is not one of auto, none")
         if self.runner.torch_device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device: CUDA requested but torch.cuda.is_available() is False")
 

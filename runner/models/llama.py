@@ -165,7 +165,7 @@ class Attention(nn.Module):
 
 def o_proj_has_bias(cfg: ModelConfig) -> bool:
     # Qwen2 biases q/k/v only; Llama and Qwen3 apply `attention_bias` to o_proj as well.
-    return cfg.attention_bias and cfg.family != "qwen2"
+    return cfg.attention_bias and cfg.decoder != "qwen2"
 
 
 class MLP(nn.Module):

@@ -15,8 +15,6 @@ from runner.layers.attention import (
 )
 from runner.models import (
     MODEL_REGISTRY,
-    UnsupportedArchitecture,
-    model_class,
     model_class_for,
 )
 from runner.models.llama import LlamaForCausalLM, build_random_model, rope_inv_freq
@@ -94,7 +92,7 @@ def test_family_features_are_exercised(pair):
         "llama": (cfg.rope.rope_type == "llama3", not cfg.tie_word_embeddings),
         "qwen2": (cfg.attention_bias, cfg.tie_word_embeddings),
         "qwen3": (cfg.qk_norm, cfg.head_dim * cfg.num_heads != cfg.hidden_size),
-    }[cfg.family]
+    }[cfg.decoder]
     assert all(expected), cfg
     if cfg.tie_word_embeddings:
         assert ours.lm_head_weight is ours.embed_tokens.weight
@@ -255,14 +253,15 @@ def test_build_random_model_and_kv_helpers():
 
 
 def test_registry_maps_architectures_to_the_class():
-    """runner.models' registry picks the model class from config.json's `architectures`; every
-    architecture runner.config accepts has a class."""
-    from runner.config import SUPPORTED_ARCHITECTURES
+    """config.json's `architectures` -> the decoder variant (runner.config) -> the class
+    (runner.models' registry); every accepted architecture has a class, others are refused
+    naming the field."""
+    from runner.config import SUPPORTED_ARCHITECTURES, ConfigError
 
-    assert set(SUPPORTED_ARCHITECTURES) <= set(MODEL_REGISTRY)
-    assert model_class(["SomethingElse", "Qwen3ForCausalLM"]) is LlamaForCausalLM
-    with pytest.raises(UnsupportedArchitecture):
-        model_class(["GPT2LMHeadModel"])
-    cfg = ModelConfig.from_dict({"architectures": ["Qwen2ForCausalLM"], "vocab_size": 32, "hidden_size": 16,
-                                 "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2})
-    assert model_class_for(cfg) is LlamaForCausalLM
+    assert set(SUPPORTED_ARCHITECTURES.values()) <= set(MODEL_REGISTRY)
+    base = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 2}
+    cfg = ModelConfig.from_dict({"architectures": ["SomethingElse", "Qwen2ForCausalLM"], **base})
+    assert cfg.decoder == "qwen2" and model_class_for(cfg) is LlamaForCausalLM
+    with pytest.raises(ConfigError, match="architectures"):
+        ModelConfig.from_dict({"architectures": ["GPT2LMHeadModel"], **base})
