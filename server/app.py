@@ -1,7 +1,8 @@
 """The aiohttp application: routes, middlewares (request ids, metrics, error shaping, auth,
 admission) and the shared context. `build_app` is the only entry point.
 
-Middleware order (outermost first): request id -> metrics -> errors -> auth -> admission.
+Middleware order (outermost first): request id -> metrics -> errors -> auth -> speech routes
+(refused at once when the model has no speech) -> admission.
 Admission is a counter, not a queue: a generation request or WebSocket session over
 `max_concurrent_requests` gets 429 with Retry-After at once (for a WebSocket, before the
 upgrade), so overload never turns into unbounded waiting.
@@ -32,7 +33,7 @@ from server.metrics import Metrics
 from server.routes import completions, generate_ws, info, speech, tts_ws
 from server.settings import ServerSettings
 from server.tokenizer import TextTokenizer
-from server.tts.voices import SpeechProfile
+from server.tts.voices import SpeechProfile, no_speech_error
 from server.ws_common import close_all
 from streaming.sampling_params import InvalidRequest
 
@@ -45,6 +46,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATIC_DIR = Path(__file__).parent / "static"
 # Routes that start engine work and so count against max_concurrent_requests.
 ADMITTED_ROUTES = frozenset({"speech", "speech_ws", "elevenlabs_ws", "completions", "generate_ws"})
+# Routes that need the model's speech profile.
+SPEECH_ROUTES = frozenset({"speech", "speech_ws", "elevenlabs_ws"})
 # Reachable without an API key: probes, scrapers and the demo page (which asks for the key).
 OPEN_PATHS = frozenset({"/", "/health", "/metrics"})
 
@@ -86,9 +89,9 @@ def _presented_key(request: web.Request) -> str | None:
 def build_app(
     engine: EngineClientProtocol, tokenizer: TextTokenizer, profile: SpeechProfile, settings: ServerSettings
 ) -> web.Application:
-    if profile.add_bos and tokenizer.bos_token_id is None:
+    if profile.speaks and profile.add_bos and tokenizer.bos_token_id is None:
         raise ValueError("the speech profile adds BOS but the tokenizer has no BOS token")
-    if engine.info.sample_rate not in (0, profile.sample_rate):
+    if profile.speaks and engine.info.sample_rate not in (0, profile.sample_rate):
         raise ValueError(
             f"the engine's codec produces {engine.info.sample_rate} Hz but the speech profile says {profile.sample_rate} Hz"
         )
@@ -152,6 +155,14 @@ def build_app(
         return await handler(request)
 
     @web.middleware
+    async def speech_only(request: web.Request, handler: Handler) -> web.StreamResponse:
+        # a model without speech answers every speech route with one clear error (before a
+        # WebSocket upgrade, so the client's handshake fails with it)
+        if not profile.speaks and request.match_info.route.name in SPEECH_ROUTES:
+            raise no_speech_error()
+        return await handler(request)
+
+    @web.middleware
     async def admit(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.match_info.route.name not in ADMITTED_ROUTES:
             return await handler(request)
@@ -171,7 +182,7 @@ def build_app(
         return web.FileResponse(STATIC_DIR / "index.html")
 
     app = web.Application(
-        middlewares=[request_id, count_requests, shape_errors, authenticate, admit],
+        middlewares=[request_id, count_requests, shape_errors, authenticate, speech_only, admit],
         client_max_size=max(2**20, 4 * settings.max_input_chars + 2**16),
     )
     app[CTX] = ctx

@@ -7,19 +7,32 @@ import asyncio
 import ipaddress
 import logging
 import signal
+import sys
 from collections.abc import Callable
 from urllib.parse import urlparse
 
 from aiohttp import web
 
-from runner.config import CacheConfig, Env, ProcessConfig, RunnerConfig, SchedulerConfig
+from runner.config import (
+    CacheConfig,
+    ConfigError,
+    Env,
+    ProcessConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
 from runner.engine.args import EngineProcArgs
+from server.engine_api import EngineUnavailable
 from server.gc_tuning import settle_heap
 from server.settings import ModelSource, ServerSettings
 from streaming.knobs import from_arguments
-from streaming.profile import ModelProfile, read_profile
+from streaming.profile import ModelProfile, ProfileError, read_profile
 
 log = logging.getLogger("omnistream")
+
+# Start-up failures that name what to fix (a missing file, a bad option or profile field, an
+# engine that could not load the model); anything else is a bug and keeps its traceback.
+STARTUP_ERRORS = (ProfileError, ConfigError, FileNotFoundError, EngineUnavailable)
 
 
 def _is_loopback_endpoint(endpoint: str) -> bool:
@@ -47,6 +60,14 @@ def engine_args_from(args: argparse.Namespace, model_path: str, profile: ModelPr
     )
 
 
+def _speech_line(p: ModelProfile) -> str:
+    if p.speaks:
+        return f"speech at {p.sample_rate} Hz, voices {', '.join(p.speech.voices)}"
+    if p.speech is not None:
+        return "no codec, so no speech: pass --codec (a local SNAC folder) or name one in omnistream.json"
+    return "a text model: completions, the generate stream and ZeroMQ; no speech"
+
+
 async def run_server(args: argparse.Namespace) -> None:
     from runner.models.default_model import ensure_default_model
     from server.app import build_app
@@ -65,7 +86,8 @@ async def run_server(args: argparse.Namespace) -> None:
         log.warning("serving the embedded tiny random-weight model: it speaks noise. Use --model for real weights.")
     tokenizer = TextTokenizer.from_folder(model_path)
     model_profile = read_profile(model_path, source.codec)  # the one read of omnistream.json
-    profile = SpeechProfile(model_profile.speech)
+    profile = SpeechProfile(model_profile.speech if model_profile.speaks else None)
+    log.info("model %s: family %s, %s", model_path, model_profile.family, _speech_line(model_profile))
     log_level = (args.log_level or env.log_level).upper()
     engine = EngineClient(engine_args_from(args, model_path, model_profile, log_level),
                           queue_bound=settings.output_queue_size)
@@ -111,6 +133,11 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 def serve(args: argparse.Namespace) -> int:
     env = Env.read()
     logging.basicConfig(level=(args.log_level or env.log_level).upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    with asyncio.Runner(loop_factory=event_loop_factory()) as r:
-        r.run(run_server(args))
+    try:
+        with asyncio.Runner(loop_factory=event_loop_factory()) as r:
+            r.run(run_server(args))
+    except STARTUP_ERRORS as e:  # a folder or option the user can fix: one line, not a traceback
+        log.debug("start-up failed", exc_info=True)
+        print(f"omnistream: {e}", file=sys.stderr, flush=True)
+        return 2
     return 0

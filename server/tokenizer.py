@@ -17,6 +17,9 @@ class TextTokenizer:
     def from_folder(cls, path: str | Path) -> "TextTokenizer":
         """Read `tokenizer.json` and, when present, the BOS token from `tokenizer_config.json`."""
         folder = Path(path)
+        if not (folder / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{folder / 'tokenizer.json'}: missing (the front end tokenizes with the model "
+                                    "folder's tokenizer.json)")
         tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
         bos_id: int | None = None
         cfg_path = folder / "tokenizer_config.json"

@@ -18,11 +18,15 @@ silently fall back to a default). `codec.path` is relative to the model folder o
 other `codec` keys are the codec stage's settings (runner/codecs), checked when it is built.
 
 Families: `orpheus` (a Llama emitting SNAC codes one token at a time: a frame of one code per
-step) and `text` (a plain language model: no speech, no codec).
+step) and `text` (a plain language model: no speech, no codec). A folder without the file is
+`orpheus` when its vocabulary holds Orpheus's audio tokens or a codec is given on the command
+line, else `text`: a plain Llama / Qwen folder serves completions, never a speech profile it
+does not have.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import msgspec
@@ -98,6 +102,11 @@ class ModelProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     codec: dict | None = None
 
     @property
+    def speaks(self) -> bool:
+        """Speech needs both halves: the prompt format and a codec stage."""
+        return self.speech is not None and self.codec is not None
+
+    @property
     def sample_rate(self) -> int:
         return self.speech.sample_rate if self.speech is not None else 0
 
@@ -121,10 +130,14 @@ def read_profile(model_dir: str | Path, codec_path: str | None = None) -> ModelP
     has no codec stage. Raises ProfileError naming the file and field."""
     folder = Path(model_dir)
     path = folder / PROFILE_FILE
-    try:
-        raw = msgspec.json.decode(path.read_bytes(), type=_ProfileFile) if path.is_file() else _ProfileFile()
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise ProfileError(f"{path}: {e}") from None
+    if not path.is_file():
+        family = "orpheus" if codec_path is not None or _holds_orpheus_tokens(folder) else "text"
+        raw = _ProfileFile(family=family)
+    else:
+        try:
+            raw = msgspec.json.decode(path.read_bytes(), type=_ProfileFile)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise ProfileError(f"{path}: {e}") from None
     if raw.family not in FAMILIES:
         raise ProfileError(f"{path}: family: {raw.family!r} is not one of {list(FAMILIES)}")
     if raw.family == "text":
@@ -135,6 +148,18 @@ def read_profile(model_dir: str | Path, codec_path: str | None = None) -> ModelP
     except (ProfileError, InvalidRequest) as e:
         raise ProfileError(f"{path}: {e}") from None
     return ModelProfile(family=raw.family, speech=speech, codec=_codec(folder, raw.codec, codec_path))
+
+
+def _holds_orpheus_tokens(folder: Path) -> bool:
+    """Whether config.json's vocabulary reaches past Orpheus-3B's audio tokens and end token."""
+    cfg = folder / "config.json"
+    try:
+        vocab = json.loads(cfg.read_text()).get("vocab_size", 0)
+    except FileNotFoundError:
+        raise ProfileError(f"{cfg}: missing (a model folder needs config.json, *.safetensors and tokenizer.json)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise ProfileError(f"{cfg}: not a JSON object ({e})") from None
+    return isinstance(vocab, int) and vocab >= ORPHEUS_AUDIO_TOKEN_OFFSET + 7 * ORPHEUS_CODEBOOK_SIZE
 
 
 def _speech(raw: _ProfileFile) -> SpeechSpec:

@@ -26,6 +26,7 @@ def _model_card(ctx: ServerContext) -> dict:
         "owned_by": "omnistream",
         "max_model_len": info.max_model_len,
         "sample_rate": ctx.profile.sample_rate,
+        "speech": ctx.profile.speaks,
     }
 
 
@@ -33,9 +34,13 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [_model_card(get_ctx(request))]})
 
 
+# The name the README's and the clients' examples use; any served model answers to it too.
+MODEL_ALIAS = "omnistream"
+
+
 async def get_model(request: web.Request) -> web.Response:
     ctx = get_ctx(request)
-    if request.match_info["model"] != ctx.model_name:
+    if request.match_info["model"] not in (ctx.model_name, MODEL_ALIAS):
         raise not_found(f"model: {request.match_info['model']!r} is not served here; try {ctx.model_name!r}", "model")
     return web.json_response(_model_card(ctx))
 

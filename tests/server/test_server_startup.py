@@ -11,6 +11,7 @@ from tests.support.fake_engine import FakeEngine, make_tokenizer, serve
 def test_speech_profile_defaults_to_orpheus(tmp_path):
     from server.tts.voices import SpeechProfile
 
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 156940}))  # Orpheus-3B's vocabulary
     p = SpeechProfile.load(tmp_path)
     assert p.voices == ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe") and p.default_voice == "tara"
     assert (p.sampling.temperature, p.sampling.top_p, p.sampling.repetition_penalty, p.sampling.max_tokens) == (0.6, 0.8, 1.1, 1200)

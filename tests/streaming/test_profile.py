@@ -16,12 +16,34 @@ from streaming.profile import (
 )
 
 
-def test_no_file_is_orpheus_without_codec(tmp_path):
+def _config(folder, vocab_size: int) -> None:
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": vocab_size}))
+
+
+def test_no_file_and_orpheus_vocabulary_is_orpheus_without_codec(tmp_path):
+    _config(tmp_path, 156940)  # Orpheus-3B: audio tokens up to 128266 + 7 * 4096
     p = read_profile(tmp_path)
-    assert p.family == "orpheus" and p.codec is None and p.speech.voices[0] == "tara"
+    assert p.family == "orpheus" and p.codec is None and p.speech.voices[0] == "tara" and not p.speaks
+
+
+def test_no_file_and_plain_vocabulary_is_a_text_model(tmp_path):
+    _config(tmp_path, 151936)  # a Qwen3 vocabulary: no room for Orpheus's audio tokens
+    p = read_profile(tmp_path)
+    assert (p.family, p.speech, p.codec, p.speaks) == ("text", None, None, False)
+
+
+def test_a_codec_on_the_command_line_means_speech(tmp_path):
+    _config(tmp_path, 1000)
+    assert read_profile(tmp_path, codec_path="/snac").speaks
+
+
+def test_missing_config_is_named(tmp_path):
+    with pytest.raises(ProfileError, match="config.json"):
+        read_profile(tmp_path)
 
 
 def test_codec_path_from_the_command_line_gets_orpheus_layout(tmp_path):
+    _config(tmp_path, 156940)
     p = read_profile(tmp_path, codec_path="/abs/snac")
     assert p.codec == {"path": "/abs/snac", "audio_token_offset": ORPHEUS_AUDIO_TOKEN_OFFSET, "codebook_size": 4096,
                        "end_token_id": ORPHEUS_END_OF_SPEECH}
