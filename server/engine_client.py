@@ -113,6 +113,9 @@ class EngineClient:
         self._closing = True
         for t in self._tasks:
             t.cancel()
+        # Let the reader's pending recv end before its socket closes and the context terminates
+        # (a recv still pending at term() raises ContextTerminated).
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._proc is not None and self._proc.poll() is None:
             try:
                 await self._push.send(ipc.encode_inbound(ipc.Shutdown()))

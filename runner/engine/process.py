@@ -77,6 +77,8 @@ class EngineLoop:
         sock.connect(self.args.input_addr)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        # run() joins this thread before main() terminates the context: a poll on a terminated
+        # context raises ContextTerminated (it printed a traceback on one SIGTERM in five).
         while not self.stop.is_set():
             if not poller.poll(100):
                 continue
@@ -157,7 +159,8 @@ class EngineLoop:
             self._first_audio = []
 
     def run(self, out_sock: zmq.Socket) -> None:
-        threading.Thread(target=self._input_thread, name="engine-in", daemon=True).start()
+        reader = threading.Thread(target=self._input_thread, name="engine-in", daemon=True)
+        reader.start()
         writer = threading.Thread(target=self._output_thread, args=(out_sock,), name="engine-out", daemon=True)
         writer.start()
         eng = self.engine
@@ -205,6 +208,7 @@ class EngineLoop:
             self.stop.set()
             self.outbound.put(None)
             writer.join(timeout=5)
+            reader.join(timeout=5)  # it closes its socket within one poll interval
 
 
 def main(argv: list[str] | None = None) -> int:
