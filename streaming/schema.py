@@ -1,0 +1,586 @@
+"""One request schema for every protocol: HTTP bodies, WebSocket messages and ZeroMQ frames are
+decoded into the msgspec Structs below and judged by the functions below, so a field has the same
+type, bounds, default and error message wherever it arrives.
+
+Rules (docs/api.md "Request schema"):
+
+- Types are strict: `max_tokens: "5"` or `stream: "yes"` is refused, never coerced. `null` means
+  "not given" (as in OpenAI's API), so every optional field is `T | None = None`.
+- Unknown keys are refused everywhere, naming the key (`forbid_unknown_fields`).
+- Every error is a `SchemaError` whose `field` (the wire's `param`) is the client's own name for
+  the field, dotted for nested ones (`sampling.top_p`, `stream_options.include_usage`).
+- Text is checked once at the door: valid Unicode (a JSON `\\ud800` escape is refused), no
+  control characters other than \\n \\t \\r, at most `max_input_chars` characters.
+- JSON nesting deeper than `max_depth` is refused before any parser recurses into it.
+- `max_tokens` (speech: `max_new_tokens`) is at most the model's max_model_len.
+- Hidden-state layers: HF indexing over the L+1 states (0 = embeddings, i = input of layer i,
+  L = final normed output); -1..-(L+1) count from the end (-1 = L). Indices are normalised to
+  0..L and a layer named twice (after normalising: [0, 0], [-1, L]) is refused.
+
+The transport-specific parts (aiohttp, ZeroMQ sockets) stay in the server; this module only
+needs msgspec and numpy so the clients and both processes can import it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, TypeVar
+
+import msgspec
+import numpy as np
+
+from streaming.sampling_params import InvalidRequest, SamplingParams
+
+T = TypeVar("T")
+
+# ---- errors ------------------------------------------------------------------------------------
+
+# SchemaError.code values (HTTP's `error.code`).
+INVALID_JSON = "invalid_json"  # not JSON, or not a JSON object
+JSON_TOO_DEEP = "json_too_deep"  # nesting over the limit (refused before parsing)
+INVALID_TEXT = "invalid_text"  # not valid Unicode (lone surrogate)
+MISSING = "missing_required_parameter"
+UNKNOWN = "unknown_parameter"
+INVALID_TYPE = "invalid_type"
+INVALID_VALUE = "invalid_value"
+UNSUPPORTED = "unsupported_value"
+
+
+class SchemaError(InvalidRequest):
+    """A request the schema refuses. `field` is the client's name for the offending field
+    (None when the message as a whole is bad); str(e) is "field: why"."""
+
+    def __init__(self, field: str | None, message: str, code: str = INVALID_VALUE):
+        super().__init__(field or "request", message)
+        if field is None:
+            self.args = (message,)
+        self.field = field  # type: ignore[assignment]  # InvalidRequest's is str; ours may be None
+        self.code = code
+        self.detail = message
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+# ---- limits the schema judges against ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is judged against: the served model's sizes and the server's text limit."""
+
+    vocab_size: int
+    max_model_len: int
+    num_layers: int
+    max_input_chars: int
+    max_depth: int = 32
+
+    @classmethod
+    def of(cls, info: Any, max_input_chars: int, max_depth: int = 32) -> "RequestLimits":
+        """From the engine's Ready message (streaming.ipc.Ready) and the server's settings."""
+        return cls(info.vocab_size, info.max_model_len, info.num_layers, max_input_chars, max_depth)
+
+
+# ---- JSON at the door ------------------------------------------------------------------------------
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_STEP = np.zeros(256, dtype=np.int8)
+_BRACKET_STEP[list(b"[{")] = 1
+_BRACKET_STEP[list(b"]}")] = -1
+
+
+def json_depth(raw: bytes) -> int:
+    """Deepest bracket nesting of a JSON text, brackets inside strings not counted. O(n) and in
+    C (regex, translate, numpy), so a hostile 1 MB body costs milliseconds, not recursion."""
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    return int(np.cumsum(_BRACKET_STEP[np.frombuffer(brackets, dtype=np.uint8)], dtype=np.int64).max())
+
+
+def check_depth(raw: bytes, max_depth: int) -> None:
+    # Cheap shortcut for the usual small message: fewer openers than the limit cannot nest deeper.
+    if raw.count(b"[") + raw.count(b"{") <= max_depth:
+        return
+    depth = json_depth(raw)
+    if depth > max_depth:
+        raise SchemaError(None, f"JSON nesting is {depth} levels deep; the limit is {max_depth}", JSON_TOO_DEEP)
+
+
+def decode_json_object(raw: bytes | str, max_depth: int) -> dict[str, Any]:
+    """A JSON text -> a dict, refusing (SchemaError) deep nesting, bad JSON, non-objects, lone
+    surrogates and NaN / Infinity (the error names the field holding them)."""
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    check_depth(data, max_depth)
+    try:
+        obj = msgspec.json.decode(data)
+    except msgspec.DecodeError as e:
+        raise _diagnose(data, e) from None
+    if not isinstance(obj, dict):
+        raise SchemaError(None, "the message must be a JSON object", INVALID_JSON)
+    return obj
+
+
+def _diagnose(data: bytes, e: msgspec.DecodeError) -> SchemaError:
+    """msgspec refuses lone surrogates and NaN as malformed JSON without saying where; Python's
+    lenient parser reads them, so it can point at the field (depth is already bounded)."""
+    bad: list[tuple[str, str]] = []
+
+    def constant(name: str) -> float:
+        bad.append(("", name))
+        return math.nan
+
+    try:
+        obj = json.loads(data, parse_constant=constant)
+    except (ValueError, UnicodeDecodeError):
+        return SchemaError(None, f"the message is not valid JSON: {e}", INVALID_JSON)
+    found = _find_bad_leaf(obj, "")
+    if found is None:
+        return SchemaError(None, f"the message is not valid JSON: {e}", INVALID_JSON)
+    path, why = found
+    code = INVALID_TEXT if "surrogate" in why else INVALID_VALUE
+    return SchemaError(path or None, why, code)
+
+
+def _find_bad_leaf(obj: Any, path: str) -> tuple[str, str] | None:
+    if isinstance(obj, str):
+        if _has_surrogate(obj):
+            return path, "not valid Unicode (a lone UTF-16 surrogate such as \\ud800)"
+        return None
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return path, f"must be a finite number, got {obj} (not valid JSON)"
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if _has_surrogate(k):
+                return path or k.encode("utf-8", "replace").decode(), "a key is not valid Unicode (lone surrogate)"
+            found = _find_bad_leaf(v, f"{path}.{k}" if path else k)
+            if found is not None:
+                return found
+    if isinstance(obj, list):
+        for v in obj:  # errors inside arrays name the array
+            found = _find_bad_leaf(v, path)
+            if found is not None:
+                return found
+    return None
+
+
+def _has_surrogate(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def convert(obj: Any, type_: type[T], prefix: str = "") -> T:
+    """A decoded JSON / msgpack object -> `type_`, strictly typed; ValidationError becomes a
+    SchemaError naming the field. `prefix` is prepended to the names (a nested object)."""
+    try:
+        return msgspec.convert(obj, type_, strict=True, str_keys=True)
+    except msgspec.ValidationError as e:
+        raise schema_error(e, type_, prefix) from None
+
+
+def decode(raw: bytes | str, type_: type[T], max_depth: int) -> T:
+    """JSON text -> `type_` (one call for an HTTP body or a WebSocket message)."""
+    return convert(decode_json_object(raw, max_depth), type_)
+
+
+_AT = re.compile(r" - at (?:`key` in )?`\$([^`]*)`$")
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean",
+               "object": "an object", "array": "an array", "null": "null"}
+
+
+def _path_name(path: str) -> str:
+    """msgspec's `$.sampling.stop_token_ids[2]` -> `sampling.stop_token_ids` (errors inside an
+    array or a map name the array or map)."""
+    path = path.lstrip(".")
+    return path.split("[", 1)[0].split("`", 1)[0]
+
+
+def _type_words(spec: str) -> str:
+    words = [_TYPE_WORDS.get(t.strip(), t.strip()) for t in spec.split("|") if t.strip() != "null"]
+    return " or ".join(words) or "null"
+
+
+def schema_error(e: msgspec.ValidationError, type_: Any = None, prefix: str = "") -> SchemaError:
+    """msgspec's validation message -> a SchemaError in the client's terms. Also for a ZeroMQ
+    frame decoded straight into a Struct (msgspec.msgpack.Decoder(type))."""
+    msg = str(e)
+    at = _AT.search(msg)
+    path = _path_name(at.group(1)) if at else ""
+    head = msg[: at.start()] if at else msg
+
+    def name(leaf: str = "") -> str | None:
+        parts = [p for p in (prefix.rstrip("."), path, leaf) if p]
+        return ".".join(parts) or None
+
+    if m := re.match(r"Object contains unknown field `(.*)`$", head):
+        param = name(m.group(1))
+        accepted = ""
+        if not path and isinstance(type_, type) and issubclass(type_, msgspec.Struct):
+            accepted = "; accepted: " + ", ".join(_wire_fields(type_))
+        return SchemaError(param, f"unknown field{accepted}", UNKNOWN)
+    if m := re.match(r"Object missing required field `(.*)`$", head):
+        return SchemaError(name(m.group(1)), "this field is required", MISSING)
+    if m := re.match(r"Expected `([^`]*)`, got `([^`]*)`$", head):
+        got = _TYPE_WORDS.get(m.group(2), m.group(2))
+        return SchemaError(name(), f"must be {_type_words(m.group(1))}, got {got}", INVALID_TYPE)
+    if head.startswith("Invalid value"):
+        return SchemaError(name(), head[0].lower() + head[1:], INVALID_VALUE)
+    if head.startswith("Number out of range") or head.startswith("Integer value out of range"):
+        return SchemaError(name(), "number out of range", INVALID_VALUE)
+    return SchemaError(name(), head, INVALID_VALUE)
+
+
+def _wire_fields(type_: type[msgspec.Struct]) -> list[str]:
+    names = list(type_.__struct_encode_fields__)
+    tag_field = type_.__struct_config__.tag_field
+    return ([tag_field] if tag_field else []) + names
+
+
+# ---- text ------------------------------------------------------------------------------------------
+
+# C0 and C1 control characters and DEL, except tab, newline and carriage return.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def check_text(value: str, param: str, max_chars: int, *, allow_empty: bool = False) -> str:
+    """A client's text, judged once: valid Unicode, no control characters but \\n \\t \\r, at
+    most max_chars characters, and (unless allow_empty) not blank."""
+    if _has_surrogate(value):
+        raise SchemaError(param, "not valid Unicode (a lone UTF-16 surrogate such as \\ud800)", INVALID_TEXT)
+    if m := _CONTROL.search(value):
+        raise SchemaError(param, f"control character U+{ord(m.group()):04X} at index {m.start()}; "
+                                 "only \\n, \\t and \\r are allowed", INVALID_TEXT)
+    if len(value) > max_chars:
+        raise SchemaError(param, f"{len(value)} characters is over the limit of {max_chars}")
+    if not allow_empty and not value.strip():
+        raise SchemaError(param, "must not be empty")
+    return value
+
+
+def token_ids(value: list[int], param: str, vocab_size: int) -> list[int]:
+    if not value:
+        raise SchemaError(param, "must be a non-empty list of token ids")
+    for i, t in enumerate(value):
+        if not 0 <= t < vocab_size:
+            raise SchemaError(param, f"token id {t} at index {i} is outside the vocabulary [0, {vocab_size})")
+    return list(value)
+
+
+# ---- hidden-state layers -----------------------------------------------------------------------------
+
+
+def hidden_layers(value: list[int] | None, num_layers: int, param: str = "hidden_state_layers") -> list[int]:
+    """The one rule for every protocol: indices in -(L+1)..L over the L+1 hidden states,
+    negative ones counted from the end, normalised to 0..L; a layer named twice is refused.
+    None or [] = no hidden states."""
+    if not value:
+        return []
+    n = num_layers
+    out: list[int] = []
+    for x in value:
+        if not -(n + 1) <= x <= n:
+            raise SchemaError(
+                param,
+                f"layer {x} is out of range [-{n + 1}, {n}] (0 = embeddings, i = input of layer i, "
+                f"{n} = final normed output; negative counts from the end, -1 = {n})",
+            )
+        norm = x if x >= 0 else n + 1 + x
+        if norm in out:
+            raise SchemaError(param, f"layer {x} names layer {norm} twice; indices must be unique")
+        out.append(norm)
+    return out
+
+
+# ---- sampling --------------------------------------------------------------------------------------------
+
+
+class GenerationOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Sampling fields in SamplingParams' own names, all optional (None = the endpoint's default).
+    The nested `"sampling": {...}` object of the generate stream and ZeroMQ."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+
+    def given(self) -> dict[str, Any]:
+        """{SamplingParams field: value} for the fields the client set."""
+        return {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not None}
+
+
+SAMPLING_FIELDS: tuple[str, ...] = GenerationOptions.__struct_fields__
+
+
+def nested_names(prefix: str = "sampling.") -> dict[str, str]:
+    """{SamplingParams field: client name} for a nested sampling object."""
+    return {f: prefix + f for f in SAMPLING_FIELDS}
+
+
+def sampling_params(
+    given: Mapping[str, Any],
+    defaults: SamplingParams,
+    limits: RequestLimits,
+    names: Mapping[str, str] | None = None,
+) -> SamplingParams:
+    """`defaults` overridden by `given` ({SamplingParams field: value}), judged with the bounds of
+    SamplingParams.validate plus max_tokens <= the model's max_model_len. `names` maps a
+    SamplingParams field to the client's name for it (errors name that). A default over the
+    model's length is capped, never blamed on the client."""
+    names = names or {}
+    merged = msgspec.structs.asdict(defaults) | dict(given)
+    limit = limits.max_model_len
+    if "max_tokens" in given and given["max_tokens"] > limit:
+        param = names.get("max_tokens", "max_tokens")
+        raise SchemaError(param, f"must be at most the model's length {limit}, got {given['max_tokens']}")
+    merged["max_tokens"] = min(merged["max_tokens"], limit)
+    for f in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+        v = merged[f]
+        if isinstance(v, float) and not math.isfinite(v):
+            raise SchemaError(names.get(f, f), f"must be a finite number, got {v}")
+    top_k = merged["top_k"]
+    if top_k > limits.vocab_size:  # also keeps it inside msgpack's integers on the IPC path
+        raise SchemaError(names.get("top_k", "top_k"), f"must be in [0, {limits.vocab_size}] (0 disables), got {top_k}")
+    params = SamplingParams(**merged)
+    try:
+        params.validate(limits.vocab_size)
+    except InvalidRequest as e:
+        field = e.field.removeprefix("sampling.")
+        detail = str(e).split(": ", 1)[1] if ": " in str(e) else str(e)
+        raise SchemaError(names.get(field, field), detail) from None
+    return params
+
+
+# ---- speech (HTTP /v1/audio/speech, WS session.config, ElevenLabs stream-input) ------------------------
+
+SPEED_RANGE = (0.25, 4.0)  # OpenAI's bounds; only 1.0 is served
+
+
+class SpeechSampling(msgspec.Struct, forbid_unknown_fields=True):
+    """The speech endpoints' flat sampling fields (`max_new_tokens` is SamplingParams' max_tokens)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    max_new_tokens: int | None = None
+
+    def given(self) -> dict[str, Any]:
+        out = {}
+        for f in SpeechSampling.__struct_fields__:
+            v = getattr(self, f)
+            if v is not None:
+                out["max_tokens" if f == "max_new_tokens" else f] = v
+        return out
+
+
+SPEECH_NAMES: Mapping[str, str] = {"max_tokens": "max_new_tokens"}
+
+
+class SpeechOptions(SpeechSampling):
+    """How to speak: shared by the HTTP body and the WebSocket `session.config`."""
+
+    model: str | None = None  # any name: one model is served
+    voice: str | dict[str, Any] | None = None  # a name or OpenAI's {"id": name}
+    speed: float | None = None
+    instructions: str | None = None
+
+
+class SpeechRequest(SpeechOptions):
+    """POST /v1/audio/speech."""
+
+    input: str | None = None  # required; None so "null" and "missing" get the same message
+    response_format: str | None = None
+    stream_format: str | None = None  # "audio" | "sse"
+    stream: bool | None = None
+
+
+class SessionConfig(SpeechOptions, tag_field="type", tag="session.config"):
+    """WS /v1/audio/speech/stream `session.config`."""
+
+    response_format: str | None = None  # only "pcm"
+    sample_rate: int | None = None  # only the model's
+
+
+class InputText(msgspec.Struct, tag_field="type", tag="input.text", forbid_unknown_fields=True):
+    text: str
+
+
+class InputFlush(msgspec.Struct, tag_field="type", tag="input.flush", forbid_unknown_fields=True):
+    pass
+
+
+class SessionClose(msgspec.Struct, tag_field="type", tag="session.close", forbid_unknown_fields=True):
+    pass
+
+
+SPEECH_STREAM_MESSAGES: Mapping[str, type[msgspec.Struct]] = {
+    "session.config": SessionConfig,
+    "input.text": InputText,
+    "input.flush": InputFlush,
+    "session.close": SessionClose,
+}
+
+
+class VoiceSettings(msgspec.Struct, forbid_unknown_fields=True):
+    """ElevenLabs' voice_settings: `speed` is judged as HTTP's `speed`; the rest are accepted
+    and have no effect on this model."""
+
+    stability: float | None = None
+    similarity_boost: float | None = None
+    style: float | None = None
+    use_speaker_boost: bool | None = None
+    speed: float | None = None
+
+
+class GenerationConfig(msgspec.Struct, forbid_unknown_fields=True):
+    chunk_length_schedule: list[int] | None = None  # accepted; segmentation decides instead
+
+
+class ElevenLabsMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """One stream-input message: {"text": " "} opens, {"text": "..."} speaks, {"text": ""} ends."""
+
+    text: str | None = None  # required
+    flush: bool | None = None
+    try_trigger_generation: bool | None = None
+    voice_settings: VoiceSettings | None = None
+    generation_config: GenerationConfig | None = None
+    xi_api_key: str | None = None  # ElevenLabs clients may repeat their key here
+    authorization: str | None = None
+
+
+def voice_name(value: str | dict[str, Any] | None, param: str = "voice") -> str | None:
+    """OpenAI's voice: a name or {"id": name}; None = the default voice."""
+    if isinstance(value, dict):
+        if set(value) != {"id"} or not isinstance(value["id"], str):
+            raise SchemaError(param, 'an object voice is {"id": "<name>"}')
+        return value["id"]
+    return value
+
+
+def check_speed(speed: float | None, param: str = "speed") -> None:
+    if speed is None:
+        return
+    lo, hi = SPEED_RANGE
+    if not lo <= speed <= hi:  # NaN fails this too
+        raise SchemaError(param, f"must be in [{lo}, {hi}], got {speed}")
+    if speed != 1.0:
+        raise SchemaError(param, f"only 1.0 is supported by this server (got {speed})", UNSUPPORTED)
+
+
+def check_speech_options(opts: SpeechOptions) -> None:
+    """The speech fields HTTP and session.config share (sampling goes through sampling_params)."""
+    check_speed(opts.speed)
+    if opts.instructions is not None and opts.instructions.strip():
+        raise SchemaError("instructions", "this model does not take voice instructions", UNSUPPORTED)
+
+
+# ---- completions and the generate stream ----------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool | None = None
+
+
+class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /v1/completions: OpenAI's fields (the unsupported ones are named and refused by the
+    handler) plus extensions."""
+
+    model: str | None = None
+    prompt: str | list[Any] | None = None  # a string, token ids, or a one-element list of either
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    best_of: int | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    stop: str | list[str] | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
+    return_hidden_states: bool | None = None
+    hidden_state_layers: list[int] | None = None
+    skip_special_tokens: bool | None = None
+
+    def given_sampling(self) -> dict[str, Any]:
+        return {f: v for f in SAMPLING_FIELDS if (v := getattr(self, f)) is not None}
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """A generate request's fields on every protocol (WS /v1/generate/stream, ZeroMQ): the
+    prompt as token ids or text, sampling in SamplingParams' names, hidden-state layers."""
+
+    prompt_token_ids: list[int] | None = None
+    prompt: str | None = None
+    sampling: GenerationOptions | None = None
+    hidden_state_layers: list[int] | None = None
+
+
+class GenerateMessage(GenerateRequest, tag_field="type", tag="generate"):
+    """WS /v1/generate/stream's request message (`type` may be left out)."""
+
+
+class CancelMessage(msgspec.Struct, tag_field="type", tag="cancel", forbid_unknown_fields=True):
+    pass
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    prompt_token_ids: list[int] | None  # None: `prompt_text` is to be tokenized by the caller
+    prompt_text: str | None
+    sampling: SamplingParams
+    hidden_state_layers: list[int]
+
+
+def generate_job(req: GenerateRequest, defaults: SamplingParams, limits: RequestLimits) -> GenerateJob:
+    """Judge a GenerateRequest (any protocol). The text prompt is checked, not tokenized."""
+    text: str | None = None
+    ids: list[int] | None = None
+    if req.prompt_token_ids is not None and req.prompt is not None:
+        raise SchemaError("prompt", "give prompt_token_ids or prompt, not both")
+    if req.prompt_token_ids is not None:
+        ids = token_ids(req.prompt_token_ids, "prompt_token_ids", limits.vocab_size)
+        check_prompt_length(len(ids), limits, "prompt_token_ids")
+    elif req.prompt is not None:
+        text = check_text(req.prompt, "prompt", limits.max_input_chars)
+    else:
+        raise SchemaError("prompt_token_ids", "give prompt_token_ids (token ids) or prompt (text)", MISSING)
+    given = req.sampling.given() if req.sampling is not None else {}
+    sampling = sampling_params(given, defaults, limits, nested_names())
+    layers = hidden_layers(req.hidden_state_layers, limits.num_layers)
+    return GenerateJob(ids, text, sampling, layers)
+
+
+def check_prompt_length(n_tokens: int, limits: RequestLimits, param: str) -> None:
+    if n_tokens >= limits.max_model_len:
+        raise SchemaError(param, f"{n_tokens} tokens; the model takes fewer than {limits.max_model_len}")
