@@ -24,9 +24,9 @@ from server.errors import (
     APIError,
     engine_unavailable,
     internal_error,
-    invalid_request,
     not_found,
     overloaded,
+    schema_api_error,
     unauthorized,
 )
 from server.metrics import Metrics
@@ -128,8 +128,8 @@ def build_app(
             return await handler(request)
         except APIError as e:
             return e.response()
-        except InvalidRequest as e:  # an engine-side rejection no handler mapped to a body field
-            return invalid_request(str(e), param=e.field).response()
+        except InvalidRequest as e:  # a schema rejection, or an engine-side one no handler mapped
+            return schema_api_error(e).response()
         except EngineOverloaded as e:
             return overloaded(e.retry_after_s, f"The engine is at capacity: {e}").response()
         except EngineUnavailable:

@@ -1,15 +1,19 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with a real status.
 
-Handlers raise `APIError`; the error middleware in `server.app` turns it into a response, so
+Handlers raise `APIError` (or a streaming.schema.SchemaError); the error middleware in `server.app` turns it into a response, so
 every error a client sees has the same shape and names the offending field in `param`.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
+
+from streaming.sampling_params import InvalidRequest
+from streaming.schema import SchemaError, decode
+
+T = TypeVar("T")
 
 
 class APIError(Exception):
@@ -85,57 +89,17 @@ def internal_error(message: str = "Internal server error.") -> APIError:
     return APIError(500, message, type="server_error", code="internal_error")
 
 
-async def json_object_body(request: web.Request) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 saying why not."""
+def schema_api_error(e: InvalidRequest) -> APIError:
+    """A schema (or engine-side field) rejection -> a 400 naming the field in `param`."""
+    code = e.code if isinstance(e, SchemaError) else "invalid_value"
+    return invalid_request(str(e), param=e.field, code=code)
+
+
+async def read_body(request: web.Request, type_: type[T], max_depth: int) -> T:
+    """The request body decoded into a streaming.schema Struct (depth bounded before parsing,
+    strict types, unknown keys refused), or a 400 naming the field."""
     raw = await request.read()
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise invalid_request(f"The request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise invalid_request("The request body must be a JSON object.", code="invalid_json")
-    return body
-
-
-# ---- typed field readers for request bodies (null counts as "not given", as in OpenAI) --------
-
-
-def str_field(body: dict[str, Any], name: str, default: str | None = None, *, required: bool = False) -> str | None:
-    value = body.get(name)
-    if value is None:
-        if required:
-            raise invalid_request(f"{name}: this field is required", param=name, code="missing_required_parameter")
-        return default
-    if not isinstance(value, str):
-        raise invalid_request(f"{name}: must be a string, got {type(value).__name__}", param=name)
-    return value
-
-
-def bool_field(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid_request(f"{name}: must be a boolean, got {type(value).__name__}", param=name)
-    return value
-
-
-def number_field(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise invalid_request(f"{name}: must be a number, got {type(value).__name__}", param=name)
-    if not lo <= value <= hi:
-        raise invalid_request(f"{name}: must be in [{lo}, {hi}], got {value}", param=name)
-    return float(value)
-
-
-def choice_field(body: dict[str, Any], name: str, choices: tuple[str, ...], default: str) -> str:
-    value = str_field(body, name, default)
-    assert value is not None
-    if value not in choices:
-        raise invalid_request(
-            f"{name}: unsupported value {value!r}; supported: {', '.join(choices)}", param=name, code="unsupported_value"
-        )
-    return value
+        return decode(raw, type_, max_depth)
+    except SchemaError as e:
+        raise schema_api_error(e) from None

@@ -41,7 +41,8 @@ T = TypeVar("T")
 # SchemaError.code values (HTTP's `error.code`).
 INVALID_JSON = "invalid_json"  # not JSON, or not a JSON object
 JSON_TOO_DEEP = "json_too_deep"  # nesting over the limit (refused before parsing)
-INVALID_TEXT = "invalid_text"  # not valid Unicode (lone surrogate)
+INVALID_UNICODE = "invalid_unicode"  # not valid Unicode (a lone surrogate): unreadable as text
+INVALID_TEXT = "invalid_text"  # valid Unicode the text fields do not take (control characters)
 MISSING = "missing_required_parameter"
 UNKNOWN = "unknown_parameter"
 INVALID_TYPE = "invalid_type"
@@ -143,7 +144,7 @@ def _diagnose(data: bytes, e: msgspec.DecodeError) -> SchemaError:
     if found is None:
         return SchemaError(None, f"the message is not valid JSON: {e}", INVALID_JSON)
     path, why = found
-    code = INVALID_TEXT if "surrogate" in why else INVALID_VALUE
+    code = INVALID_UNICODE if "surrogate" in why else INVALID_VALUE
     return SchemaError(path or None, why, code)
 
 
@@ -254,7 +255,7 @@ def check_text(value: str, param: str, max_chars: int, *, allow_empty: bool = Fa
     """A client's text, judged once: valid Unicode, no control characters but \\n \\t \\r, at
     most max_chars characters, and (unless allow_empty) not blank."""
     if _has_surrogate(value):
-        raise SchemaError(param, "not valid Unicode (a lone UTF-16 surrogate such as \\ud800)", INVALID_TEXT)
+        raise SchemaError(param, "not valid Unicode (a lone UTF-16 surrogate such as \\ud800)", INVALID_UNICODE)
     if m := _CONTROL.search(value):
         raise SchemaError(param, f"control character U+{ord(m.group()):04X} at index {m.start()}; "
                                  "only \\n, \\t and \\r are allowed", INVALID_TEXT)

@@ -5,7 +5,10 @@ as OpenAI's plus `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_tok
 `ignore_eos`. Not supported (400 naming the field): `n` > 1, `best_of` > 1, `echo`,
 `logprobs`, `suffix`, `stop` strings (use `stop_token_ids`).
 
-Extensions: `return_hidden_states: true` (+ `hidden_state_layers`, default the final layer)
+The body is a streaming.schema.CompletionRequest (strict types, unknown fields refused).
+
+Extensions: `return_hidden_states: true` (+ `hidden_state_layers`, default the final layer;
+-(L+1)..L, negatives counted from the end, duplicates refused: streaming.schema.hidden_layers)
 adds per choice / per SSE chunk `"hidden_states": {"dtype", "shape": [n, layers, hidden],
 "positions": [first, last+1], "data": base64 of the raw little-endian rows}` ("bfloat16"
 rows are raw bf16 bit patterns), and every choice carries its `token_ids`.
@@ -24,12 +27,25 @@ from aiohttp import web
 
 from server.context import ServerContext, get_ctx
 from server.engine_api import EngineOverloaded, EngineUnavailable
-from server.errors import bool_field, invalid_request, json_object_body, str_field
+from server.errors import read_body
 from server.outputs import first_output, mid_stream_error, until_finished
-from server.sampling import COMPLETION_FIELDS, rejection_error, sampling_from_body
+from server.sampling import COMPLETION_FIELDS, rejection_error, request_limits
 from streaming.encoders import array_bytes, array_header, b64
 from streaming.ipc import AddRequest, RequestOutput
 from streaming.sampling_params import SamplingParams
+from streaming.schema import (
+    INVALID_TYPE,
+    MISSING,
+    UNSUPPORTED,
+    CompletionRequest,
+    RequestLimits,
+    SchemaError,
+    check_prompt_length,
+    check_text,
+    hidden_layers,
+    sampling_params,
+    token_ids,
+)
 
 ENDPOINT = "/v1/completions"
 DEFAULT_SAMPLING = SamplingParams(max_tokens=16)  # OpenAI's defaults
@@ -43,81 +59,50 @@ class CompletionJob:
     skip_special_tokens: bool
 
 
-def parse_prompt(ctx: ServerContext, value: object) -> list[int]:
+def parse_prompt(ctx: ServerContext, value: object, limits: RequestLimits) -> list[int]:
+    """A string, a list of token ids, or a one-element list of either (OpenAI's batch form)."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # OpenAI's batch form with a single prompt
+        value = value[0]
     if isinstance(value, str):
-        if not value:
-            raise invalid_request("prompt: must not be empty", param="prompt")
-        if len(value) > ctx.settings.max_input_chars:
-            raise invalid_request(
-                f"prompt: {len(value)} characters is over the limit of {ctx.settings.max_input_chars}", param="prompt"
-            )
-        return ctx.tokenizer.encode(value, add_bos=ctx.tokenizer.bos_token_id is not None)
+        text = check_text(value, "prompt", limits.max_input_chars)
+        return ctx.tokenizer.encode(text, add_bos=ctx.tokenizer.bos_token_id is not None)
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        vocab = ctx.engine.info.vocab_size
-        bad = next((t for t in value if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise invalid_request(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
-        return list(value)
-    if isinstance(value, list) and len(value) > 1:
-        raise invalid_request("prompt: only one prompt per request is supported", param="prompt")
-    raise invalid_request("prompt: must be a non-empty string or list of token ids", param="prompt")
+        return token_ids(value, "prompt", limits.vocab_size)
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
+        raise SchemaError("prompt", "only one prompt per request is supported", UNSUPPORTED)
+    raise SchemaError("prompt", "must be a non-empty string or list of token ids", INVALID_TYPE)
 
 
-def parse_hidden_layers(ctx: ServerContext, body: dict) -> list[int]:
-    wanted = bool_field(body, "return_hidden_states", False)
-    layers = body.get("hidden_state_layers")
-    if layers is None:
-        return [ctx.engine.info.num_layers] if wanted else []
-    n = ctx.engine.info.num_layers
-    if (
-        not isinstance(layers, list)
-        or not layers
-        or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= n for x in layers)
-    ):
-        raise invalid_request(
-            f"hidden_state_layers: must be a non-empty list of layer indices in [0, {n}] "
-            "(0 = embeddings, i = input of layer i, {n} = final normed output)".replace("{n}", str(n)),
-            param="hidden_state_layers",
-        )
-    if len(set(layers)) != len(layers):
-        raise invalid_request("hidden_state_layers: indices must be unique", param="hidden_state_layers")
-    return list(layers)
-
-
-def _unsupported(body: dict, name: str, ok: bool, why: str) -> None:
+def _unsupported(name: str, ok: bool, why: str) -> None:
     if not ok:
-        raise invalid_request(f"{name}: {why}", param=name, code="unsupported_value")
+        raise SchemaError(name, why, UNSUPPORTED)
 
 
-def parse_completion_body(ctx: ServerContext, body: dict) -> CompletionJob:
-    str_field(body, "model")
-    if "prompt" not in body or body["prompt"] is None:
-        raise invalid_request("prompt: this field is required", param="prompt", code="missing_required_parameter")
-    prompt = parse_prompt(ctx, body["prompt"])
-    _unsupported(body, "n", body.get("n") in (None, 1), "only n=1 is supported")
-    _unsupported(body, "best_of", body.get("best_of") in (None, 1), "only best_of=1 is supported")
-    _unsupported(body, "echo", body.get("echo") in (None, False), "echo is not supported")
-    _unsupported(body, "logprobs", body.get("logprobs") is None, "logprobs are not supported")
-    _unsupported(body, "suffix", body.get("suffix") in (None, ""), "suffix is not supported")
-    _unsupported(body, "stop", body.get("stop") in (None, [], ""), "stop strings are not supported; use stop_token_ids")
-    stream = bool_field(body, "stream", False)
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise invalid_request("stream_options: must be an object", param="stream_options")
-    include_usage = bool_field(options, "include_usage", False)
-    sampling = sampling_from_body(body, DEFAULT_SAMPLING, COMPLETION_FIELDS, ctx.engine.info.vocab_size)
-    limit = ctx.engine.info.max_model_len
-    if len(prompt) >= limit:
-        raise invalid_request(f"prompt: {len(prompt)} tokens; the model takes fewer than {limit}", param="prompt")
+def parse_completion_body(ctx: ServerContext, req: CompletionRequest) -> CompletionJob:
+    limits = request_limits(ctx)
+    if req.prompt is None:
+        raise SchemaError("prompt", "this field is required", MISSING)
+    prompt = parse_prompt(ctx, req.prompt, limits)
+    _unsupported("n", req.n in (None, 1), "only n=1 is supported")
+    _unsupported("best_of", req.best_of in (None, 1), "only best_of=1 is supported")
+    _unsupported("echo", not req.echo, "echo is not supported")
+    _unsupported("logprobs", req.logprobs is None, "logprobs are not supported")
+    _unsupported("suffix", not req.suffix, "suffix is not supported")
+    _unsupported("stop", not req.stop, "stop strings are not supported; use stop_token_ids")
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    sampling = sampling_params(req.given_sampling(), DEFAULT_SAMPLING, limits, COMPLETION_FIELDS)
+    check_prompt_length(len(prompt), limits, "prompt")
+    layers = hidden_layers(req.hidden_state_layers, limits.num_layers)
+    if req.return_hidden_states and not layers:
+        layers = [limits.num_layers]  # the final normed output
     add = AddRequest(
         request_id=f"cmpl-{uuid.uuid4().hex}",
         prompt_token_ids=prompt,
         sampling=sampling,
-        hidden_state_layers=parse_hidden_layers(ctx, body),
+        hidden_state_layers=layers,
     )
-    return CompletionJob(add, stream, include_usage, bool_field(body, "skip_special_tokens", True))
+    skip_special = True if req.skip_special_tokens is None else req.skip_special_tokens
+    return CompletionJob(add, bool(req.stream), include_usage, skip_special)
 
 
 def _hidden_payload(ctx: ServerContext, rows: np.ndarray, positions: tuple[int, int]) -> dict:
@@ -133,7 +118,7 @@ def _usage(job: CompletionJob, last: RequestOutput, n_out: int) -> dict:
 async def create_completion(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     ctx = get_ctx(request)
-    job = parse_completion_body(ctx, await json_object_body(request))
+    job = parse_completion_body(ctx, await read_body(request, CompletionRequest, ctx.settings.max_json_depth))
     async with aclosing(ctx.engine.generate(job.add)) as outputs:
         first = await first_output(outputs, COMPLETION_FIELDS, "prompt")
         head = {"id": job.add.request_id, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}

@@ -9,6 +9,11 @@ server: per step {"type": "step", "token_ids": [...], "hidden": {"dtype", "shape
         then {"type": "done", "finish_reason", "usage": {...}}.
         {"type": "error", "code", "message", "param"} for a bad message or a failed request.
 
+Messages are judged by streaming.schema (GenerateMessage: strict types, unknown keys refused,
+hidden_state_layers by the one rule): a bad field is an `invalid_field` error and the
+connection stays usable; a message that cannot be read (lone surrogate: 1007; nesting over
+max_json_depth or size over max_ws_message_bytes: 1009) is an error event and then the close.
+
 One request runs at a time per connection (a second one while busy is a `busy` error); the
 connection can run any number of requests one after another.
 """
@@ -25,19 +30,21 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from server.context import ServerContext, get_ctx
 from server.engine_api import EngineOverloaded, EngineUnavailable
 from server.errors import APIError
-from server.routes.completions import parse_hidden_layers, parse_prompt
-from server.sampling import NESTED_FIELDS, nested_sampling, rejection_error
+from server.sampling import NESTED_FIELDS, rejection_error, request_limits
 from server.ws_common import (
     BadMessage,
+    bad_message,
+    guard_session,
     new_websocket,
-    parse_json_object,
+    read_message,
+    reject,
     send_error,
     send_json,
-    too_large,
 )
 from streaming.encoders import array_bytes, array_header
 from streaming.ipc import AddRequest, RequestOutput
 from streaming.sampling_params import InvalidRequest, SamplingParams
+from streaming.schema import CancelMessage, GenerateMessage, SchemaError, check_prompt_length, convert, generate_job
 
 log = logging.getLogger(__name__)
 
@@ -45,33 +52,19 @@ ENDPOINT = "/v1/generate/stream"
 
 
 def parse_generate_message(ctx: ServerContext, obj: dict) -> AddRequest:
-    if "prompt_token_ids" in obj:
-        ids = obj["prompt_token_ids"]
-        vocab = ctx.engine.info.vocab_size
-        if (
-            not isinstance(ids, list)
-            or not ids
-            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids)
-        ):
-            raise BadMessage(
-                "invalid_field",
-                f"prompt_token_ids: must be a non-empty list of token ids in [0, {vocab})",
-                "prompt_token_ids",
-            )
-        prompt = list(ids)
-    elif "prompt" in obj:
-        prompt = parse_prompt(ctx, obj["prompt"])
-    else:
-        raise BadMessage("invalid_field", "prompt_token_ids: give prompt_token_ids or prompt", "prompt_token_ids")
-    sampling = nested_sampling(obj.get("sampling"), SamplingParams(), ctx.engine.info.vocab_size)
-    limit = ctx.engine.info.max_model_len
-    if len(prompt) >= limit:
-        raise BadMessage("invalid_field", f"prompt: {len(prompt)} tokens; the model takes fewer than {limit}", "prompt")
+    """A generate message, judged by streaming.schema (the same rules as ZeroMQ's generate)."""
+    limits = request_limits(ctx)
+    job = generate_job(convert(obj, GenerateMessage), SamplingParams(), limits)
+    prompt = job.prompt_token_ids
+    if prompt is None:
+        assert job.prompt_text is not None
+        prompt = ctx.tokenizer.encode(job.prompt_text, add_bos=ctx.tokenizer.bos_token_id is not None)
+        check_prompt_length(len(prompt), limits, "prompt")
     return AddRequest(
         request_id=f"gen-{uuid.uuid4().hex}",
         prompt_token_ids=prompt,
-        sampling=sampling,
-        hidden_state_layers=parse_hidden_layers(ctx, {"hidden_state_layers": obj.get("hidden_state_layers")}),
+        sampling=job.sampling,
+        hidden_state_layers=job.hidden_state_layers,
     )
 
 
@@ -113,32 +106,29 @@ class GenerateSession:
             )
 
     async def _on_text(self, data: str) -> None:
-        limit = self.ctx.settings.max_ws_message_bytes
-        if too_large(data, limit):
-            await send_error(self.ws, "message_too_large", f"Messages are limited to {limit} bytes.")
-            await self.ws.close(code=WSCloseCode.MESSAGE_TOO_BIG, message=b"message too large")
-            return
         try:
-            obj = parse_json_object(data)
+            obj = read_message(data, self.ctx.settings)
             kind = obj.get("type", "generate")
             if kind == "generate":
                 if self.task is not None and not self.task.done():
                     raise BadMessage("busy", "A request is running; wait for its done event or cancel it.", "type")
-                try:
-                    add = parse_generate_message(self.ctx, obj)
-                except APIError as e:
-                    raise BadMessage("invalid_field", e.message, e.param) from None
+                add = parse_generate_message(self.ctx, obj)
                 self.task = asyncio.create_task(self._generate(add))
                 self.task.add_done_callback(self._report_crash)
             elif kind == "cancel":
+                convert(obj, CancelMessage)
                 if self.task is not None and not self.task.done():
                     self.task.cancel()
                     await asyncio.gather(self.task, return_exceptions=True)
                     await send_json(self.ws, {"type": "done", "finish_reason": "abort", "usage": None})
             else:
                 raise BadMessage("unknown_type", f"Unknown message type {kind!r}; expected generate or cancel.", "type")
+        except SchemaError as e:
+            await reject(self.ws, bad_message(e))
+        except APIError as e:
+            await reject(self.ws, BadMessage("invalid_field", e.message, e.param))
         except BadMessage as e:
-            await send_error(self.ws, e.code, e.message, e.param)
+            await reject(self.ws, e)
 
     async def _generate(self, add: AddRequest) -> None:
         info = self.ctx.engine.info
@@ -186,5 +176,4 @@ async def generate_stream(request: web.Request) -> web.WebSocketResponse:
     ctx = get_ctx(request)
     ws = new_websocket(request)
     await ws.prepare(request)
-    await GenerateSession(ctx, ws).run()
-    return ws
+    return await guard_session(ws, GenerateSession(ctx, ws).run(), ENDPOINT)

@@ -4,8 +4,9 @@ Body: `model` (any name: one model is served), `input`, `voice` (a name or {"id"
 `response_format` (see streaming.encoders; default "wav" since "mp3" is not available),
 `speed` (only 1.0), `stream_format` ("audio" chunked bytes | "sse" events), and extensions:
 `stream` (false -> one whole file with Content-Length), `seed`, `temperature`, `top_p`,
-`top_k`, `min_p`, `repetition_penalty`, `max_new_tokens`. Unknown fields are ignored, as
-OpenAI does; known fields are validated and a bad one is a 400 naming it.
+`top_k`, `min_p`, `repetition_penalty`, `max_new_tokens`. The body is a
+streaming.schema.SpeechRequest: strict types, unknown fields refused, and a bad field is a 400
+naming it (the same judgments as the WebSocket `session.config`).
 
 Streaming: headers go out once the engine has admitted the request (so overload is still a
 429); audio bytes follow as each step produces them. A failure after the headers cuts the
@@ -26,16 +27,9 @@ from aiohttp import web
 
 from server.context import ServerContext, get_ctx
 from server.engine_api import EngineOverloaded, EngineUnavailable
-from server.errors import (
-    bool_field,
-    choice_field,
-    invalid_request,
-    json_object_body,
-    number_field,
-    str_field,
-)
+from server.errors import invalid_request, read_body
 from server.outputs import first_output, mid_stream_error, until_finished
-from server.sampling import SPEECH_FIELDS, rejection_error, sampling_from_body
+from server.sampling import SPEECH_FIELDS, rejection_error, request_limits
 from streaming.encoders import (
     AudioFormat,
     UnsupportedFormat,
@@ -46,6 +40,16 @@ from streaming.encoders import (
 )
 from streaming.ipc import AddRequest, RequestOutput
 from streaming.sampling_params import SamplingParams
+from streaming.schema import (
+    MISSING,
+    UNSUPPORTED,
+    SchemaError,
+    SpeechRequest,
+    check_speech_options,
+    check_text,
+    sampling_params,
+    voice_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,58 +79,36 @@ def speech_add_request(
     return AddRequest(request_id=f"speech-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=sampling, audio=True)
 
 
-def parse_voice(body: dict, name: str = "voice") -> str | None:
-    """OpenAI accepts a voice name or {"id": name}."""
-    value = body.get(name)
-    if isinstance(value, dict):
-        value = value.get("id")
-        if not isinstance(value, str):
-            raise invalid_request(f"{name}: an object voice needs a string `id`", param=name)
-    return str_field({name: value}, name)
-
-
-def parse_speech_body(ctx: ServerContext, body: dict) -> SpeechJob:
-    text = str_field(body, "input", required=True)
-    assert text is not None
-    if not text.strip():
-        raise invalid_request("input: must not be empty", param="input")
-    if len(text) > ctx.settings.max_input_chars:
-        raise invalid_request(
-            f"input: {len(text)} characters is over the limit of {ctx.settings.max_input_chars}", param="input"
-        )
-    str_field(body, "model")  # any served name is fine, but it must be a string
-    voice = ctx.profile.resolve_voice(parse_voice(body))
-    fmt_name = str_field(body, "response_format", DEFAULT_RESPONSE_FORMAT)
+def parse_speech_body(ctx: ServerContext, req: SpeechRequest) -> SpeechJob:
+    limits = request_limits(ctx)
+    if req.input is None:
+        raise SchemaError("input", "this field is required", MISSING)
+    text = check_text(req.input, "input", limits.max_input_chars)
+    voice = ctx.profile.resolve_voice(voice_name(req.voice))
+    fmt_name = req.response_format or DEFAULT_RESPONSE_FORMAT
     try:
-        fmt = get_format(fmt_name or DEFAULT_RESPONSE_FORMAT)
+        fmt = get_format(fmt_name)
     except UnsupportedFormat:
-        raise invalid_request(
-            f"response_format: {fmt_name!r} is not supported; supported: {', '.join(supported_formats())}",
-            param="response_format",
-            code="unsupported_value",
+        raise SchemaError(
+            "response_format", f"{fmt_name!r} is not supported; supported: {', '.join(supported_formats())}", UNSUPPORTED
         ) from None
-    speed = number_field(body, "speed", 1.0, 0.25, 4.0)
-    if speed != 1.0:
-        raise invalid_request(
-            f"speed: only 1.0 is supported by this server (got {speed})", param="speed", code="unsupported_value"
+    check_speech_options(req)
+    stream_format = req.stream_format or "audio"
+    if stream_format not in STREAM_FORMATS:
+        raise SchemaError(
+            "stream_format", f"unsupported value {stream_format!r}; supported: {', '.join(STREAM_FORMATS)}", UNSUPPORTED
         )
-    instructions = str_field(body, "instructions")
-    if instructions and instructions.strip():
-        raise invalid_request(
-            "instructions: this model does not take voice instructions", param="instructions", code="unsupported_value"
-        )
-    stream_format = choice_field(body, "stream_format", STREAM_FORMATS, "audio")
-    stream = bool_field(body, "stream", True)
+    stream = True if req.stream is None else req.stream
     if not stream and stream_format == "sse":
-        raise invalid_request("stream: stream_format 'sse' needs stream=true", param="stream")
-    sampling = sampling_from_body(body, ctx.speech_sampling, SPEECH_FIELDS, ctx.engine.info.vocab_size)
+        raise SchemaError("stream", "stream_format 'sse' needs stream=true")
+    sampling = sampling_params(req.given(), ctx.speech_sampling, limits, SPEECH_FIELDS)
     return SpeechJob(speech_add_request(ctx, voice, text, sampling), fmt, stream_format, stream)
 
 
 async def create_speech(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     ctx = get_ctx(request)
-    job = parse_speech_body(ctx, await json_object_body(request))
+    job = parse_speech_body(ctx, await read_body(request, SpeechRequest, ctx.settings.max_json_depth))
     async with aclosing(ctx.engine.generate(job.add)) as outputs:
         # The first output proves admission (EngineOverloaded/Unavailable surface here, still
         # as a status code) or carries the request's rejection.

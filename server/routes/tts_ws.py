@@ -21,9 +21,13 @@
 Text is cut into segments (server.tts.text_segmenter); each segment is one engine request,
 spoken in order by a `server.tts.speaker.Speaker` (bounded prefetch).
 
-Errors in a client message are error events and the session goes on; an oversized message
-is an error event and close 1009; a dead engine is an error event and close 1011. A client
-that goes away aborts the session's engine requests.
+Messages are judged by streaming.schema (strict types, unknown keys refused; `session.config`
+and ElevenLabs' voice_settings.speed exactly as POST /v1/audio/speech judges the same fields;
+text checked as Unicode at the door). A bad field is an error event and the session goes on;
+a message that cannot be read is an error event and then a close: 1007 for invalid Unicode (a
+lone surrogate), 1009 for a message over max_ws_message_bytes or nested deeper than
+max_json_depth. A dead engine or a server bug is an error event and close 1011. A client that
+goes away aborts the session's engine requests.
 
 The reader never waits on the speaker, so a close, flush or config is seen at once; text
 that would put more than `ws_max_pending_segments` segments in the queue is refused with an
@@ -39,20 +43,37 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from server.context import ServerContext, get_ctx
 from server.errors import APIError, invalid_request
-from server.routes.speech import parse_voice
-from server.sampling import SPEECH_FIELDS, sampling_from_body
+from server.sampling import SPEECH_FIELDS, request_limits
 from server.tts.speaker import Sink, Speaker, Utterance, Voicing, usage_of
 from server.tts.text_segmenter import TextSegmenter
 from server.ws_common import (
     BadMessage,
+    bad_message,
+    guard_session,
     new_websocket,
-    parse_json_object,
+    read_message,
+    reject,
     send_error,
     send_json,
-    too_large,
 )
 from streaming.encoders import b64
 from streaming.ipc import RequestOutput
+from streaming.schema import (
+    MISSING,
+    SPEECH_STREAM_MESSAGES,
+    UNSUPPORTED,
+    ElevenLabsMessage,
+    InputFlush,
+    InputText,
+    SchemaError,
+    SessionConfig,
+    check_speech_options,
+    check_speed,
+    check_text,
+    convert,
+    sampling_params,
+    voice_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,15 +114,17 @@ class TextSession(Sink):
             self.ctx.metrics.active_streams.labels(self.endpoint).dec()
 
     async def _on_text(self, data: str) -> None:
-        limit = self.ctx.settings.max_ws_message_bytes
-        if too_large(data, limit):
-            await self.send_error("message_too_large", f"Messages are limited to {limit} bytes.")
-            await self.ws.close(code=WSCloseCode.MESSAGE_TOO_BIG, message=b"message too large")
-            return
         try:
-            await self.on_message(parse_json_object(data))
+            await self.on_message(read_message(data, self.ctx.settings))
+        except SchemaError as e:
+            await reject(self.ws, bad_message(e))
+        except APIError as e:  # e.g. an unknown voice
+            await reject(self.ws, BadMessage("invalid_field", e.message, e.param))
         except BadMessage as e:
-            await self.send_error(e.code, e.message, e.param)
+            await reject(self.ws, e)
+
+    def check_text(self, text: str) -> str:
+        return check_text(text, "text", self.ctx.settings.max_input_chars, allow_empty=True)
 
     async def speak(self, segments: list[str]) -> None:
         if segments and not self.speaker.say(segments, self.voicing):
@@ -158,50 +181,43 @@ class SpeechStreamSession(TextSession):
     async def on_message(self, obj: dict) -> None:
         kind = obj.get("type")
         if self.speaker.input_ended and kind != "session.close":
-            await self.send_error("invalid_state", "The session is closing; no more input is accepted.", "type")
-            return
-        if kind == "input.text":
-            text = obj.get("text")
-            if not isinstance(text, str):
-                await self.send_error("invalid_field", "text: must be a string", "text")
-                return
-            await self.speak(self.segmenter.push(text))
-        elif kind == "input.flush":
-            await self.speak(self.segmenter.flush())
-        elif kind == "session.config":
-            try:
-                self.voicing = self._configure(obj)
-            except APIError as e:
-                await self.send_error("invalid_field", e.message, e.param)
-                return
-            await self.send_json({"type": "session.updated", "session": self._session_info()})
-        elif kind == "session.close":
-            if not self.speaker.input_ended:
-                await self.speak(self.segmenter.flush())
-                self.speaker.end_input()
-        else:
-            await self.send_error(
+            raise BadMessage("invalid_state", "The session is closing; no more input is accepted.", "type")
+        message_type = SPEECH_STREAM_MESSAGES.get(kind) if isinstance(kind, str) else None
+        if message_type is None:
+            raise BadMessage(
                 "unknown_type",
-                f"Unknown message type {kind!r}; expected session.config, input.text, input.flush or session.close.",
+                f"Unknown message type {kind!r}; expected {', '.join(SPEECH_STREAM_MESSAGES)}.",
                 "type",
             )
+        msg = convert(obj, message_type)
+        if isinstance(msg, InputText):
+            await self.speak(self.segmenter.push(self.check_text(msg.text)))
+        elif isinstance(msg, InputFlush):
+            await self.speak(self.segmenter.flush())
+        elif isinstance(msg, SessionConfig):
+            self.voicing = self._configure(msg)
+            await self.send_json({"type": "session.updated", "session": self._session_info()})
+        elif not self.speaker.input_ended:  # session.close
+            await self.speak(self.segmenter.flush())
+            self.speaker.end_input()
 
-    def _configure(self, obj: dict) -> Voicing:
+    def _configure(self, msg: SessionConfig) -> Voicing:
+        """The same judgments as POST /v1/audio/speech's body (streaming.schema.SpeechOptions)."""
         ctx = self.ctx
-        voice = parse_voice(obj)
-        voice = ctx.profile.resolve_voice(voice) if voice is not None else self.voicing.voice
-        fmt = obj.get("response_format", "pcm")
-        if fmt != "pcm":
-            raise invalid_request(
-                f"response_format: only 'pcm' (s16le mono binary frames) is supported here, got {fmt!r}",
-                param="response_format",
+        name = voice_name(msg.voice)
+        voice = ctx.profile.resolve_voice(name) if name is not None else self.voicing.voice
+        check_speech_options(msg)
+        if msg.response_format not in (None, "pcm"):
+            raise SchemaError(
+                "response_format",
+                f"only 'pcm' (s16le mono binary frames) is supported here, got {msg.response_format!r}",
+                UNSUPPORTED,
             )
-        rate = obj.get("sample_rate", ctx.profile.sample_rate)
-        if rate != ctx.profile.sample_rate:
-            raise invalid_request(
-                f"sample_rate: the model produces {ctx.profile.sample_rate} Hz audio, got {rate!r}", param="sample_rate"
+        if msg.sample_rate not in (None, ctx.profile.sample_rate):
+            raise SchemaError(
+                "sample_rate", f"the model produces {ctx.profile.sample_rate} Hz audio, got {msg.sample_rate}", UNSUPPORTED
             )
-        sampling = sampling_from_body(obj, self.voicing.sampling, SPEECH_FIELDS, ctx.engine.info.vocab_size)
+        sampling = sampling_params(msg.given(), self.voicing.sampling, request_limits(ctx), SPEECH_FIELDS)
         return replace(self.voicing, voice=voice, sampling=sampling)
 
     async def utterance_start(self, utt: Utterance) -> None:
@@ -236,24 +252,21 @@ class ElevenLabsSession(TextSession):
 
     async def on_message(self, obj: dict) -> None:
         if self.speaker.input_ended:
-            await self.send_error("invalid_state", "The input has ended; no more text is accepted.", "text")
-            return
-        text = obj.get("text")
-        if not isinstance(text, str):
-            await self.send_error("invalid_field", "text: every message needs a string `text`", "text")
-            return
-        flush = obj.get("flush", False)
-        if not isinstance(flush, bool):
-            await self.send_error("invalid_field", "flush: must be a boolean", "flush")
-            return
+            raise BadMessage("invalid_state", "The input has ended; no more text is accepted.", "text")
+        msg = convert(obj, ElevenLabsMessage)
+        if msg.text is None:
+            raise SchemaError("text", "every message needs a string `text`", MISSING)
+        text = self.check_text(msg.text)
+        if msg.voice_settings is not None:
+            check_speed(msg.voice_settings.speed, "voice_settings.speed")
         if text == "":  # ElevenLabs' end-of-input message
             await self.speak(self.segmenter.flush())
             self.speaker.end_input()
             return
-        # voice_settings, generation_config and try_trigger_generation are accepted and
-        # ignored: segmentation decides when to generate.
+        # The other voice_settings, generation_config and try_trigger_generation are accepted
+        # and have no effect: segmentation decides when to generate.
         await self.speak(self.segmenter.push(text))
-        if flush:
+        if msg.flush:
             await self.speak(self.segmenter.flush())
 
     async def utterance_audio(self, utt: Utterance, pcm: bytes) -> None:
@@ -272,8 +285,7 @@ async def speech_stream(request: web.Request) -> web.WebSocketResponse:
     ws = new_websocket(request)
     await ws.prepare(request)
     voicing = Voicing(ctx.profile.default_voice, ctx.speech_sampling)
-    await SpeechStreamSession(ctx, ws, voicing).run()
-    return ws
+    return await guard_session(ws, SpeechStreamSession(ctx, ws, voicing).run(), SPEECH_WS_ENDPOINT)
 
 
 async def elevenlabs_stream_input(request: web.Request) -> web.WebSocketResponse:
@@ -288,5 +300,4 @@ async def elevenlabs_stream_input(request: web.Request) -> web.WebSocketResponse
         )
     ws = new_websocket(request)
     await ws.prepare(request)
-    await ElevenLabsSession(ctx, ws, Voicing(voice, ctx.speech_sampling)).run()
-    return ws
+    return await guard_session(ws, ElevenLabsSession(ctx, ws, Voicing(voice, ctx.speech_sampling)).run(), ELEVENLABS_ENDPOINT)

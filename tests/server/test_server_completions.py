@@ -113,7 +113,7 @@ ERROR_CASES = [
     ({"prompt": "hi", "suffix": "end"}, "suffix"),
     ({"prompt": "hi", "stop": ["\n"]}, "stop"),
     ({"prompt": "hi", "stream": "yes"}, "stream"),
-    ({"prompt": "hi", "stream_options": {"include_usage": 1}}, "include_usage"),
+    ({"prompt": "hi", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({"prompt": "hi", "temperature": -0.5}, "temperature"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),

@@ -81,7 +81,6 @@ async def test_sampling_extensions_reach_the_engine():
                 "top_k": 40,
                 "repetition_penalty": 1.3,
                 "max_new_tokens": 3,
-                "unknown_field": "ignored",
             }
             async with http.post(s.url("/v1/audio/speech"), json=body) as resp:
                 assert resp.status == 200
@@ -151,6 +150,17 @@ ERROR_CASES = [
     ({"input": "Hi", "max_new_tokens": 2.5}, "max_new_tokens"),
     ({"input": "Hi", "seed": -1}, "seed"),
     ({"input": "Hi", "model": 3}, "model"),
+    # issue 32: unknown keys are refused (naming the key), types are strict, text is checked
+    ({"input": "Hi", "unknown_field": "x"}, "unknown_field"),
+    ({"input": "Hi", "max_new_tokens": "5"}, "max_new_tokens"),
+    ({"input": "Hi", "max_new_tokens": 10**9}, "max_new_tokens"),
+    ({"input": "Hi", "max_new_tokens": True}, "max_new_tokens"),
+    ({"input": "Hi", "seed": 2**70}, "seed"),
+    ({"input": "hi \ud800 x"}, "input"),
+    ({"input": "hi \x07 x"}, "input"),
+    ({"input": "Hi", "voice": {"id": "tara", "extra": 1}}, "voice"),
+    ({"input": "Hi", "speed": -5}, "speed"),
+    ({"input": None}, "input"),
 ]
 
 
