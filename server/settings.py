@@ -32,6 +32,8 @@ class ServerSettings:
     served_model_name: str | None = knob(None, "model name shown in /v1/models and responses (default: the folder's name)")
     max_input_chars: int = knob(4096, "longest text of one speech request")
     max_ws_message_bytes: int = 64 * 1024
+    # Checked on the raw bytes before any parser recurses (streaming.schema.check_depth).
+    max_json_depth: int = knob(32, "deepest JSON nesting a request body or WebSocket message may have")
     # Generation requests (HTTP) and TTS/generate WebSocket sessions admitted at once; the
     # next one gets 429 + Retry-After at the door instead of waiting.
     max_concurrent_requests: int = knob(256, "generation requests and sessions admitted at once (then 429)")
@@ -60,6 +62,7 @@ class ServerSettings:
         need(self.api_key is None or len(self.api_key) > 0, "api_key", "must be None or non-empty")
         need(self.max_input_chars > 0, "max_input_chars", "must be > 0")
         need(self.max_ws_message_bytes >= 1024, "max_ws_message_bytes", "must be >= 1024")
+        need(self.max_json_depth >= 4, "max_json_depth", "must be >= 4")
         need(self.max_concurrent_requests > 0, "max_concurrent_requests", "must be > 0")
         need(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
         need(self.output_queue_size > 0, "output_queue_size", "must be > 0")
