@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import struct
+import wave
 from pathlib import Path
 
 import aiohttp
@@ -23,6 +25,7 @@ from tests.e2e.helpers import (
     frames_of,
     max_lsb_diff,
     recv_event,
+    speak_http,
     speak_openai,
 )
 from tests.support.server_proc import ServerProc
@@ -242,3 +245,62 @@ async def test_ws_bad_messages_are_error_events_and_other_sessions_carry_on(serv
             "Hello there, how are you today?", "And this is the second one."]
         for d in done:
             assert len(audio[d["utterance"]]) == frames_of(d["usage"]["output_tokens"], d["finish_reason"]) * FRAME_BYTES
+
+
+# ---- whole WAV files carry their length -------------------------------------------------------------
+
+
+def test_non_streamed_wav_has_the_exact_length_header(client: openai.OpenAI):
+    with client.audio.speech.with_streaming_response.create(
+        model="omnistream", voice="tara", input="Hello there.", response_format="wav",
+        extra_body={"stream": False, "max_new_tokens": 70, "seed": 3},
+    ) as r:
+        assert r.status_code == 200, r.text
+        data = r.read()
+        assert int(r.headers["content-length"]) == len(data)
+    riff_size, data_size = struct.unpack("<I", data[4:8])[0], struct.unpack("<I", data[40:44])[0]
+    assert (riff_size, data_size) == (len(data) - 8, len(data) - 44)
+    with wave.open(io.BytesIO(data)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, SAMPLE_RATE)
+        assert w.getnframes() == (len(data) - 44) // 2 > 0
+        assert len(w.readframes(w.getnframes())) == len(data) - 44
+    # the same request streamed keeps the unknown-length header (sizes are not known up front)
+    headers, chunks = speak_openai(client, "wav", seed=3, max_new_tokens=70)
+    streamed = b"".join(chunks)
+    assert struct.unpack("<I", streamed[40:44])[0] == 0xFFFFFFFF
+    assert max_lsb_diff(streamed[44:], data[44:]) <= 1 and len(streamed) == len(data)
+
+
+# ---- hostile input against the real server ------------------------------------------------------------
+
+
+async def test_surrogates_and_deep_json_never_crash_the_real_server(server: ServerProc):
+    async with aiohttp.ClientSession() as http:
+        for path, body, param in [("/v1/audio/speech", {"input": "hi \ud800 x"}, "input"),
+                                  ("/v1/completions", {"prompt": "hi \ud800 x"}, "prompt")]:
+            async with http.post(server.base_url + path, json=body) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == param
+        deep = b'{"input": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        async with http.post(server.base_url + "/v1/audio/speech", data=deep,
+                             headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == "json_too_deep"
+    for path, msg in [("/v1/generate/stream", {"prompt": "hi \ud800 x"}),
+                      ("/v1/audio/speech/stream", {"type": "input.text", "text": "hi \ud800 x"}),
+                      ("/v1/text-to-speech/tara/stream-input", {"text": "hi \ud800 x"})]:
+        async with websockets.connect(server.ws_url + path) as ws:
+            if path == "/v1/audio/speech/stream":
+                assert (await recv_event(ws))["type"] == "session.created"
+            await ws.send(json.dumps(msg))
+            err = await recv_event(ws, timeout=1.0)
+            assert (err["type"], err["code"]) == ("error", "invalid_unicode")
+            with pytest.raises(ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 1.0)
+            assert ws.close_code == 1007
+    async with websockets.connect(server.ws_url + "/v1/generate/stream") as ws:
+        await ws.send('{"prompt": "x", "y": ' + "[" * 20_000 + "]" * 20_000 + "}")
+        assert (await recv_event(ws, timeout=1.0))["code"] == "json_too_deep"
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), 1.0)
+        assert ws.close_code == 1009
+    async with aiohttp.ClientSession() as http:
+        assert len(await speak_http(http, server, seed=1, max_new_tokens=28)) > 0  # still serving
