@@ -81,6 +81,8 @@ async def run_server(args: argparse.Namespace) -> None:
     source = from_arguments(ModelSource, args)
     if settings.zmq_endpoint != "none" and not settings.zmq_allow_remote and not _is_loopback_endpoint(settings.zmq_endpoint):
         raise SystemExit(f"--zmq-endpoint {settings.zmq_endpoint}: not a loopback/ipc address; pass --zmq-allow-remote to bind it")
+    if settings.zmq_endpoint != "none" and settings.zmq_allow_remote and settings.api_key is None:
+        log.warning("--zmq-allow-remote without --api-key: anyone who can reach %s can run requests", settings.zmq_endpoint)
     model_path = source.model or str(ensure_default_model(source.cache_dir or env.cache_dir))
     if source.model is None:
         log.warning("serving the embedded tiny random-weight model: it speaks noise. Use --model for real weights.")
@@ -101,7 +103,7 @@ async def run_server(args: argparse.Namespace) -> None:
         site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()
         if settings.zmq_endpoint != "none":
-            gateway = ZmqGateway(engine, tokenizer, profile, settings.zmq_endpoint)
+            gateway = ZmqGateway(engine, tokenizer, profile, settings)
             await gateway.start()
         # as in the engine process: full collections over the start-up heap would stall every
         # stream's event loop for ~100+ ms; and thresholds for session bursts (server/gc_tuning.py)

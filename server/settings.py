@@ -28,6 +28,14 @@ class ServerSettings:
     zmq_endpoint: str = knob("tcp://127.0.0.1:5555", "ZeroMQ ROUTER endpoint for programmatic clients ('none' "
                              "disables; a non-loopback address needs --zmq-allow-remote)")
     zmq_allow_remote: bool = knob(False, "allow the ZeroMQ endpoint on a non-loopback address")
+    # Over it a ZeroMQ frame is answered with a `too_large` error; over 4x it libzmq drops the
+    # connection unread (memory bound), as it cannot be answered without reading it.
+    zmq_max_message_bytes: int = knob(1 << 20, "largest ZeroMQ request frame served, in bytes")
+    # The gateway heartbeats every connection (ZMTP PING, answered by the client's libzmq
+    # itself); a connection silent this long is dropped, and a dropped connection's requests
+    # are aborted in the engine.
+    zmq_client_timeout_s: float = knob(15.0, "abort the requests of a ZeroMQ client whose connection "
+                                              "is closed or silent this long (no heartbeat reply)")
     # Name shown in /v1/models and responses; None -> the engine's model name.
     served_model_name: str | None = knob(None, "model name shown in /v1/models and responses (default: the folder's name)")
     max_input_chars: int = knob(4096, "longest text of one speech request")
@@ -61,6 +69,8 @@ class ServerSettings:
         need(0 <= self.port <= 65535, "port", "must be in [0, 65535]")
         need(self.api_key is None or len(self.api_key) > 0, "api_key", "must be None or non-empty")
         need(self.max_input_chars > 0, "max_input_chars", "must be > 0")
+        need(self.zmq_max_message_bytes >= 1024, "zmq_max_message_bytes", "must be >= 1024")
+        need(self.zmq_client_timeout_s >= 0.1, "zmq_client_timeout_s", "must be >= 0.1")
         need(self.max_ws_message_bytes >= 1024, "max_ws_message_bytes", "must be >= 1024")
         need(self.max_json_depth >= 4, "max_json_depth", "must be >= 4")
         need(self.max_concurrent_requests > 0, "max_concurrent_requests", "must be > 0")

@@ -119,7 +119,7 @@ async def ws_session(args: argparse.Namespace) -> int:
 def zmq_generate(args: argparse.Namespace) -> int:
     from streaming.zmq_client import ZmqClient  # pyzmq only here
 
-    with ZmqClient(args.zmq_endpoint, timeout_s=READ_TIMEOUT_S) as client:
+    with ZmqClient(args.zmq_endpoint, timeout_s=READ_TIMEOUT_S, api_key=args.api_key) as client:
         for i, step in enumerate(client.generate(prompt=args.text, sampling={"max_tokens": args.max_tokens})):
             print(f"step {i}: {step.token_ids}")
             if step.finished:

@@ -2,16 +2,21 @@
 streaming/zmq_protocol.py's (docs/zmq.md for other languages: any language with ZeroMQ and
 msgpack can do the same).
 
-    with ZmqClient("tcp://127.0.0.1:5555") as c:
+    with ZmqClient("tcp://127.0.0.1:5555", api_key=None) as c:  # the server's --api-key, if any
         for step in c.generate(prompt_token_ids=[1, 2, 3], sampling={"max_tokens": 8},
                                hidden_state_layers=[-1]):
             print(step.token_ids, None if step.hidden is None else step.hidden.shape)
+
+Liveness needs nothing from the caller: the server heartbeats the connection (ZMTP PING,
+answered by libzmq itself) and aborts the requests of a connection that closes or goes silent.
+`ping()` is an explicit round trip (is the server up and does it take my key?).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -24,6 +29,7 @@ import zmq.asyncio
 from streaming.zmq_protocol import (
     OVERLOADED,
     ErrorReply,
+    PongReply,
     StepReply,
     ZmqRequest,
     decode_reply,
@@ -53,10 +59,12 @@ class Step:
 _OVERFLOW = object()  # queued for a consumer that fell too far behind
 
 
-def _step(reply: StepReply | ErrorReply, frames: list) -> Step:
+def _step(reply: StepReply | ErrorReply | PongReply, frames: list) -> Step:
     """The Step a reply describes (its tensors viewed in frames); an error reply raises."""
     if isinstance(reply, ErrorReply):
         raise ZmqRequestError(reply.code, reply.message, reply.param)
+    if isinstance(reply, PongReply):
+        raise ZmqRequestError("invalid_request", f"a pong answered request {reply.id}", None)
     hp = reply.hidden_positions
     return Step(
         id=reply.id,
@@ -70,24 +78,35 @@ def _step(reply: StepReply | ErrorReply, frames: list) -> Step:
     )
 
 
-def _generate(rid: str, prompt_token_ids: list[int] | None, prompt: str | None, sampling: dict | None,
-              hidden_state_layers: list[int] | None) -> bytes:
-    return encode(ZmqRequest("generate", rid, prompt_token_ids=prompt_token_ids, prompt=prompt,
+def _generate(rid: str, key: str | None, prompt_token_ids: list[int] | None, prompt: str | None,
+              sampling: dict | None, hidden_state_layers: list[int] | None) -> bytes:
+    return encode(ZmqRequest("generate", rid, api_key=key, prompt_token_ids=prompt_token_ids, prompt=prompt,
                              sampling=sampling or {}, hidden_state_layers=hidden_state_layers or []))
 
 
-def _speech(rid: str, text: str, voice: str | None, sampling: dict | None) -> bytes:
-    return encode(ZmqRequest("speech", rid, input=text, voice=voice, sampling=sampling or {}))
+def _speech(rid: str, key: str | None, text: str, voice: str | None, sampling: dict | None) -> bytes:
+    return encode(ZmqRequest("speech", rid, api_key=key, input=text, voice=voice, sampling=sampling or {}))
 
 
-def _abort(rid: str) -> bytes:
-    return encode(ZmqRequest("abort", rid))
+def _abort(rid: str, key: str | None) -> bytes:
+    return encode(ZmqRequest("abort", rid, api_key=key))
+
+
+def _ping(rid: str, key: str | None) -> bytes:
+    return encode(ZmqRequest("ping", rid, api_key=key))
+
+
+def _pong(reply: StepReply | ErrorReply | PongReply) -> None:
+    if isinstance(reply, ErrorReply):
+        raise ZmqRequestError(reply.code, reply.message, reply.param)
 
 
 class ZmqClient:
-    """Blocking client: one request at a time per client object."""
+    """Blocking client: one request at a time per client object. `api_key`: the server's
+    --api-key (sent in every message), None when it has none."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 60.0):
+    def __init__(self, endpoint: str, timeout_s: float = 60.0, *, api_key: str | None = None):
+        self.api_key = api_key
         self._ctx = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -111,33 +130,49 @@ class ZmqClient:
                 if not self.sock.poll(self.timeout_ms):
                     raise TimeoutError(f"no reply for request {rid} within {self.timeout_ms} ms")
                 frames = self.sock.recv_multipart()
-                step = _step(decode_reply(frames[0]), frames)
-                if step.id != rid:
-                    continue  # a late reply of an earlier, abandoned request
+                reply = decode_reply(frames[0])
+                if reply.id != rid and reply.id != "":
+                    continue  # a late reply of an earlier, abandoned request (or a late pong)
+                step = _step(reply, frames)  # "": a frame the server could not read, i.e. ours
                 yield step
                 if step.finished:
                     done = True
                     return
         finally:
             if not done:
-                self.sock.send(_abort(rid))
+                self.sock.send(_abort(rid, self.api_key))
+
+    def ping(self) -> float:
+        """Round-trip seconds of a ping; ZmqRequestError (e.g. `unauthorized`) or TimeoutError."""
+        rid = uuid.uuid4().hex
+        t0 = time.monotonic()
+        self.sock.send(_ping(rid, self.api_key))
+        while True:
+            if not self.sock.poll(self.timeout_ms):
+                raise TimeoutError(f"no pong within {self.timeout_ms} ms")
+            reply = decode_reply(self.sock.recv_multipart()[0])
+            if reply.id in (rid, ""):
+                _pong(reply)
+                return time.monotonic() - t0
 
     def generate(self, *, prompt_token_ids: list[int] | None = None, prompt: str | None = None,
                  sampling: dict | None = None, hidden_state_layers: list[int] | None = None,
                  request_id: str | None = None) -> Iterator[Step]:
         rid = request_id or uuid.uuid4().hex
-        return self._stream(_generate(rid, prompt_token_ids, prompt, sampling, hidden_state_layers), rid)
+        return self._stream(_generate(rid, self.api_key, prompt_token_ids, prompt, sampling, hidden_state_layers), rid)
 
     def speech(self, text: str, *, voice: str | None = None, sampling: dict | None = None,
                request_id: str | None = None) -> Iterator[Step]:
         rid = request_id or uuid.uuid4().hex
-        return self._stream(_speech(rid, text, voice, sampling), rid)
+        return self._stream(_speech(rid, self.api_key, text, voice, sampling), rid)
 
 
 class AsyncZmqClient:
-    """asyncio client: many concurrent requests over one socket, replies routed by id."""
+    """asyncio client: many concurrent requests over one socket, replies routed by id.
+    `api_key`: the server's --api-key (sent in every message), None when it has none."""
 
-    def __init__(self, endpoint: str, queue_bound: int = 1024):
+    def __init__(self, endpoint: str, queue_bound: int = 1024, *, api_key: str | None = None):
+        self.api_key = api_key
         self._ctx = zmq.asyncio.Context.instance()
         self.sock = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -197,15 +232,31 @@ class AsyncZmqClient:
         finally:
             self._queues.pop(rid, None)
             if not done:
-                await self.sock.send(_abort(rid))
+                await self.sock.send(_abort(rid, self.api_key))
+
+    async def ping(self) -> float:
+        """Round-trip seconds of a ping; ZmqRequestError (e.g. `unauthorized`)."""
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read())
+        rid = f"ping-{uuid.uuid4().hex[:8]}-{next(self._ids)}"
+        q: asyncio.Queue = asyncio.Queue(1)
+        self._queues[rid] = q
+        t0 = time.monotonic()
+        try:
+            await self.sock.send(_ping(rid, self.api_key))
+            reply, _ = await q.get()
+        finally:
+            self._queues.pop(rid, None)
+        _pong(reply)
+        return time.monotonic() - t0
 
     def generate(self, *, prompt_token_ids: list[int] | None = None, prompt: str | None = None,
                  sampling: dict | None = None, hidden_state_layers: list[int] | None = None,
                  request_id: str | None = None) -> AsyncIterator[Step]:
         rid = request_id or f"{uuid.uuid4().hex[:8]}-{next(self._ids)}"
-        return self._stream(_generate(rid, prompt_token_ids, prompt, sampling, hidden_state_layers), rid)
+        return self._stream(_generate(rid, self.api_key, prompt_token_ids, prompt, sampling, hidden_state_layers), rid)
 
     def speech(self, text: str, *, voice: str | None = None, sampling: dict | None = None,
                request_id: str | None = None) -> AsyncIterator[Step]:
         rid = request_id or f"{uuid.uuid4().hex[:8]}-{next(self._ids)}"
-        return self._stream(_speech(rid, text, voice, sampling), rid)
+        return self._stream(_speech(rid, self.api_key, text, voice, sampling), rid)

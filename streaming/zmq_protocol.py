@@ -2,17 +2,20 @@
 and the Python clients (streaming/zmq_client.py). docs/zmq.md describes the same wire format
 for other languages.
 
-  client -> server: one frame, a msgpack map (ZmqRequest)
+  client -> server: one frame, a msgpack map (ZmqRequest); `api_key` on every message when the
+  server has a key
      {"type": "generate", "id": str, "prompt_token_ids": [int] | "prompt": str,
-      "sampling": {...SamplingParams fields}, "hidden_state_layers": [int]}
+      "sampling": {...SamplingParams fields}, "hidden_state_layers": [int], "api_key": str}
      {"type": "speech", "id": str, "input": str, "voice": str, "sampling": {...}}
      {"type": "abort", "id": str}
+     {"type": "ping", "id": str}                      (answered by a pong: a liveness check)
   server -> client: multipart [header, *tensor frames]; the header is a msgpack map
      {"type": "step", "id", "token_ids": [int], "hidden": TensorRef | nil,
       "hidden_positions": [first, end], "audio": TensorRef | nil, "finished": bool,
       "finish_reason": str | nil, "usage": {...} (on the finished step)}       (StepReply)
-     {"type": "error", "id", "code": "invalid_request" | "overloaded" | "unavailable",
-      "message": str, "param": str | nil}                                         (ErrorReply)
+     {"type": "error", "id", "code": one of ERROR_CODES, "message": str,
+      "param": str | nil}                                                       (ErrorReply)
+     {"type": "pong", "id"}                                                     (PongReply)
   TensorRef = [frame index, numpy dtype string, shape]; frames are raw little-endian bytes.
 
 Defaults are left off the wire (omit_defaults), so a reader must treat a missing key as its
@@ -27,11 +30,15 @@ import numpy as np
 from streaming.ipc import TensorRef
 
 # ErrorReply.code values
-INVALID_REQUEST = "invalid_request"
+INVALID_REQUEST = "invalid_request"  # a field is wrong (param names it) or the frame is unreadable
+UNAUTHORIZED = "unauthorized"  # the server has a key and `api_key` is missing or wrong
+TOO_LARGE = "too_large"  # the frame is over the server's zmq_max_message_bytes
+NO_SPEECH = "model_has_no_speech"  # a speech request to a model without a speech profile
 OVERLOADED = "overloaded"
 UNAVAILABLE = "unavailable"
+ERROR_CODES = (INVALID_REQUEST, UNAUTHORIZED, TOO_LARGE, NO_SPEECH, OVERLOADED, UNAVAILABLE)
 
-REQUEST_TYPES = ("generate", "speech", "abort")
+REQUEST_TYPES = ("generate", "speech", "abort", "ping")
 
 
 class ZmqRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -40,6 +47,7 @@ class ZmqRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True)
 
     type: str  # one of REQUEST_TYPES
     id: str  # the client's; the gateway namespaces it per connection
+    api_key: str | None = None  # required on every message when the server has a key
     prompt_token_ids: list[int] | None = None  # generate: the prompt as tokens, or ...
     prompt: str | None = None  # ... as text, tokenized by the server
     input: str | None = None  # speech: the text to speak
@@ -70,7 +78,25 @@ class ErrorReply(msgspec.Struct, tag_field="type", tag="error"):
     param: str | None = None
 
 
-Reply = StepReply | ErrorReply
+class PongReply(msgspec.Struct, tag_field="type", tag="pong"):
+    """The answer to a ping (same id): the server is up and reading this connection."""
+
+    id: str
+
+
+class RequestError(Exception):
+    """A frame the gateway cannot serve; becomes an ErrorReply. `id` is the request's when the
+    frame could be read far enough to know it, else ""."""
+
+    def __init__(self, code: str, message: str, param: str | None = None, id: str = ""):
+        super().__init__(message)
+        self.code, self.message, self.param, self.id = code, message, param, id
+
+    def reply(self) -> ErrorReply:
+        return ErrorReply(self.id, self.code, self.message, self.param)
+
+
+Reply = StepReply | ErrorReply | PongReply
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(ZmqRequest)
@@ -84,6 +110,62 @@ def encode(msg: ZmqRequest | StepReply | ErrorReply) -> bytes:
 def decode_request(frame: bytes) -> ZmqRequest:
     """Raises msgspec.DecodeError (not msgpack) or msgspec.ValidationError (wrong shape)."""
     return _request_decoder.decode(frame)
+
+
+class Envelope(msgspec.Struct):
+    """The keys the gateway reads before judging a frame: whose it is and whether it may run.
+    Any types, so that a frame wrong elsewhere still yields these two."""
+
+    id: object = ""
+    api_key: object = None
+
+
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+
+
+def peek(frame: bytes) -> tuple[str, object]:
+    """(id, api_key) of a frame that is a msgpack map: id "" unless it is a string, so even a
+    frame refused as a whole gets its error under the id the client waits on."""
+    try:
+        env = _envelope_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return "", None
+    return (env.id if isinstance(env.id, str) else ""), env.api_key
+
+
+def _explain(error: msgspec.ValidationError) -> tuple[str | None, str]:
+    """(param, message) in the client's terms for msgspec's "Object missing required field
+    `id`", "Object contains unknown field `promt`", "Expected `str`, got `int` - at `$.id`" or
+    "... - at `$.hidden_state_layers[1]`": param is the top-level key, None when the error is
+    about the frame as a whole."""
+    msg = str(error)
+    if msg.startswith("Object missing required field `"):
+        field = msg.split("`")[1]
+        return field, f"{field}: this field is required"
+    if msg.startswith("Object contains unknown field `"):
+        field = msg.split("`")[1]
+        return field, f"{field}: unknown key (a request's keys: {', '.join(ZmqRequest.__struct_fields__)})"
+    what, sep, where = msg.rpartition(" - at `$.")
+    if not sep:
+        return None, f"a request is one msgpack map with string keys: {msg}"
+    path = where.rstrip("`")
+    return path.split("[", 1)[0].split(".", 1)[0], f"{path}: {what[:1].lower()}{what[1:]}"
+
+
+def read_request(frame: bytes, max_bytes: int) -> ZmqRequest:
+    """The request in a client's frame, or RequestError naming what is wrong: the size limit,
+    an unreadable frame, or the field (its key as the client sent it) with the wrong type,
+    missing or unknown. The fields' values are judged later, by the gateway."""
+    if len(frame) > max_bytes:
+        raise RequestError(TOO_LARGE, f"message of {len(frame)} bytes is over the limit of {max_bytes} bytes "
+                           "(the server's zmq_max_message_bytes)", None, peek(frame)[0])
+    try:
+        return _request_decoder.decode(frame)
+    except msgspec.ValidationError as e:  # a subclass of DecodeError: first
+        param, message = _explain(e)
+        raise RequestError(INVALID_REQUEST, message, param, peek(frame)[0]) from None
+    except msgspec.DecodeError as e:
+        raise RequestError(INVALID_REQUEST, f"a request is one msgpack map: {e}") from None
 
 
 def decode_reply(frame: bytes) -> StepReply | ErrorReply:

@@ -1,126 +1,242 @@
 """ZeroMQ API for programmatic clients: a ROUTER socket (loopback by default).
 
 The messages are streaming/zmq_protocol.py's (docs/zmq.md for other languages). Ids are the
-client's; the gateway namespaces them per connection so two clients may use the same id. A
-client's requests are aborted when it sends `abort`.
+client's; the gateway namespaces them per connection so two clients may use the same id.
+
+Every frame gets an answer: a frame over `zmq_max_message_bytes`, an unreadable one, one
+without the server's `api_key` or with a wrong field gets an error reply naming the limit or
+the field in the client's terms, and the request does not run.
+
+A client's requests are aborted when it sends `abort`, and when its connection goes away:
+ROUTER cannot see that by itself, so the socket monitor reports closed connections, and ZMTP
+heartbeats (PING every third of `zmq_client_timeout_s`, answered by the peer's libzmq without
+the application) close a connection that stays silent, e.g. a frozen or unplugged client.
+Messages are mapped to their connection by the file descriptor they arrived on (SRCFD).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import uuid
 
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from server.engine_api import EngineOverloaded, EngineUnavailable
+from server.settings import ServerSettings
 from streaming.ipc import AddRequest, RequestOutput
 from streaming.sampling_params import InvalidRequest, decode_sampling_params
 from streaming.zmq_protocol import (
     INVALID_REQUEST,
+    NO_SPEECH,
     OVERLOADED,
+    UNAUTHORIZED,
     UNAVAILABLE,
     ErrorReply,
+    PongReply,
+    RequestError,
     StepReply,
     ZmqRequest,
-    decode_request,
     encode,
     pack_tensor,
+    peek,
+    read_request,
 )
 
 log = logging.getLogger("omnistream.zmq")
 
+# libzmq drops (unread, with the connection) frames over this many times the served limit:
+# a bound on memory; between the two, the frame is read and answered with `too_large`.
+HARD_LIMIT_FACTOR = 4
+_MONITORED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+
+# Engine-side field names -> the client's, per request shape (the engine sees token ids only).
+_GENERATE_TEXT_FIELDS = {"prompt_token_ids": "prompt", "request_id": "id"}
+_GENERATE_TOKEN_FIELDS = {"request_id": "id"}
+_SPEECH_FIELDS = {"prompt_token_ids": "input", "request_id": "id", "audio": "type"}
+
 
 class ZmqGateway:
-    def __init__(self, engine, tokenizer, profile, endpoint: str, max_message_bytes: int = 1 << 20):
+    def __init__(self, engine, tokenizer, profile, settings: ServerSettings):
         self.engine, self.tokenizer, self.profile = engine, tokenizer, profile
-        self.endpoint = endpoint
-        self.max_message_bytes = max_message_bytes
+        self.settings = settings
+        self.endpoint = settings.zmq_endpoint
+        self._api_key = settings.api_key.encode("utf-8", "surrogatepass") if settings.api_key else None
         self._ctx = zmq.asyncio.Context.instance()
         self._tasks: dict[tuple[bytes, str], asyncio.Task] = {}
+        self._idents_by_fd: dict[int, set[bytes]] = {}  # connections (by fd) -> identities seen on them
+        self._closed_fds: set[int] = set()  # disconnected, and no connection accepted on the fd since
         self._loop_task: asyncio.Task | None = None
 
     async def start(self) -> None:
+        s = self.settings
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, HARD_LIMIT_FACTOR * s.zmq_max_message_bytes + 4096)
+        timeout_ms = max(100, int(s.zmq_client_timeout_s * 1000))
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, max(30, timeout_ms // 3))
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+        self.sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)  # the client's libzmq may drop us as well
+        self._monitor = self.sock.get_monitor_socket(_MONITORED)
         self.sock.bind(self.endpoint)
         self._loop_task = asyncio.create_task(self._serve())
 
     async def close(self) -> None:
-        if self._loop_task:
-            self._loop_task.cancel()
-        for t in list(self._tasks.values()):
+        tasks = [*self._tasks.values(), *([self._loop_task] if self._loop_task else [])]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.sock.disable_monitor()
+        self._monitor.close(0)
         self.sock.close(0)
 
-    async def _send(self, ident: bytes, header: StepReply | ErrorReply, frames: list) -> None:
+    async def _send(self, ident: bytes, header: StepReply | ErrorReply | PongReply, frames: list) -> None:
         await self.sock.send_multipart([ident, encode(header), *frames], copy=False)
 
     async def _error(self, ident: bytes, rid: str, code: str, message: str, param: str | None = None) -> None:
         await self._send(ident, ErrorReply(rid, code, message, param), [])
 
+    # ---- the socket loop ------------------------------------------------------------------------
+
     async def _serve(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while True:
-            ident, *rest = await self.sock.recv_multipart()
-            if len(rest) != 1:
-                await self._error(ident, "", INVALID_REQUEST, "expected exactly one msgpack frame", None)
-                continue
-            try:
-                msg = decode_request(rest[0])
-            except (msgspec.ValidationError, msgspec.DecodeError) as e:
-                await self._error(ident, "", INVALID_REQUEST, f"bad message: {e}", None)
-                continue
-            key = (ident, msg.id)
-            if msg.type == "abort":
-                t = self._tasks.pop(key, None)
-                if t is not None:
-                    t.cancel()  # the generator's close aborts it in the engine
-                continue
-            if msg.type not in ("generate", "speech"):
-                await self._error(ident, msg.id, INVALID_REQUEST, f"type: unknown message type {msg.type!r}", "type")
-                continue
-            if key in self._tasks:
-                await self._error(ident, msg.id, INVALID_REQUEST, f"id: {msg.id!r} is already running", "id")
-                continue
+            # Connection events first: a message's fd is judged against every event libzmq
+            # emitted before the message could be read (a closed connection's fd may be reused).
+            while self._monitor.get(zmq.EVENTS) & zmq.POLLIN:
+                self._on_event(parse_monitor_message(await self._monitor.recv_multipart()))
+            if self.sock.get(zmq.EVENTS) & zmq.POLLIN:
+                await self._on_frames(await self.sock.recv_multipart(copy=False))
+            else:
+                await poller.poll()
+
+    def _on_event(self, event: dict) -> None:
+        fd = int(event["value"])
+        if event["event"] == zmq.EVENT_ACCEPTED:
+            self._closed_fds.discard(fd)
+            return
+        self._closed_fds.add(fd)
+        gone = self._idents_by_fd.pop(fd, set())
+        for key in [k for k in self._tasks if k[0] in gone]:
+            log.info("zmq client went away: aborting its request %r", key[1])
+            self._tasks.pop(key).cancel()  # the generator's close aborts it in the engine
+
+    async def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        ident = frames[0].bytes
+        fd = frames[-1].get(zmq.SRCFD) if len(frames) > 1 else -1
+        if fd >= 0:
+            if fd in self._closed_fds:
+                return  # sent just before its connection closed: nobody would read the answer
+            self._idents_by_fd.setdefault(fd, set()).add(ident)
+        if len(frames) != 2:
+            await self._error(ident, "", INVALID_REQUEST, "expected exactly one msgpack frame per request")
+            return
+        try:
+            msg = self._read(frames[1].bytes)
+        except RequestError as e:
+            await self._send(ident, e.reply(), [])
+            return
+        key = (ident, msg.id)
+        if msg.type == "abort":
+            t = self._tasks.pop(key, None)
+            if t is not None:
+                t.cancel()  # the generator's close aborts it in the engine
+        elif msg.type == "ping":
+            await self._send(ident, PongReply(msg.id), [])
+        elif msg.type not in ("generate", "speech"):
+            await self._error(ident, msg.id, INVALID_REQUEST,
+                              f"type: unknown message type {msg.type!r} (generate, speech, abort, ping)", "type")
+        elif key in self._tasks:
+            await self._error(ident, msg.id, INVALID_REQUEST, f"id: {msg.id!r} is already running", "id")
+        else:
             task = asyncio.create_task(self._run(ident, msg))
             self._tasks[key] = task
             task.add_done_callback(lambda _t, k=key: self._tasks.pop(k, None) if self._tasks.get(k) is _t else None)
 
-    def _build(self, msg: ZmqRequest) -> AddRequest:
-        sampling = decode_sampling_params(msg.sampling)
+    def _read(self, frame: bytes) -> ZmqRequest:
+        """The request, once the sender is known to hold the key (checked before anything else
+        about the frame, as HTTP checks the bearer token before the body)."""
+        if self._api_key is not None:
+            rid, key = peek(frame)
+            if not (isinstance(key, str) and hmac.compare_digest(key.encode("utf-8", "surrogatepass"), self._api_key)):
+                raise RequestError(UNAUTHORIZED, "api_key: missing or incorrect; send the server's key (the one HTTP "
+                                   "takes as a bearer token) in every message's `api_key`", "api_key", rid)
+        return read_request(frame, self.settings.zmq_max_message_bytes)
+
+    # ---- one request --------------------------------------------------------------------------
+
+    def _text(self, field: str, value: str | None) -> str:
+        if not value:
+            raise InvalidRequest(field, "must be a non-empty string")
+        limit = self.settings.max_input_chars
+        if len(value) > limit:
+            raise InvalidRequest(field, f"{len(value)} characters is over the limit of {limit} (max_input_chars)")
+        return value
+
+    async def _build(self, msg: ZmqRequest) -> AddRequest:
         rid = f"zmq-{uuid.uuid4().hex}"
         if msg.type == "speech":
-            if not msg.input:
-                raise InvalidRequest("input", "must be a non-empty string")
+            if not self.profile.voices:
+                raise RequestError(NO_SPEECH, "type: this model has no speech profile (a text model, or served "
+                                   "without a codec): use generate", "type", msg.id)
+            text = self._text("input", msg.input)
             voice = msg.voice or self.profile.default_voice
             if voice not in self.profile.voices:
                 raise InvalidRequest("voice", f"unknown voice {voice!r}; available: {', '.join(self.profile.voices)}")
-            base = msgspec.structs.asdict(self.profile.sampling)
-            base.update(msg.sampling)
-            sampling = decode_sampling_params(base)
-            prompt = self.profile.build_prompt(self.tokenizer, voice, msg.input)
+            sampling = decode_sampling_params(msgspec.structs.asdict(self.profile.sampling) | msg.sampling)
+            prompt = self.profile.build_prompt(self.tokenizer, voice, text)
             return AddRequest(rid, prompt, sampling, audio=True)
+        sampling = decode_sampling_params(msg.sampling)
+        if msg.prompt is not None and msg.prompt_token_ids is not None:
+            raise InvalidRequest("prompt", "give either `prompt` (text) or `prompt_token_ids`, not both")
         if msg.prompt_token_ids is not None:
-            prompt = msg.prompt_token_ids
-        elif msg.prompt:
-            prompt = self.tokenizer.encode(msg.prompt, add_bos=self.tokenizer.bos_token_id is not None)
+            vocab = self.engine.info.vocab_size
+            if not msg.prompt_token_ids:
+                raise InvalidRequest("prompt_token_ids", "must not be empty")
+            bad = next((t for t in msg.prompt_token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequest("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+            prompt, name = msg.prompt_token_ids, "prompt_token_ids"
+        elif msg.prompt is not None:
+            text = self._text("prompt", msg.prompt)
+            prompt = await self.tokenizer.encode_async(text, add_bos=self.tokenizer.bos_token_id is not None)
+            name = "prompt"
         else:
-            raise InvalidRequest("prompt_token_ids", "give prompt_token_ids or prompt")
+            raise InvalidRequest("prompt", "give `prompt` (text) or `prompt_token_ids`")
+        limit = self.engine.info.max_model_len
+        if len(prompt) >= limit:
+            raise InvalidRequest(name, f"{len(prompt)} tokens; the model takes fewer than {limit}")
         return AddRequest(rid, prompt, sampling, hidden_state_layers=msg.hidden_state_layers)
+
+    def _client_field(self, msg: ZmqRequest, field: str) -> str:
+        """An engine-side field name in the terms of the client's request."""
+        if msg.type == "speech":
+            names = _SPEECH_FIELDS
+        else:
+            names = _GENERATE_TOKEN_FIELDS if msg.prompt_token_ids is not None else _GENERATE_TEXT_FIELDS
+        return names.get(field, field)
 
     async def _run(self, ident: bytes, msg: ZmqRequest) -> None:
         try:
-            req = self._build(msg)
+            req = await self._build(msg)
             async with contextlib.aclosing(self.engine.generate(req)) as stream:
                 async for out in stream:
                     await self._send_step(ident, msg.id, out)
+        except RequestError as e:
+            await self._send(ident, e.reply(), [])
         except InvalidRequest as e:
-            await self._error(ident, msg.id, INVALID_REQUEST, str(e), e.field)
+            field = self._client_field(msg, e.field)
+            message = str(e)
+            if field != e.field:
+                message = f"{field}: {message.split(': ', 1)[-1]}"
+            await self._error(ident, msg.id, INVALID_REQUEST, message, field)
         except EngineOverloaded as e:
             await self._error(ident, msg.id, OVERLOADED, str(e))
         except EngineUnavailable as e:
