@@ -8,7 +8,7 @@ SamplingParams' `max_tokens`; the generate stream nests them under `sampling.`);
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from server.context import ServerContext
 from server.errors import APIError, invalid_request

@@ -13,13 +13,19 @@ import asyncio
 import json
 import logging
 import weakref
-from typing import Awaitable
+from collections.abc import Awaitable
 
 from aiohttp import WSCloseCode, web
 
 from server.context import get_ctx
 from server.settings import ServerSettings
-from streaming.schema import INVALID_JSON, INVALID_UNICODE, JSON_TOO_DEEP, SchemaError, decode_json_object
+from streaming.schema import (
+    INVALID_JSON,
+    INVALID_UNICODE,
+    JSON_TOO_DEEP,
+    SchemaError,
+    decode_json_object,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +107,7 @@ def new_websocket(request: web.Request) -> web.WebSocketResponse:
     return ws
 
 
-async def close_all(websockets: "weakref.WeakSet[web.WebSocketResponse]") -> None:
+async def close_all(websockets: weakref.WeakSet[web.WebSocketResponse]) -> None:
     """On shutdown: tell every open session the server is going away (1001), so handlers end
     now instead of holding shutdown until their clients leave."""
     open_ones = [ws for ws in list(websockets) if not ws.closed]

@@ -26,8 +26,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -81,7 +82,7 @@ class RequestLimits:
     max_depth: int = 32
 
     @classmethod
-    def of(cls, info: Any, max_input_chars: int, max_depth: int = 32) -> "RequestLimits":
+    def of(cls, info: Any, max_input_chars: int, max_depth: int = 32) -> RequestLimits:
         """From the engine's Ready message (streaming.ipc.Ready) and the server's settings."""
         return cls(info.vocab_size, info.max_model_len, info.num_layers, max_input_chars, max_depth)
 
@@ -234,7 +235,7 @@ def schema_error(e: msgspec.ValidationError, type_: Any = None, prefix: str = ""
         return SchemaError(name(), f"must be {_type_words(m.group(1))}, got {got}", INVALID_TYPE)
     if head.startswith("Invalid value"):
         return SchemaError(name(), head[0].lower() + head[1:], INVALID_VALUE)
-    if head.startswith("Number out of range") or head.startswith("Integer value out of range"):
+    if head.startswith(("Number out of range", "Integer value out of range")):
         return SchemaError(name(), "number out of range", INVALID_VALUE)
     return SchemaError(name(), head, INVALID_VALUE)
 

@@ -44,7 +44,14 @@ from server.ws_common import (
 from streaming.encoders import array_bytes, array_header
 from streaming.ipc import AddRequest, RequestOutput
 from streaming.sampling_params import InvalidRequest, SamplingParams
-from streaming.schema import CancelMessage, GenerateMessage, SchemaError, check_prompt_length, convert, generate_job
+from streaming.schema import (
+    CancelMessage,
+    GenerateMessage,
+    SchemaError,
+    check_prompt_length,
+    convert,
+    generate_job,
+)
 
 log = logging.getLogger(__name__)
 

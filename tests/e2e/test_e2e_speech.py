@@ -265,7 +265,7 @@ def test_non_streamed_wav_has_the_exact_length_header(client: openai.OpenAI):
         assert w.getnframes() == (len(data) - 44) // 2 > 0
         assert len(w.readframes(w.getnframes())) == len(data) - 44
     # the same request streamed keeps the unknown-length header (sizes are not known up front)
-    headers, chunks = speak_openai(client, "wav", seed=3, max_new_tokens=70)
+    _, chunks = speak_openai(client, "wav", seed=3, max_new_tokens=70)
     streamed = b"".join(chunks)
     assert struct.unpack("<I", streamed[40:44])[0] == 0xFFFFFFFF
     assert max_lsb_diff(streamed[44:], data[44:]) <= 1 and len(streamed) == len(data)

@@ -261,7 +261,7 @@ async def test_generate_stream_strict_fields(message, param):
 
 
 async def test_a_bug_in_a_session_is_an_error_event_and_1011_not_an_http_response(monkeypatch):
-    import server.routes.generate_ws as generate_ws
+    from server.routes import generate_ws
 
     def broken(ctx, obj):
         raise RuntimeError("a bug")
