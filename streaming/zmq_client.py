@@ -81,11 +81,11 @@ def _step(reply: StepReply | ErrorReply | PongReply, frames: list) -> Step:
 def _generate(rid: str, key: str | None, prompt_token_ids: list[int] | None, prompt: str | None,
               sampling: dict | None, hidden_state_layers: list[int] | None) -> bytes:
     return encode(ZmqRequest("generate", rid, api_key=key, prompt_token_ids=prompt_token_ids, prompt=prompt,
-                             sampling=sampling or {}, hidden_state_layers=hidden_state_layers or []))
+                             sampling=sampling or None, hidden_state_layers=hidden_state_layers or None))
 
 
 def _speech(rid: str, key: str | None, text: str, voice: str | None, sampling: dict | None) -> bytes:
-    return encode(ZmqRequest("speech", rid, api_key=key, input=text, voice=voice, sampling=sampling or {}))
+    return encode(ZmqRequest("speech", rid, api_key=key, input=text, voice=voice, sampling=sampling or None))
 
 
 def _abort(rid: str, key: str | None) -> bytes:

@@ -28,6 +28,7 @@ import msgspec
 import numpy as np
 
 from streaming.ipc import TensorRef
+from streaming.schema import GenerateRequest, GenerationOptions, SchemaError, schema_error
 
 # ErrorReply.code values
 INVALID_REQUEST = "invalid_request"  # a field is wrong (param names it) or the frame is unreadable
@@ -43,7 +44,8 @@ REQUEST_TYPES = ("generate", "speech", "abort", "ping")
 
 class ZmqRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """One request frame. `type` stays a plain string (not a msgspec tag) so that the gateway,
-    not the decoder, answers an unknown type, with the request's id."""
+    not the decoder, answers an unknown type, with the request's id. The generation fields are
+    streaming.schema's (strict types, unknown keys refused, as on HTTP and the WebSockets)."""
 
     type: str  # one of REQUEST_TYPES
     id: str  # the client's; the gateway namespaces it per connection
@@ -52,8 +54,12 @@ class ZmqRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True)
     prompt: str | None = None  # ... as text, tokenized by the server
     input: str | None = None  # speech: the text to speak
     voice: str | None = None  # speech: one of the profile's voices; None = its default
-    sampling: dict = {}  # SamplingParams fields (speech: overrides of the voice defaults)
-    hidden_state_layers: list[int] = []  # generate: output_hidden_states indexing
+    sampling: GenerationOptions | None = None  # SamplingParams fields (speech: over the voice defaults)
+    hidden_state_layers: list[int] | None = None  # generate: output_hidden_states indexing
+
+    def generate_request(self) -> GenerateRequest:
+        """The generate fields, for streaming.schema.generate_job."""
+        return GenerateRequest(self.prompt_token_ids, self.prompt, self.sampling, self.hidden_state_layers)
 
 
 class StepReply(msgspec.Struct, omit_defaults=True, tag_field="type", tag="step"):
@@ -133,39 +139,28 @@ def peek(frame: bytes) -> tuple[str, object]:
     return (env.id if isinstance(env.id, str) else ""), env.api_key
 
 
-def _explain(error: msgspec.ValidationError) -> tuple[str | None, str]:
-    """(param, message) in the client's terms for msgspec's "Object missing required field
-    `id`", "Object contains unknown field `promt`", "Expected `str`, got `int` - at `$.id`" or
-    "... - at `$.hidden_state_layers[1]`": param is the top-level key, None when the error is
-    about the frame as a whole."""
-    msg = str(error)
-    if msg.startswith("Object missing required field `"):
-        field = msg.split("`")[1]
-        return field, f"{field}: this field is required"
-    if msg.startswith("Object contains unknown field `"):
-        field = msg.split("`")[1]
-        return field, f"{field}: unknown key (a request's keys: {', '.join(ZmqRequest.__struct_fields__)})"
-    what, sep, where = msg.rpartition(" - at `$.")
-    if not sep:
-        return None, f"a request is one msgpack map with string keys: {msg}"
-    path = where.rstrip("`")
-    return path.split("[", 1)[0].split(".", 1)[0], f"{path}: {what[:1].lower()}{what[1:]}"
-
-
 def read_request(frame: bytes, max_bytes: int) -> ZmqRequest:
     """The request in a client's frame, or RequestError naming what is wrong: the size limit,
-    an unreadable frame, or the field (its key as the client sent it) with the wrong type,
-    missing or unknown. The fields' values are judged later, by the gateway."""
+    an unreadable frame, or the field (the client's name, dotted when nested: sampling.top_p)
+    with the wrong type, missing or unknown, in streaming.schema's words. The fields' values
+    are judged later, by the gateway (streaming.schema again)."""
     if len(frame) > max_bytes:
         raise RequestError(TOO_LARGE, f"message of {len(frame)} bytes is over the limit of {max_bytes} bytes "
                            "(the server's zmq_max_message_bytes)", None, peek(frame)[0])
     try:
         return _request_decoder.decode(frame)
     except msgspec.ValidationError as e:  # a subclass of DecodeError: first
-        param, message = _explain(e)
-        raise RequestError(INVALID_REQUEST, message, param, peek(frame)[0]) from None
-    except msgspec.DecodeError as e:
-        raise RequestError(INVALID_REQUEST, f"a request is one msgpack map: {e}") from None
+        raise from_schema(schema_error(e, ZmqRequest), peek(frame)[0]) from None
+    except msgspec.DecodeError as e:  # not msgpack, or a string that is not UTF-8
+        raise RequestError(INVALID_REQUEST, f"a request is one msgpack map with UTF-8 strings: {e}",
+                           None, peek(frame)[0]) from None
+
+
+def from_schema(e: SchemaError, rid: str) -> RequestError:
+    """A schema refusal as this protocol's error (code invalid_request, param = the field)."""
+    if e.field is None:
+        return RequestError(INVALID_REQUEST, f"a request is one msgpack map with string keys: {e}", None, rid)
+    return RequestError(INVALID_REQUEST, str(e), e.field, rid)
 
 
 def decode_reply(frame: bytes) -> StepReply | ErrorReply:

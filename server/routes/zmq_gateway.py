@@ -22,7 +22,6 @@ import hmac
 import logging
 import uuid
 
-import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -30,7 +29,17 @@ from zmq.utils.monitor import parse_monitor_message
 from server.engine_api import EngineOverloaded, EngineUnavailable
 from server.settings import ServerSettings
 from streaming.ipc import AddRequest, RequestOutput
-from streaming.sampling_params import InvalidRequest, decode_sampling_params
+from streaming.sampling_params import InvalidRequest, SamplingParams
+from streaming.schema import (
+    MISSING,
+    RequestLimits,
+    SchemaError,
+    check_prompt_length,
+    check_text,
+    generate_job,
+    nested_names,
+    sampling_params,
+)
 from streaming.zmq_protocol import (
     INVALID_REQUEST,
     NO_SPEECH,
@@ -172,48 +181,31 @@ class ZmqGateway:
 
     # ---- one request --------------------------------------------------------------------------
 
-    def _text(self, field: str, value: str | None) -> str:
-        if not value:
-            raise InvalidRequest(field, "must be a non-empty string")
-        limit = self.settings.max_input_chars
-        if len(value) > limit:
-            raise InvalidRequest(field, f"{len(value)} characters is over the limit of {limit} (max_input_chars)")
-        return value
-
     async def _build(self, msg: ZmqRequest) -> AddRequest:
+        """The engine request, judged by streaming.schema exactly as HTTP and the WebSockets
+        judge the same fields (SchemaError names the field)."""
         rid = f"zmq-{uuid.uuid4().hex}"
+        limits = RequestLimits.of(self.engine.info, self.settings.max_input_chars)
+        given = msg.sampling.given() if msg.sampling is not None else {}
         if msg.type == "speech":
             if not self.profile.voices:
                 raise RequestError(NO_SPEECH, "type: this model has no speech profile (a text model, or served "
                                    "without a codec): use generate", "type", msg.id)
-            text = self._text("input", msg.input)
+            if msg.input is None:
+                raise SchemaError("input", "this field is required", MISSING)
+            text = check_text(msg.input, "input", limits.max_input_chars)
             voice = msg.voice or self.profile.default_voice
             if voice not in self.profile.voices:
-                raise InvalidRequest("voice", f"unknown voice {voice!r}; available: {', '.join(self.profile.voices)}")
-            sampling = decode_sampling_params(msgspec.structs.asdict(self.profile.sampling) | msg.sampling)
+                raise SchemaError("voice", f"unknown voice {voice!r}; available: {', '.join(self.profile.voices)}")
+            sampling = sampling_params(given, self.profile.sampling, limits, nested_names())
             prompt = self.profile.build_prompt(self.tokenizer, voice, text)
             return AddRequest(rid, prompt, sampling, audio=True)
-        sampling = decode_sampling_params(msg.sampling)
-        if msg.prompt is not None and msg.prompt_token_ids is not None:
-            raise InvalidRequest("prompt", "give either `prompt` (text) or `prompt_token_ids`, not both")
-        if msg.prompt_token_ids is not None:
-            vocab = self.engine.info.vocab_size
-            if not msg.prompt_token_ids:
-                raise InvalidRequest("prompt_token_ids", "must not be empty")
-            bad = next((t for t in msg.prompt_token_ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidRequest("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
-            prompt, name = msg.prompt_token_ids, "prompt_token_ids"
-        elif msg.prompt is not None:
-            text = self._text("prompt", msg.prompt)
-            prompt = await self.tokenizer.encode_async(text, add_bos=self.tokenizer.bos_token_id is not None)
-            name = "prompt"
-        else:
-            raise InvalidRequest("prompt", "give `prompt` (text) or `prompt_token_ids`")
-        limit = self.engine.info.max_model_len
-        if len(prompt) >= limit:
-            raise InvalidRequest(name, f"{len(prompt)} tokens; the model takes fewer than {limit}")
-        return AddRequest(rid, prompt, sampling, hidden_state_layers=msg.hidden_state_layers)
+        job = generate_job(msg.generate_request(), SamplingParams(), limits)
+        prompt = job.prompt_token_ids
+        if prompt is None:  # text, already checked (Unicode, control characters, max_input_chars)
+            prompt = await self.tokenizer.encode_async(job.prompt_text, add_bos=self.tokenizer.bos_token_id is not None)
+            check_prompt_length(len(prompt), limits, "prompt")
+        return AddRequest(rid, prompt, job.sampling, hidden_state_layers=job.hidden_state_layers)
 
     def _client_field(self, msg: ZmqRequest, field: str) -> str:
         """An engine-side field name in the terms of the client's request."""
@@ -231,7 +223,9 @@ class ZmqGateway:
                     await self._send_step(ident, msg.id, out)
         except RequestError as e:
             await self._send(ident, e.reply(), [])
-        except InvalidRequest as e:
+        except SchemaError as e:  # judged here: already in the client's terms
+            await self._error(ident, msg.id, INVALID_REQUEST, str(e), e.field)
+        except InvalidRequest as e:  # the engine's refusal, in its own field names
             field = self._client_field(msg, e.field)
             message = str(e)
             if field != e.field:

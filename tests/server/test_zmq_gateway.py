@@ -17,6 +17,7 @@ from server.settings import ServerSettings
 from server.tts.voices import SpeechProfile
 from streaming.zmq_client import AsyncZmqClient, ZmqClient, ZmqRequestError
 from streaming.zmq_protocol import ErrorReply, PongReply, StepReply, decode_reply
+from tests.streaming.test_schema import GENERATE_ROWS, LIMITS
 from tests.support.fake_engine import FakeEngine, make_tokenizer
 
 WAIT_S = 10.0
@@ -60,8 +61,9 @@ async def test_async_client_generate_with_hidden_states():
     assert [s.finished for s in steps] == [False, False, True] and steps[-1].finish_reason == "length"
     assert steps[-1].usage == {"prompt_tokens": 3, "completion_tokens": 3, "cached_tokens": 0}
     assert steps[0].hidden_positions == (0, 3) and steps[1].hidden_positions == (3, 4)
-    np.testing.assert_array_equal(steps[0].hidden, engine.hidden_rows(0, 3, layers))
-    assert engine.requests[0].hidden_state_layers == layers and not engine.requests[0].audio
+    normalised = [0, engine.info.num_layers]  # -1 counts from the end (streaming.schema's rule)
+    np.testing.assert_array_equal(steps[0].hidden, engine.hidden_rows(0, 3, normalised))
+    assert engine.requests[0].hidden_state_layers == normalised and not engine.requests[0].audio
 
 
 async def test_sync_client_speech_streams_audio():
@@ -97,13 +99,13 @@ async def test_plain_msgpack_maps_and_the_error_replies():
             r = await error_for(plain.encode({"type": "shout", "id": "2"}))
             assert (r.id, r.code, r.param) == ("2", "invalid_request", "type")
             r = await error_for(plain.encode({"type": "generate", "id": "3", "promt": "x"}))
-            assert (r.id, r.code, r.param) == ("3", "invalid_request", "promt") and "unknown key" in r.message
+            assert (r.id, r.code, r.param) == ("3", "invalid_request", "promt") and "unknown field" in r.message
             r = await error_for(b"a", b"b")
             assert (r.id, r.code, r.param) == ("", "invalid_request", None) and "one msgpack frame" in r.message
             r = await error_for(plain.encode({"type": "speech", "id": "4", "input": "Hi.", "voice": "nobody"}))
             assert (r.id, r.code, r.param) == ("4", "invalid_request", "voice")
             r = await error_for(plain.encode({"type": "generate", "id": "5"}))
-            assert (r.id, r.param) == ("5", "prompt")  # the client's terms, never prompt_token_ids
+            assert (r.id, r.param) == ("5", "prompt_token_ids")  # neither given: as the generate stream says
             engine.overloaded = True
             r = await error_for(plain.encode({"type": "generate", "id": "6", "prompt_token_ids": [1]}))
             assert (r.id, r.code) == ("6", "overloaded")
@@ -340,3 +342,56 @@ async def test_ping_is_answered_with_a_pong():
             await s.send(plain.encode({"type": "ping", "id": "p1"}))
             r, _ = await reply(s)
     assert isinstance(r, PongReply) and r.id == "p1"
+
+
+# ---- the shared schema's judgments, through the real gateway ---------------------------------------
+
+@pytest.mark.parametrize("field,value,param", GENERATE_ROWS)
+async def test_the_gateway_judges_each_field_as_http_does(field, value, param):
+    """streaming.schema's table (the same rows HTTP completions and the generate stream are run
+    through), sent as msgpack to the gateway: refused naming the same field, or served."""
+    engine = FakeEngine(steps=1, vocab_size=LIMITS.vocab_size, num_layers=LIMITS.num_layers,
+                        max_model_len=LIMITS.max_model_len)
+    msg: dict = {"type": "generate", "id": "r", "prompt_token_ids": [1, 2]}
+    if field == "hidden_state_layers":
+        msg[field] = value
+    else:
+        msg["sampling"] = {field: value}
+    async with gateway(engine) as ep:
+        with dealer(ep) as s:
+            await s.send(plain.encode(msg))
+            r, _ = await reply(s)
+    if param is None:
+        assert isinstance(r, StepReply) and r.finished, r
+    else:
+        want = param if field == "hidden_state_layers" else f"sampling.{param}"
+        assert isinstance(r, ErrorReply) and (r.code, r.param) == ("invalid_request", want), r
+        assert engine.requests == []
+
+
+@pytest.mark.parametrize("msg, param", [
+    ({"type": "generate", "prompt": "hi \x00 there"}, "prompt"),  # control characters, as on HTTP
+    ({"type": "generate", "prompt": "   "}, "prompt"),
+    ({"type": "speech", "input": "hi \x1b there"}, "input"),
+    ({"type": "speech", "input": "Hi.", "sampling": {"max_tokens": 10**9}}, "sampling.max_tokens"),
+    ({"type": "speech", "input": "Hi.", "sampling": {"temperature": float("nan")}}, "sampling.temperature"),
+])
+async def test_text_and_speech_fields_are_judged_by_the_schema(msg: dict, param: str):
+    engine = FakeEngine()
+    async with gateway(engine) as ep:
+        with dealer(ep) as s:
+            await s.send(plain.encode({"id": "t", **msg}))
+            r, _ = await reply(s)
+    assert isinstance(r, ErrorReply) and (r.id, r.code, r.param) == ("t", "invalid_request", param), r
+    assert engine.requests == []
+
+
+async def test_invalid_utf8_is_refused_without_a_traceback():
+    raw = b"\x83\xa4type\xa8generate\xa2id\xa1u\xa6prompt\xa3\xed\xa0\x80"  # a lone surrogate's bytes
+    async with gateway(FakeEngine()) as ep:
+        with dealer(ep) as s:
+            await s.send(raw)
+            r, _ = await reply(s)
+            await s.send(plain.encode({"type": "generate", "id": "ok", "prompt_token_ids": [1]}))
+            assert (await reply(s))[0].id == "ok"
+    assert isinstance(r, ErrorReply) and r.code == "invalid_request" and "UTF-8" in r.message

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from streaming.ipc import TensorRef
+from streaming.schema import GenerationOptions
 from streaming.zmq_protocol import (
     ErrorReply,
     StepReply,
@@ -34,8 +35,8 @@ def test_requests_encode_as_the_documented_maps():
 
 def test_documented_request_maps_decode_and_unknown_keys_are_refused():
     msg = decode_request(plain.encode({"type": "generate", "id": "1", "prompt": "Hello", "sampling": {"top_k": 5}}))
-    assert msg == ZmqRequest("generate", "1", prompt="Hello", sampling={"top_k": 5})
-    assert decode_request(plain.encode({"type": "speech", "id": "2", "input": "Hi."})).sampling == {}
+    assert msg == ZmqRequest("generate", "1", prompt="Hello", sampling=GenerationOptions(top_k=5))
+    assert decode_request(plain.encode({"type": "speech", "id": "2", "input": "Hi."})).sampling is None
     with pytest.raises(msgspec.ValidationError, match="unknown field `promt`"):
         decode_request(plain.encode({"type": "generate", "id": "1", "promt": "Hello"}))
     with pytest.raises(msgspec.DecodeError):
