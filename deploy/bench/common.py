@@ -49,7 +49,10 @@ BATCHES = [1, 8, 32, 64, 128, 256]
 # RunnerConfig kernel options of every engine a run builds (--skinny-linear, --pdl, ...; the
 # variants section edits this dict per variant and restores it)
 KERNELS = {"skinny_linear": True, "pdl": True, "rope_in_attention": True, "attention_prefetch": True, "split_k": True,
-           "norm_fold": True, "qkv_rope": True}
+           "norm_fold": True, "qkv_rope": True, "tuning": "auto"}
+# --tuned FILE: (kind, N, K) -> rows of a sweep's gemm_tuned.json, replacing the tables' `tuned`
+# rows in every model a run builds (bench_tables)
+TUNED_ROWS: dict = {}
 PROMPT, NEW = 100, 500  # engine sections: prompt tokens and new tokens per request
 
 
@@ -70,6 +73,9 @@ def add_out_arg(ap: argparse.ArgumentParser, name: str) -> None:
 
 def add_kernel_args(ap: argparse.ArgumentParser) -> None:
     """The A/B switches of the decode kernels (RunnerConfig fields), all on by default."""
+    ap.add_argument("--tuning", choices=("auto", "none"), default="auto",
+                    help="RunnerConfig.tuning: none = the generic tables (cuBLAS GEMMs, default attention, SNAC and "
+                         "sampling launches), A/B against the device's table")
     ap.add_argument("--skinny-linear", type=int, default=1, help="0: decode GEMMs in cuBLAS (A/B)")
     ap.add_argument("--pdl", type=int, default=1, help="0: no programmatic dependent launch (A/B)")
     ap.add_argument("--rope-in-attention", type=int, default=1, help="0: RoPE + KV write in their own launch (A/B)")
@@ -80,7 +86,7 @@ def add_kernel_args(ap: argparse.ArgumentParser) -> None:
 def apply_kernel_args(args: argparse.Namespace) -> None:
     KERNELS.update(skinny_linear=bool(args.skinny_linear), pdl=bool(args.pdl),
                    rope_in_attention=bool(args.rope_in_attention), split_k=bool(args.split_k),
-                   norm_fold=bool(args.norm_fold))
+                   norm_fold=bool(args.norm_fold), tuning=args.tuning)
 
 
 def run_header() -> dict:
@@ -133,13 +139,27 @@ def engine_config(max_seqs: int, graphs: bool, async_sched: bool) -> EngineConfi
     )
 
 
-def build_orpheus_model():
-    """The random Orpheus-3B-shaped model (bf16) with the current KERNELS options."""
+def bench_tables():
+    """The tuning tables every model of a run is built on: load_tables for KERNELS["tuning"] (the
+    device's, or the generic ones), with --tuned's rows (TUNED_ROWS) in place of the `tuned` rows."""
+    import dataclasses
+
+    from runner.kernels.tuning import load_tables
+
+    tables = load_tables("cuda", KERNELS["tuning"])
+    if TUNED_ROWS:
+        tables = dataclasses.replace(tables, linear=dataclasses.replace(tables.linear, tuned=dict(TUNED_ROWS)))
+    return tables
+
+
+def build_orpheus_model(tables=None):
+    """The random Orpheus-3B-shaped model (bf16) with the current KERNELS options, its backends
+    on `tables` (runner.kernels.tuning.Tables; default: bench_tables())."""
     from runner.layers import make_backends
     from runner.models.llama import build_random_model
 
     cfg = engine_config(1, True, True)
-    attn, ops = make_backends(cfg.runner)
+    attn, ops = make_backends(cfg.runner, tables if tables is not None else bench_tables())
     return build_random_model(cfg.model, "cuda", torch.bfloat16, attn=attn, ops=ops)
 
 

@@ -17,8 +17,10 @@
   first_use  in-process serving engine after warm_up: requests that meet a shape for the first
              time against the same again (deploy/bench/first_use.py)
 
---skinny-linear 0 / --pdl 0 / ... turn decode kernels off for an A/B run; --tuned FILE replaces
-the tile table with a sweep's gemm_tuned.json (python -m deploy.bench.tune).
+--skinny-linear 0 / --pdl 0 / ... turn decode kernels off for an A/B run; --tuning none builds
+every model on the generic tables (RunnerConfig.tuning: cuBLAS GEMMs, default attention and
+sampling launches) for the tuned-vs-untuned table; --tuned FILE replaces the tables' GEMM tile
+rows with a sweep's gemm_tuned.json (python -m deploy.bench.tune).
 
     python -m deploy.bench.engine --sections bandwidth,engine,hf --batches 1,8,16,32,48,64,128,256 \\
         --hf-batches 32,64 --hf-budget-s 60
@@ -40,10 +42,12 @@ from deploy.bench.common import (
     NEW,
     ORPHEUS_3B,
     PROMPT,
+    TUNED_ROWS,
     add_kernel_args,
     add_out_arg,
     apply_kernel_args,
     bench_bandwidth,
+    bench_tables,
     build_orpheus_model,
     log,
     orpheus_sampling,
@@ -127,11 +131,10 @@ def main() -> int:
         Engine.warm_up_eager_prefill = lambda self: None  # the A/B baseline: warm-up without eager prefills
     if args.tuned:
         from deploy.bench.gemm import load_tuned
-        from runner.kernels import linear as triton_linear
 
-        triton_linear.TUNED.clear()
-        triton_linear.TUNED.update(load_tuned(args.tuned))
-    res = run_header() | {"kernels": dict(KERNELS, tuned=args.tuned), "prefill_warm_up": bool(args.prefill_warm_up)}
+        TUNED_ROWS.update(load_tuned(args.tuned))
+    res = run_header() | {"kernels": dict(KERNELS, tuned=args.tuned), "prefill_warm_up": bool(args.prefill_warm_up),
+                          "tables": bench_tables().name}
     t0 = time.perf_counter()
     from streaming.sampling_params import SamplingParams
 

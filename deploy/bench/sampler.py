@@ -170,25 +170,27 @@ def bench(device: torch.device, batches: list[int], kinds: list[str], backends: 
 
 
 def sweep(device: torch.device, batches: list[int], kinds: list[str], reps: int, warmup: int) -> list[dict]:
-    from runner.kernels import sampling as sampling_kernels
+    """Step time per sampling launch configuration: the untuned one with each SWEEP entry's fields
+    replaced, given to the sampler as its tables (the engine's come from load_tables)."""
+    import dataclasses
+
+    from runner.kernels.tuning import GENERIC
 
     out = []
     for cfg in SWEEP:
-        old = sampling_kernels.set_config(**cfg)
+        tables = dataclasses.replace(GENERIC, sampling=dataclasses.replace(GENERIC.sampling, **cfg))
         try:
             for kind in kinds:
                 for b in batches:
                     logits = make_logits(kind, b, VOCAB, device)
                     batch = make_batch(b, device)
                     st = make_state(b, VOCAB, device)
-                    smp = Sampler(device, backend="triton")
+                    smp = Sampler(device, backend="triton", tables=tables)
                     ms = time_step(lambda x: smp(x, batch, st), logits, reps, warmup)
                     out.append({"cfg": json.dumps(cfg) if cfg else "default", "kind": kind, "B": b, "ms": ms})
                     print(f"  sweep {out[-1]['cfg']:32s} {kind:6s} B={b:3d} {ms:8.3f} ms", file=sys.stderr, flush=True)
         except Exception as exc:  # a config that does not compile (registers) must not end the run
             print(f"  sweep {cfg}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        finally:
-            sampling_kernels.set_config(**old)
     return out
 
 

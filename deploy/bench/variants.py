@@ -1,6 +1,7 @@
 """Greedy decode per kernel variant, each on a freshly built model in the same run (the engine
 section `variants`): kernel switches, tile-table rows, attention constants, and `skip=OP`
-variants that time the step without one per-layer op (its critical-path cost)."""
+variants that time the step without one per-layer op (its critical-path cost). A variant's tables
+are built for its model (the registry's `tables=`), never patched into module state."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from deploy.bench.steps import run_engine
 
 
 def parse_tile_override(item: str) -> tuple[tuple[int, int, int], int, object]:
-    """'tile:KIND:N:K:MAX_M=bm/bn/bk/warps/stages[/late[/groups[/tma]]]' (or '=none': cuBLAS) -> the TUNED key,
+    """'tile:KIND:N:K:MAX_M=bm/bn/bk/warps/stages[/late[/groups[/tma]]]' (or '=none': cuBLAS) -> the (kind, N, K) key,
     the row's max_m and its tile; KIND is plain or gated."""
     from runner.kernels.linear import GATED, PLAIN
 
@@ -87,7 +88,7 @@ def skip_op(model, name: str) -> None:
 
 
 def parse_split_override(item: str) -> tuple[tuple[int, int], tuple]:
-    """'split:N:K=MAX_M:bm/bn/bk/warps/stages[/late[/groups[/tma]]]/splits+MAX_M:none+...' -> the SPLIT_TUNED key
+    """'split:N:K=MAX_M:bm/bn/bk/warps/stages[/late[/groups[/tma]]]/splits+MAX_M:none+...' -> the (N, K) `split` key
     and its rows (all of them, in increasing MAX_M; 'none': not split up to that M)."""
     lhs, rhs = item.removeprefix("split:").split("=")
     n, k = map(int, lhs.split(":"))
@@ -102,51 +103,51 @@ def parse_split_override(item: str) -> tuple[tuple[int, int], tuple]:
     return (n, k), tuple(rows)
 
 
+# `attn:NAME=INT` names: AttentionTuning's fields, and the module constants they replaced
+_ATTN_ALIASES = {"PREFETCH_MIN_SPLITS": "prefetch_min_splits", "TABLE_CHUNK": "table_chunk",
+                 "SHORT_WAVE_PROGRAMS_PER_SM": "short_wave_programs_per_sm", "SHORT_WAVE_STAGES": "short_wave_stages",
+                 "NUM_STAGES": "num_stages", "DEFAULT_BLOCK_N": "block_n", "SPLIT_BLOCK_N": "split_block_n",
+                 "_NUM_WARPS": "num_warps"}
+
+
+def _with_row(rows: tuple, max_m: int, tile) -> tuple:
+    """`rows` ((max_m, tile), ...) with the row at max_m taking `tile`."""
+    return tuple((mm, tile if mm == max_m else t) for mm, t in rows)
+
+
 def run_decode_variants(variants: str, batches, swept: list | None = None) -> dict:
     """Greedy decode step time per kernel variant, each on a freshly built model (one run, same
     GPU state): `variants` = ';'-separated variants, each ','-separated RunnerConfig kernel
-    overrides and tile-table rows, e.g. "default;rope_in_attention=0;tile:plain:3072:3072:1=1/8/1024/4/1";
-    `split:N:K=...` replaces a SPLIT_TUNED entry (parse_split_override); `fold:N:K:MAX_M=bm/bn/bk/warps/stages[/late]`
-    (or `=none`) replaces that row of FOLD_TUNED; `head:V:K:MAX_M=...` (or `=none`) that row of
-    runner/kernels/head_argmax.py's HEAD_TUNED;
-    `swept` takes TUNED from this run's gemm sweep (`swept`, its "tuned" rows); `skip=OP`
-    times the step without one per-layer op (skip_op: its critical-path cost); `attn:NAME=INT`
-    sets a constant of runner/kernels/attention.py (PREFETCH_MIN_SPLITS, TABLE_CHUNK,
-    SHORT_WAVE_PROGRAMS_PER_SM, SHORT_WAVE_STAGES, NUM_STAGES, DEFAULT_BLOCK_N, SPLIT_BLOCK_N,
-    _NUM_WARPS); `attn_splits=N`
+    overrides and tile-table rows, e.g. "default;rope_in_attention=0;tile:plain:3072:3072:1=1/8/1024/4/1".
+    Every variant's model is built on the run's tuning tables (bench_tables: the device's, or
+    --tuning none's generic ones, with --tuned's rows) with its own entries put in, never by
+    editing module state: `tuning=none` starts from the generic tables (cuBLAS GEMMs, default
+    attention / sampling launches); `tile:...` replaces a row of the `tuned` (kind, N, K) rows;
+    `split:N:K=...` replaces a `split` entry (parse_split_override); `fold:N:K:MAX_M=bm/bn/bk/warps/stages[/late]`
+    (or `=none`) replaces that row of the `fold` rows; `head:V:K:MAX_M=...` (or `=none`) that row
+    of the `head` rows; `swept` takes the `tuned` rows from this run's gemm sweep (`swept`, its
+    "tuned" rows); `skip=OP` times the step without one per-layer op (skip_op: its critical-path
+    cost); `attn:NAME=INT` sets a field of the attention tuning (AttentionTuning: table_chunk,
+    prefetch_min_splits, short_wave_programs_per_sm, short_wave_stages, num_stages, block_n,
+    split_block_n, num_warps, ...; the old constant names are accepted); `attn_splits=N`
     fixes the decode attention's split count at every batch size; `fp32_greedy` takes greedy ids
     as argmax over the fp32 logits copy (the path before greedy_ids);
     `torch_argmax` takes them with torch.argmax instead of runner/kernels/argmax.py (at row counts
-    where HEAD_TUNED leaves the head unfused)."""
+    where the `head` rows leave the head unfused)."""
+    import dataclasses
+
     from triton.runtime.errors import OutOfResources
 
-    from runner.kernels import attention as triton_attention
-    from runner.kernels import head_argmax as triton_head_argmax
-    from runner.kernels import linear as triton_linear
+    from deploy.bench.common import bench_tables
+    from runner.kernels.tuning import AttentionTuning
     from streaming.sampling_params import SamplingParams
 
     base = dict(KERNELS)
-    base_tuned = dict(triton_linear.TUNED)
-    base_split = dict(triton_linear.SPLIT_TUNED)
-    base_fold = dict(triton_linear.FOLD_TUNED)
-    base_head = dict(triton_head_argmax.HEAD_TUNED)
-    base_attn = {name: getattr(triton_attention, name) for name in
-                 ("PREFETCH_MIN_SPLITS", "TABLE_CHUNK", "SHORT_WAVE_PROGRAMS_PER_SM", "SHORT_WAVE_STAGES",
-                  "NUM_STAGES", "DEFAULT_BLOCK_N", "SPLIT_BLOCK_N", "_NUM_WARPS")}
+    attn_fields = {f.name for f in dataclasses.fields(AttentionTuning)}
 
     def reset() -> None:  # every variant starts from the run's options, and the run ends there
-        for name, value in base_attn.items():
-            setattr(triton_attention, name, value)
         KERNELS.clear()
         KERNELS.update(base)
-        triton_linear.TUNED.clear()
-        triton_linear.TUNED.update(base_tuned)
-        triton_linear.SPLIT_TUNED.clear()
-        triton_linear.SPLIT_TUNED.update(base_split)
-        triton_linear.FOLD_TUNED.clear()
-        triton_linear.FOLD_TUNED.update(base_fold)
-        triton_head_argmax.HEAD_TUNED.clear()
-        triton_head_argmax.HEAD_TUNED.update(base_head)
 
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     out = {}
@@ -154,45 +155,56 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
         for spec in variants.split(";"):
             reset()
             skips, attn_splits, fp32_greedy, torch_argmax = [], None, False, False
+            tiles, folds, heads, splits, attn, swept_rows = [], [], [], {}, {}, None
             for kv in filter(None, (x.strip() for x in spec.split(","))):
                 if kv == "fp32_greedy":
                     fp32_greedy = True
                 elif kv == "torch_argmax":
                     torch_argmax = True
+                elif kv.startswith("tuning="):
+                    KERNELS["tuning"] = kv.removeprefix("tuning=")
                 elif kv.startswith("tile:"):
-                    key, max_m, tile = parse_tile_override(kv)
-                    triton_linear.TUNED[key] = tuple((mm, tile if mm == max_m else t) for mm, t in triton_linear.TUNED[key])
+                    tiles.append(parse_tile_override(kv))
                 elif kv.startswith("fold:"):
-                    (_, n, k), max_m, tile = parse_tile_override("tile:plain:" + kv.removeprefix("fold:"))
-                    rows = triton_linear.FOLD_TUNED[(n, k)]
-                    triton_linear.FOLD_TUNED[(n, k)] = tuple((mm, tile if mm == max_m else t) for mm, t in rows)
+                    folds.append(parse_tile_override("tile:plain:" + kv.removeprefix("fold:")))
                 elif kv.startswith("head:"):
-                    (_, n, k), max_m, tile = parse_tile_override("tile:plain:" + kv.removeprefix("head:"))
-                    rows = triton_head_argmax.HEAD_TUNED[(n, k)]
-                    triton_head_argmax.HEAD_TUNED[(n, k)] = tuple((mm, tile if mm == max_m else t) for mm, t in rows)
+                    heads.append(parse_tile_override("tile:plain:" + kv.removeprefix("head:")))
                 elif kv.startswith("split:"):
                     key, rows = parse_split_override(kv)
-                    triton_linear.SPLIT_TUNED[key] = rows
+                    splits[key] = rows
                 elif kv == "swept":
                     if swept is None:
                         raise ValueError("variant 'swept' needs the gemm section in the same run (deploy.bench.tune)")
                     from deploy.bench.gemm import load_tuned_rows
 
-                    triton_linear.TUNED.clear()
-                    triton_linear.TUNED.update(load_tuned_rows(swept))
+                    swept_rows = load_tuned_rows(swept)
                 elif kv.startswith("skip="):
                     skips.append(kv.removeprefix("skip="))
                 elif kv.startswith("attn:"):
                     name, value = kv.removeprefix("attn:").split("=")
-                    if name not in base_attn:
-                        raise ValueError(f"attn:{name}: not one of {sorted(base_attn)}")
-                    setattr(triton_attention, name, int(value))
+                    name = _ATTN_ALIASES.get(name, name)
+                    if name not in attn_fields:
+                        raise ValueError(f"attn:{name}: not one of {sorted(attn_fields)}")
+                    attn[name] = int(value)
                 elif kv.startswith("attn_splits="):
                     attn_splits = int(kv.removeprefix("attn_splits="))
                 elif kv != "default":
                     k, v = kv.split("=")
                     KERNELS[k] = bool(int(v))
-            model = build_orpheus_model()
+            tables = bench_tables()
+            lin = tables.linear
+            if swept_rows is not None:
+                lin = dataclasses.replace(lin, tuned=swept_rows)
+            tuned, fold, head = dict(lin.tuned), dict(lin.fold), dict(lin.head)
+            for key, max_m, tile in tiles:
+                tuned[key] = _with_row(tuned[key], max_m, tile)
+            for (_, n, k), max_m, tile in folds:
+                fold[(n, k)] = _with_row(fold[(n, k)], max_m, tile)
+            for (_, n, k), max_m, tile in heads:
+                head[(n, k)] = _with_row(head[(n, k)], max_m, tile)
+            lin = dataclasses.replace(lin, tuned=tuned, split={**lin.split, **splits}, fold=fold, head=head)
+            tables = dataclasses.replace(tables, linear=lin, attention=dataclasses.replace(tables.attention, **attn))
+            model = build_orpheus_model(tables)
             for name in skips:
                 skip_op(model, name)
             if attn_splits is not None:

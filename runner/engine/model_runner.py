@@ -66,8 +66,9 @@ class ModelRunner:
         # one extra block at index num_blocks: the scratch block padded graph rows write into
         self.kv_caches = allocate_kv_cache(cfg.model, num_blocks + 1, self.block_size, self.device, self.dtype)
         S = cfg.scheduler.max_num_seqs
-        self.sampler = Sampler(self.device, backend=cfg.runner.sampler_backend)
-        self.slots = SlotState(S, cfg.model.vocab_size, cfg.scheduler.max_model_len, self.device, backend=self.sampler.backend)
+        self.sampler = Sampler(self.device, backend=cfg.runner.sampler_backend, tuning=cfg.runner.tuning)
+        self.slots = SlotState(S, cfg.model.vocab_size, cfg.scheduler.max_model_len, self.device,
+                               backend=self.sampler.backend, tuning=cfg.runner.tuning)
         self.slot_owner: list[Request | None] = [None] * S
         self.sampling_table = SamplingTable(S, cfg.model.eos_token_ids)
         self._seed_rng = random.Random()

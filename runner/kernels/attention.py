@@ -56,48 +56,21 @@ _LOG2E = 1.4426950408889634
 
 # Launch choices (runner/kernels/tuning/tiles.py AttentionTuning says what each one is). A backend
 # passes its device's (`Tables.attention`, chosen once at its construction) to every launch; a
-# caller that passes none gets these module values, the reference device's table
-# (runner/kernels/tuning/nvidia_h200.json), which benchmarks may set one by one. Why these: tiles
-# of 64 tokens x 128 dims x bf16 = 16 KiB per K (or V) tile keep many loads in flight and still
-# fit several stages; while the sequences are split (few programs) shorter tiles put more of them
-# in flight. Reading the block table in chunks ahead of the tile loop (`TABLE_P`) lets the K/V
-# loads run LOOP_STAGES - 1 tiles ahead (read per tile, the K/V loads wait on that load and
-# Triton issues them one tile ahead only); it pays for split launches with several tiles per
-# split and for unsplit launches of at most a short wave (those also take 32-token tiles and
-# more stages), not for the 32-split batch 1 (a tile or two per split) nor for full waves of
-# 64-token tiles (fewer programs per SM by shared memory). 0 turns either off (bench A/B).
-_REF = read_table("nvidia_h200").attention
-DEFAULT_BLOCK_N = _REF.block_n
-SPLIT_BLOCK_N = _REF.split_block_n
-_TARGET_PROGRAMS_PER_SM = _REF.target_programs_per_sm
-MAX_SPLITS = _REF.max_splits
-_NUM_WARPS = _REF.num_warps
-NUM_STAGES = _REF.num_stages
-TABLE_CHUNK = _REF.table_chunk
-SHORT_WAVE_PROGRAMS_PER_SM = _REF.short_wave_programs_per_sm
-SHORT_WAVE_STAGES = _REF.short_wave_stages
-# Fused RoPE only while B * Hkv programs fit in about one wave (TritonPagedAttention.decode_rope_fused)
-_FUSED_ROPE_PROGRAMS_PER_SM = _REF.fused_rope_programs_per_sm
-
-
-class _ModuleTuning:
-    """AttentionTuning read from this module's values at each access (so a benchmark's or a
-    test's setattr on them holds): the tuning of a caller that passes none."""
-
-    block_n = property(lambda self: DEFAULT_BLOCK_N)
-    split_block_n = property(lambda self: SPLIT_BLOCK_N)
-    num_stages = property(lambda self: NUM_STAGES)
-    num_warps = property(lambda self: _NUM_WARPS)
-    target_programs_per_sm = property(lambda self: _TARGET_PROGRAMS_PER_SM)
-    max_splits = property(lambda self: MAX_SPLITS)
-    table_chunk = property(lambda self: TABLE_CHUNK)
-    short_wave_programs_per_sm = property(lambda self: SHORT_WAVE_PROGRAMS_PER_SM)
-    short_wave_stages = property(lambda self: SHORT_WAVE_STAGES)
-    prefetch_min_splits = property(lambda self: PREFETCH_MIN_SPLITS)
-    fused_rope_programs_per_sm = property(lambda self: _FUSED_ROPE_PROGRAMS_PER_SM)
-
-
-_MODULE_TUNING = _ModuleTuning()
+# caller that passes none (tests, benchmarks) gets REFERENCE, the reference device's table
+# (runner/kernels/tuning/nvidia_h200.json). Why that table's values: tiles of 64 tokens x 128
+# dims x bf16 = 16 KiB per K (or V) tile keep many loads in flight and still fit several stages;
+# while the sequences are split (few programs) shorter tiles put more of them in flight. Reading
+# the block table in chunks ahead of the tile loop (`TABLE_P`) lets the K/V loads run
+# LOOP_STAGES - 1 tiles ahead (read per tile, the K/V loads wait on that load and Triton issues
+# them one tile ahead only); it pays for split launches with several tiles per split and for
+# unsplit launches of at most a short wave (those also take 32-token tiles and more stages), not
+# for the 32-split batch 1 (a tile or two per split) nor for full waves of 64-token tiles (fewer
+# programs per SM by shared memory). 0 turns either off (bench A/B). Split pure-decode launches
+# of at least prefetch_min_splits splits load their first tile before the PDL wait
+# (`prefetches`): it pays at 32 splits (batch 1: a split attends a tile or two, so its time is a
+# chain of dependent loads), not at 4-16 (the peeled tile delays the loop's pipelined loads past
+# the wait), nor unsplit (that form was removed).
+REFERENCE: AttentionTuning = read_table("nvidia_h200").attention
 
 
 @triton.jit
@@ -423,7 +396,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, tuning: Atten
     value compiles when the decode graphs are captured (batch 1, 2, 4, 8, 16, >= 17 on 8 KV
     heads), never mid-serving.
     """
-    t = tuning or _MODULE_TUNING
+    t = tuning or REFERENCE
     programs = batch * num_kv_heads
     if programs == 0 or programs >= num_sms:
         return 1
@@ -431,18 +404,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, tuning: Atten
     return 1 << (n.bit_length() - 1)
 
 
-# Split pure-decode launches with at least this many splits load their first tile before the
-# PDL wait (`prefetches`); bench variants override it. It pays at 32 splits (batch 1: a split
-# attends a tile or two, so its time is a chain of dependent loads), not at 4-16 (the peeled tile
-# delays the loop's pipelined loads past the wait), nor unsplit (that form was removed).
-PREFETCH_MIN_SPLITS = _REF.prefetch_min_splits
-
-
 def prefetches(num_splits: int, tuning: AttentionTuning | None = None) -> bool:
     """Whether a fused-RoPE decode launch with `num_splits` splits issues its block-table, first
     K/V tile and RoPE-row loads before the PDL wait: a function of the split count alone, which
     the batch shape fixes, so eager steps and graph replays run the same kernel."""
-    return num_splits > 1 and num_splits >= (tuning or _MODULE_TUNING).prefetch_min_splits
+    return num_splits > 1 and num_splits >= (tuning or REFERENCE).prefetch_min_splits
 
 
 def _short_wave(batch: int, num_kv_heads: int, num_sms: int, t: AttentionTuning) -> bool:
@@ -455,7 +421,7 @@ def _short_wave(batch: int, num_kv_heads: int, num_sms: int, t: AttentionTuning)
 def choose_block_n(batch: int, num_kv_heads: int, num_sms: int, tuning: AttentionTuning | None = None) -> int:
     """Tile length from the batch shape alone (like the split count): split_block_n while the
     sequences are split or fill at most a short wave (table_chunk), block_n above."""
-    t = tuning or _MODULE_TUNING
+    t = tuning or REFERENCE
     if batch * num_kv_heads < num_sms or _short_wave(batch, num_kv_heads, num_sms, t):
         return t.split_block_n
     return t.block_n
@@ -466,7 +432,7 @@ def choose_tiling(batch: int, num_kv_heads: int, num_sms: int, num_splits: int,
     """(tile length, loop stages, block-table chunk) from the batch shape and split count alone,
     so an eager step and the graph replay of its bucket tile every sequence alike (the launch
     choices' comment says where each pays)."""
-    t = tuning or _MODULE_TUNING
+    t = tuning or REFERENCE
     block_n = choose_block_n(batch, num_kv_heads, num_sms, t)
     if num_splits > 1:
         return block_n, t.num_stages, 0 if prefetches(num_splits, t) else t.table_chunk
@@ -478,7 +444,7 @@ def choose_tiling(batch: int, num_kv_heads: int, num_sms: int, num_splits: int,
 def fused_rope_fits(batch: int, num_kv_heads: int, num_sms: int, tuning: AttentionTuning | None = None) -> bool:
     """Whether a pure-decode launch of `batch` rows has few enough programs for RoPE + KV write
     inside the kernel (B * Hkv <= fused_rope_programs_per_sm per SM: about one wave)."""
-    return batch * num_kv_heads <= (tuning or _MODULE_TUNING).fused_rope_programs_per_sm * num_sms
+    return batch * num_kv_heads <= (tuning or REFERENCE).fused_rope_programs_per_sm * num_sms
 
 
 class DecodeRope(NamedTuple):
@@ -509,7 +475,7 @@ def paged_decode_attention(
     num_stages: int | None = None,  # None: choose_tiling
     prefetch: bool = True,  # with `rope`: load all but q/k/v before the PDL wait (prefetches())
     table_chunk: int | None = None,  # block-table entries read ahead of the tiles; None: choose_tiling
-    tuning: AttentionTuning | None = None,  # the device's launch choices; None: this module's values
+    tuning: AttentionTuning | None = None,  # the device's launch choices; None: REFERENCE
 ) -> torch.Tensor:  # [B, Hq, D], q's dtype unless `out` is given
     """Attention of one query token per sequence over positions [0, seq_lens[b]) of its paged KV.
 
@@ -544,7 +510,7 @@ def paged_decode_attention(
     group_p = max(16, triton.next_power_of_2(group))
     sms = num_sms(q.device)
     max_blocks = block_tables.shape[1]
-    t = tuning or _MODULE_TUNING
+    t = tuning or REFERENCE
     splits = num_splits or choose_num_splits(bsz, hkv, sms, t)
     auto_bn, auto_stages, auto_chunk = choose_tiling(bsz, hkv, sms, splits, t)
     bn = max(block_n or auto_bn, bs)

@@ -38,7 +38,7 @@ from runner.kernels.linear import (
     tile_descriptors,
 )
 from runner.kernels.pdl import pdl_trigger, pdl_wait
-from runner.kernels.tuning import LinearTables, row_tile
+from runner.kernels.tuning import LinearTables
 
 
 # M varies per eager step and V is any vocabulary: neither is specialised (one variant per tile).
@@ -112,17 +112,12 @@ def _head_argmax_kernel(
         pdl_trigger(USE_GDC)
 
 
-# The reference device's head rows (runner/kernels/tuning/nvidia_h200.json "head"), as a mutable
-# dict: the default of head_tile_for for a caller that passes no `tables`. (V, K) -> ((max_m,
-# tile or None), ...) in increasing max_m, thresholds at graph bucket sizes; None, or an M past
-# the last row: the head and runner/kernels/argmax.py, two kernels. One row keeps the GEMV head:
-# a [1, V] row of logits is little to save.
-HEAD_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None], ...]] = dict(REFERENCE.head)
-
-
-def head_tile_for(v: int, k: int, m: int, tables: LinearTables | None = None) -> LinearTile | None:
-    """head_argmax's tile for a head [v, k] at m rows, or None (`tables`' head rows; None: HEAD_TUNED)."""
-    return tables.head_tile(v, k, m) if tables is not None else row_tile(HEAD_TUNED.get((v, k), ()), m)
+def head_tile_for(v: int, k: int, m: int, tables: LinearTables = REFERENCE) -> LinearTile | None:
+    """head_argmax's tile for a head [v, k] at m rows, or None: `tables`' head rows, (V, K) ->
+    ((max_m, tile or None), ...) in increasing max_m, thresholds at graph bucket sizes; None, or
+    an M past the last row: the head and runner/kernels/argmax.py, two kernels. (Default: the
+    reference table, for tests and benchmarks; a backend passes its device's.)"""
+    return tables.head_tile(v, k, m)
 
 
 def head_argmax(x: torch.Tensor, weight: torch.Tensor, tile: LinearTile, *, pdl: bool = False) -> torch.Tensor:

@@ -61,13 +61,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from runner.kernels.gpu_info import num_sms
 from runner.kernels.pdl import pdl_enter, pdl_trigger, pdl_wait
-from runner.kernels.tuning import (
-    LinearTables,
-    linear_tile,
-    read_table,
-    row_tile,
-    split_tile,
-)
+from runner.kernels.tuning import LinearTables, read_table
 
 # The tile type, the kinds and the shape-generic tile live with the tuning tables (no triton
 # import there); re-exported here for the launchers' callers.
@@ -432,36 +426,30 @@ def materialize(h: torch.Tensor | Partials) -> torch.Tensor:
     return acc.to(h.dtype)
 
 
-# The reference device's tables (runner/kernels/tuning/nvidia_h200.json), as mutable dicts: the
-# default of the lookups below for a caller that passes no `tables` (tests and benchmarks point
-# them at other shapes). A backend passes its device's `LinearTables`, chosen once at its
-# construction (runner.kernels.tuning.load_tables).
+# The reference device's tables (runner/kernels/tuning/nvidia_h200.json): the default of the
+# lookups below for a caller that passes none (tests, benchmarks). A backend never uses it: it is
+# given its device's `LinearTables`, chosen once at its construction (runner/layers/__init__.py,
+# runner.kernels.tuning.load_tables).
 REFERENCE: LinearTables = read_table("nvidia_h200").linear
-TUNED: dict[tuple[int, int, int], tuple[tuple[int, LinearTile | None], ...]] = dict(REFERENCE.tuned)
-SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None, int], ...]] = dict(REFERENCE.split)
-FOLD_TUNED: dict[tuple[int, int], tuple[tuple[int, LinearTile | None], ...]] = dict(REFERENCE.fold)
 
 
-def fold_tile_for(n: int, k: int, m: int, tables: LinearTables | None = None) -> LinearTile | None:
+def fold_tile_for(n: int, k: int, m: int, tables: LinearTables = REFERENCE) -> LinearTile | None:
     """residual_linear's tile for a GEMM [n, k] of m rows feeding an MLP's RMSNorm, or None.
     Thresholds at graph bucket sizes, like tile_for."""
-    return tables.fold_tile(n, k, m) if tables is not None else row_tile(FOLD_TUNED.get((n, k), ()), m)
+    return tables.fold_tile(n, k, m)
 
 
-def split_tile_for(n: int, k: int, m: int, tables: LinearTables | None = None) -> tuple[LinearTile, int] | None:
+def split_tile_for(n: int, k: int, m: int, tables: LinearTables = REFERENCE) -> tuple[LinearTile, int] | None:
     """(tile, splits) for a plain GEMM [n, k] of m rows whose consumer sums partials, or None.
     Thresholds at graph bucket sizes, like tile_for."""
-    return tables.split_tile(n, k, m) if tables is not None else split_tile(SPLIT_TUNED, n, k, m)
+    return tables.split_tile(n, k, m)
 
 
-def tile_for(kind: int, n: int, k: int, m: int, tables: LinearTables | None = None) -> LinearTile | None:
+def tile_for(kind: int, n: int, k: int, m: int, tables: LinearTables = REFERENCE) -> LinearTile | None:
     """The tile for a call of `kind` (PLAIN or GATED) on a weight [n, k] with m rows, or None:
-    leave it to cuBLAS (and, for GATED, the separate SiLU*mul kernel). `tables`: the device's
-    (None: the reference TUNED, whose untuned shapes take `default_tile`).
+    leave it to cuBLAS (and, for GATED, the separate SiLU*mul kernel), from `tables`.
 
     The choice depends on M only through thresholds that are graph bucket sizes (1, 16, 32,
     64; runner/engine/cuda_graphs.py), so an eager step of M rows and a graph replay of M padded to
     its bucket take the same kernel."""
-    if tables is not None:
-        return tables.tile(kind, n, k, m)
-    return linear_tile(TUNED, True, kind, n, k, m)
+    return tables.tile(kind, n, k, m)

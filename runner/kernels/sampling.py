@@ -37,7 +37,6 @@ Importing this module needs `triton`; the sampler imports it only for the triton
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,23 +52,12 @@ if TYPE_CHECKING:  # annotations only: kernels never import runner.layers at run
     from runner.layers.slot_state import SlotState
 
 # Launch configuration of `_filter_sample_kernel` (runner/kernels/tuning/tiles.py SamplingTuning
-# says what each one is): a backend passes its device's (`Tables.sampling`) to each launch; a
-# caller that passes none gets this module's, the untuned values unless `set_config` changed them
-# (benchmark sweeps, tests forcing multi-pass paths). Every pass loads the next chunk before
-# working on the current one (a hand-rolled pipeline: with one or two programs per SM nothing
-# else would hide the memory latency).
-_CONFIG: dict[str, int] = asdict(SamplingTuning())
+# says what each one is): a backend passes its device's (`Tables.sampling`, chosen once at its
+# construction) to each launch; a caller that passes none gets the untuned values. Every pass
+# loads the next chunk before working on the current one (a hand-rolled pipeline: with one or two
+# programs per SM nothing else would hide the memory latency).
+DEFAULT_TUNING = SamplingTuning()
 _PENALTY_BLOCK = 2048
-
-
-def set_config(**kw: int) -> dict[str, int]:
-    """Override launch parameters (benchmark sweeps, tests forcing multi-pass paths); returns the old ones."""
-    old = dict(_CONFIG)
-    for k, v in kw.items():
-        if k not in _CONFIG:
-            raise KeyError(f"unknown sampling kernel parameter {k!r}")
-        _CONFIG[k] = int(v)
-    return old
 
 
 # --------------------------------------------------------------------------- helpers
@@ -459,10 +447,10 @@ def _launch(logits: torch.Tensor, batch: "SamplingBatch", q: torch.Tensor | None
         return
     if v >= 1 << 24:
         raise ValueError(f"vocabulary {v} too large: pivot counts are accumulated in fp32 (exact below 2^24)")
-    cfg = _CONFIG if tuning is None else asdict(tuning)
-    warps = cfg["num_warps_small"] if b <= num_sms(logits.device) else cfg["num_warps"]
+    t = tuning or DEFAULT_TUNING
+    warps = t.num_warps_small if b <= num_sms(logits.device) else t.num_warps
     filt = batch.any_top_k or batch.any_top_p
-    c = cfg["C"] if filt else 1  # no search: no scratch
+    c = t.C if filt else 1  # no search: no scratch
     sk = torch.empty(b, c, dtype=torch.int32, device=logits.device)
     sample = q is not None
     _filter_sample_kernel[(b,)](
@@ -473,7 +461,7 @@ def _launch(logits: torch.Tensor, batch: "SamplingBatch", q: torch.Tensor | None
         sk, v,
         int(batch.any_top_k), int(batch.any_top_p), int(batch.any_min_p),
         SAMPLE=sample,
-        BLOCK_P=cfg["BLOCK_P"], NP=cfg["NP"], BLOCK_S=cfg["BLOCK_S"], C=cfg["C"], MAX_PASSES=cfg["MAX_PASSES"],
+        BLOCK_P=t.BLOCK_P, NP=t.NP, BLOCK_S=t.BLOCK_S, C=t.C, MAX_PASSES=t.MAX_PASSES,
         num_warps=warps,
     )
 
@@ -481,7 +469,7 @@ def _launch(logits: torch.Tensor, batch: "SamplingBatch", q: torch.Tensor | None
 def filter_and_sample(logits: torch.Tensor, batch: "SamplingBatch", q: torch.Tensor,
                       tuning: SamplingTuning | None = None) -> torch.Tensor:
     """Stages 3-5: ids [B] int64 (greedy rows: argmax). logits are left scaled, not masked.
-    `tuning`: the device's launch configuration (None: this module's `_CONFIG`)."""
+    `tuning`: the device's launch configuration (None: DEFAULT_TUNING, the untuned one)."""
     if q.stride(1) != 1 or q.shape != logits.shape:
         raise ValueError("noise must be [B, V] with contiguous rows")
     ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)

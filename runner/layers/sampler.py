@@ -63,6 +63,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from runner.kernels.tuning import Tables
 from runner.layers import make_sampling, pick_sampling_backend
 from runner.layers.sampling_batch import SamplingBatch
 from runner.layers.slot_state import SlotState
@@ -75,13 +76,16 @@ class Sampler:
 
     backend: 'torch' (radix select in torch ops), 'triton' (runner/kernels/sampling.py) or
     'auto' (triton on CUDA), resolved and built once here. Both give the same kept sets up to
-    fp32 summation order.
+    fp32 summation order. tuning: RunnerConfig.tuning, the triton kernels' launch configuration
+    ("auto": the device's table, "none": the untuned one); `tables` replaces that lookup (tests
+    and sweeps forcing other launch parameters).
     """
 
-    def __init__(self, device: torch.device | str, backend: str = "auto"):
+    def __init__(self, device: torch.device | str, backend: str = "auto", tuning: str = "auto",
+                 tables: Tables | None = None):
         self.device = torch.device(device)
         self.backend = pick_sampling_backend(self.device, backend)
-        self._backend = make_sampling(self.backend, self.device)
+        self._backend = make_sampling(self.backend, self.device, tuning, tables)
         # the race noise [rows, V], reused across steps whatever the device
         self._noise = Workspaces(self.device, persistent=True)
 

@@ -32,10 +32,11 @@ class SlotState:
     """
 
     def __init__(self, num_slots: int, vocab_size: int, max_model_len: int, device: torch.device | str,
-                 backend: str = "torch"):
-        """backend: 'torch', or 'triton' to record with one kernel launch (see Sampler.backend)."""
+                 backend: str = "torch", tuning: str = "auto"):
+        """backend: 'torch', or 'triton' to record with one kernel launch (see Sampler.backend);
+        tuning: RunnerConfig.tuning (the backend is built as the sampler's is)."""
         self.device = torch.device(device)
-        self._sampling = make_sampling(backend, self.device)
+        self._sampling = make_sampling(backend, self.device, tuning)
         self.num_slots = num_slots
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len

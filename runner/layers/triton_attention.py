@@ -11,11 +11,13 @@ from __future__ import annotations
 import torch
 
 from runner.kernels.attention import (
-    _FUSED_ROPE_PROGRAMS_PER_SM,
+    REFERENCE,
     DecodeRope,
+    fused_rope_fits,
     paged_decode_attention,
 )
 from runner.kernels.gpu_info import num_sms
+from runner.kernels.tuning import AttentionTuning
 from runner.layers.attention import (
     NO_PLAN_BACKENDS,
     AttentionMetadata,
@@ -32,6 +34,10 @@ class TritonPagedAttention:
 
     `accepts_prewritten_kv`: the model may write this step's K/V itself (fused into its RoPE
     launch, ops.rope_write_kv) and call `forward_prewritten_kv`, which skips the write.
+
+    `tuning`: the device's launch choices (runner/kernels/tuning `AttentionTuning`; the registry
+    passes `load_tables(device, RunnerConfig.tuning).attention`; default: the reference table,
+    for tests and benchmarks), given to every launch.
     """
 
     accepts_prewritten_kv = True
@@ -45,8 +51,9 @@ class TritonPagedAttention:
     fuses_decode_rope: bool
 
     def __init__(self, num_splits: int | None = None, pdl: bool = False, rope_in_attention: bool = True,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, tuning: AttentionTuning = REFERENCE) -> None:
         self._torch = TorchPagedAttention(NO_PLAN_BACKENDS)
+        self.tuning = tuning
         self.num_splits = num_splits  # None: choose from shapes per call
         self.pdl = pdl  # fixed at construction (the registry, runner/layers/__init__.py)
         self.fuses_decode_rope = rope_in_attention
@@ -87,7 +94,7 @@ class TritonPagedAttention:
         if meta.token_seq_lens is not None:  # every query row as a decode row (causal by seq_len)
             assert meta.token_block_tables is not None and q.shape[0] == meta.token_seq_lens.shape[0]
             return paged_decode_attention(q, kv_cache, meta.token_block_tables, meta.token_seq_lens, scale,
-                                          num_splits=self.num_splits, pdl=self.pdl)
+                                          num_splits=self.num_splits, pdl=self.pdl, tuning=self.tuning)
         if meta.max_query_len != 1:
             # The torch prefill path writes k/v (again, when the caller already did: the same
             # values to the same slots, redundant but harmless; prefill is not launch-bound).
@@ -96,14 +103,13 @@ class TritonPagedAttention:
                 return self._torch.forward(q, k, v, kv_cache, meta, scale)
             out = torch.empty_like(q)
             paged_decode_attention(q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                                   out=out[:nd], num_splits=self.num_splits, pdl=self.pdl)
+                                   out=out[:nd], num_splits=self.num_splits, pdl=self.pdl, tuning=self.tuning)
             out[nd:] = self._torch.forward(q[nd:], k[nd:], v[nd:], kv_cache, meta.prefill_part(), scale)
             return out
         # Decode: one token per sequence, so T == B and query row b belongs to sequence b.
         assert q.shape[0] == meta.seq_lens.shape[0], (q.shape, meta.seq_lens.shape)
-        return paged_decode_attention(
-            q, kv_cache, meta.block_tables, meta.seq_lens, scale, num_splits=self.num_splits, pdl=self.pdl
-        )
+        return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, num_splits=self.num_splits,
+                                      pdl=self.pdl, tuning=self.tuning)
 
     def forward_decode_cached(
         self,
@@ -116,12 +122,12 @@ class TritonPagedAttention:
         decode kernel alone, the same launch `forward_prewritten_kv` makes for such a step."""
         assert meta.pure_decode and q.shape[0] == meta.seq_lens.shape[0], (q.shape, meta.seq_lens.shape)
         return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, num_splits=self.num_splits,
-                                      pdl=self.pdl)
+                                      pdl=self.pdl, tuning=self.tuning)
 
     def decode_rope_fused(self, batch: int, num_kv_heads: int, device: torch.device) -> bool:
         """Whether a pure-decode step of `batch` rows runs RoPE + KV write inside the kernel (a
         function of shapes only, so eager steps and graph replays agree): while the programs fit
-        in about one wave (B * Hkv <= _FUSED_ROPE_PROGRAMS_PER_SM * SMs; batch <= 64 on 8 KV
+        in about one wave (B * Hkv <= tuning.fused_rope_programs_per_sm * SMs; batch <= 64 on 8 KV
         heads and 132 SMs), in the kernel's two forms (FOLD_CURRENT while split, write-first
         above). Why that limit: within one wave the fused launch saves the RoPE launch; over
         several waves every program's extra work (loading q twice to rotate it, k, the store
@@ -130,7 +136,7 @@ class TritonPagedAttention:
         The limit need not sit at a graph bucket (eager batch 65 fuses, its bucket 80 does not):
         it always lies where the sequences are not split, and there the fused kernel computes
         the unfused pair's values bit for bit."""
-        return self.fuses_decode_rope and batch * num_kv_heads <= _FUSED_ROPE_PROGRAMS_PER_SM * num_sms(device)
+        return self.fuses_decode_rope and fused_rope_fits(batch, num_kv_heads, num_sms(device), self.tuning)
 
     def forward_decode_rope(
         self,
@@ -150,6 +156,7 @@ class TritonPagedAttention:
         assert meta.pure_decode and q.shape[0] == meta.seq_lens.shape[0], (q.shape, meta.seq_lens.shape)
         rope = DecodeRope(k, v, cos, sin, positions, meta.slot_mapping)
         return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                      num_splits=self.num_splits, pdl=self.pdl, rope=rope, prefetch=self.prefetch)
+                                      num_splits=self.num_splits, pdl=self.pdl, rope=rope, prefetch=self.prefetch,
+                                      tuning=self.tuning)
 
     __call__ = forward

@@ -12,21 +12,19 @@ import torch.nn.functional as F
 
 from runner.kernels.argmax import row_argmax
 from runner.kernels.fused_ops import rmsnorm, rope_, silu_and_mul
-from runner.kernels.head_argmax import head_argmax, head_tile_for
+from runner.kernels.head_argmax import head_argmax
 from runner.kernels.linear import (
     GATED,
     PLAIN,
-    TUNED,
+    REFERENCE,
     LinearTile,
     Partials,
-    fold_tile_for,
     materialize,
     residual_linear,
     skinny_linear,
-    split_tile_for,
-    tile_for,
 )
 from runner.kernels.qkv_rope import qkv_rope_write
+from runner.kernels.tuning import LinearTables
 from runner.layers.ops import torch_head, unfolded_post_attention
 
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)  # fp32 keeps cuBLAS (tl.dot would round to tf32)
@@ -35,19 +33,23 @@ _SKINNY_DTYPES = (torch.bfloat16, torch.float16)  # fp32 keeps cuBLAS (tl.dot wo
 class TritonOps:
     """The OpsBackend contract with one Triton launch per op (CUDA; interpreter in tests).
 
+    `tables`: the device's GEMM tables (runner/kernels/tuning `LinearTables`; the registry passes
+    `load_tables(device, RunnerConfig.tuning).linear`; default: the reference table, for tests
+    and benchmarks). The generic tables (tuning "none") name no shape: every GEMM in cuBLAS.
     `pdl`: launch every kernel with programmatic dependent launch (runner/kernels/pdl.py; only
     where `pdl_available`). `skinny_linear`: 16-bit GEMMs of M <= 64 rows (decode) run in
-    runner/kernels/linear.py where its tile table says so (gate_up with the SiLU*mul fused in);
+    runner/kernels/linear.py where `tables` says so (gate_up with the SiLU*mul fused in);
     otherwise F.linear (cuBLAS). `split_k`: a `linear(..., into_norm=True)` (o_proj, down) may
-    return split-K `Partials` where SPLIT_TUNED says so; `add_rmsnorm` sums them. `norm_fold`:
+    return split-K `Partials` where the `split` rows say so; `add_rmsnorm` sums them. `norm_fold`:
     `post_attention` runs o_proj as residual_linear and finishes the RMSNorm inside gate_up where
-    FOLD_TUNED says so. `qkv_rope`: `qkv_rope_write` runs the qkv GEMM with RoPE and the KV
+    the `fold` rows say so. `qkv_rope`: `qkv_rope_write` runs the qkv GEMM with RoPE and the KV
     write in its epilogue (runner/kernels/qkv_rope.py) wherever qkv's tile is an MMA tile. All
     fixed at construction; the tile (or none) per call from the GEMM's shape and M.
     """
 
     def __init__(self, pdl: bool = False, skinny_linear: bool = True, split_k: bool = True,
-                 norm_fold: bool = True, qkv_rope: bool = True) -> None:
+                 norm_fold: bool = True, qkv_rope: bool = True, tables: LinearTables = REFERENCE) -> None:
+        self.tables = tables
         self.pdl = pdl
         self.skinny = skinny_linear
         self.split_k = skinny_linear and split_k
@@ -64,7 +66,7 @@ class TritonOps:
         if not self.skinny or not self._skinny_dtypes(x, lin.weight):
             return None
         n, k = lin.weight.shape
-        return tile_for(kind, n, k, x.shape[0])
+        return self.tables.tile(kind, n, k, x.shape[0])
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rmsnorm(x, weight, eps, pdl=self.pdl)
@@ -113,7 +115,7 @@ class TritonOps:
 
     def linear(self, x: torch.Tensor, lin: torch.nn.Linear, into_norm: bool = False) -> torch.Tensor | Partials:
         if into_norm and self.split_k and lin.bias is None and self._skinny_dtypes(x, lin.weight):
-            split = split_tile_for(*lin.weight.shape, x.shape[0])
+            split = self.tables.split_tile(*lin.weight.shape, x.shape[0])
             if split is not None:
                 parts = skinny_linear(x, lin.weight, None, split[0], split_k=split[1], pdl=self.pdl)
                 return Partials(parts, x.dtype)
@@ -134,14 +136,14 @@ class TritonOps:
     def post_attention(self, out: torch.Tensor, o_proj: torch.nn.Linear, residual: torch.Tensor,
                        norm_weight: torch.Tensor, eps: float, gate_up: torch.nn.Linear,
                        down: torch.nn.Linear) -> tuple[torch.Tensor | Partials, torch.Tensor]:
-        """o_proj, add + RMSNorm, MLP. Where FOLD_TUNED has a tile for o_proj at this M and
+        """o_proj, add + RMSNorm, MLP. Where the `fold` rows have a tile for o_proj at this M and
         gate_up runs as a gated MMA tile, two launches instead of three: o_proj adds the residual
         and hands gate_up (h * w, the rows' sums of squares), gate_up scales its accumulator by
         the rows' rsqrt. The residual stream is the add + RMSNorm's bit for bit; the MLP input
         differs from rmsnorm(h) * w only in where it rounds (w before the row factor, the row
         factor after the product: bf16 ulps, held to transformers by tests/gpu/test_gpu.py).
         Why: the norm launch between o_proj and gate_up sits on the step's critical path
-        (FOLD_TUNED says at which shapes and row counts dropping it pays)."""
+        (the `fold` rows say at which shapes and row counts dropping it pays)."""
         fold = self._fold_tiles(out, o_proj, residual, norm_weight, gate_up)
         if fold is None:
             return unfolded_post_attention(self, out, o_proj, residual, norm_weight, eps, gate_up, down)
@@ -159,7 +161,7 @@ class TritonOps:
         dt = out.dtype
         if not self._skinny_dtypes(out, o_proj.weight) or residual.dtype != dt or norm_weight.dtype != dt:
             return None
-        o_tile = fold_tile_for(*o_proj.weight.shape, out.shape[0])
+        o_tile = self.tables.fold_tile(*o_proj.weight.shape, out.shape[0])
         g_tile = self._tile(GATED, residual, gate_up)
         if o_tile is None or g_tile is None or g_tile.block_m == 1:
             return None
@@ -171,8 +173,8 @@ class TritonOps:
     def head(self, x: torch.Tensor, weight: torch.Tensor, padded: torch.Tensor | None) -> torch.Tensor:
         # Only a head whose shape the tile table names runs here (default_tile is for the
         # decoder's GEMMs; a vocabulary-sized GEMM is measured on its own)
-        if self.skinny and self._skinny_dtypes(x, weight) and (PLAIN, *weight.shape) in TUNED:
-            tile = tile_for(PLAIN, *weight.shape, x.shape[0])
+        if self.skinny and self._skinny_dtypes(x, weight) and self.tables.tunes_head(*weight.shape):
+            tile = self.tables.tile(PLAIN, *weight.shape, x.shape[0])
             if tile is not None:
                 return skinny_linear(x, weight, None, tile, pdl=self.pdl)
         return torch_head(x, weight, padded)
@@ -181,9 +183,9 @@ class TritonOps:
         return row_argmax(x, pdl=self.pdl)
 
     def greedy_head(self, x: torch.Tensor, weight: torch.Tensor, padded: torch.Tensor | None) -> torch.Tensor:
-        # the argmax in the head GEMM's epilogue where HEAD_TUNED names the shape and row count
+        # the argmax in the head GEMM's epilogue where the `head` rows name the shape and row count
         if self.skinny and self._skinny_dtypes(x, weight):
-            tile = head_tile_for(*weight.shape, x.shape[0])
+            tile = self.tables.head_tile(*weight.shape, x.shape[0])
             if tile is not None:
                 return head_argmax(x, weight, tile, pdl=self.pdl)
         return self.argmax(self.head(x, weight, padded))

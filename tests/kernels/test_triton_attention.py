@@ -8,6 +8,7 @@ wheel does not bring it) the whole file is skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import textwrap
 
@@ -25,7 +26,7 @@ _CUDA = interpret_without_cuda()  # before runner.kernels.attention is imported
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
 
 from runner.kernels.attention import (  # noqa: E402
-    MAX_SPLITS,
+    REFERENCE,
     _paged_decode_kernel,
     choose_block_n,
     choose_num_splits,
@@ -182,8 +183,8 @@ def test_strided_inputs():
 def test_choose_num_splits_and_block_n():
     # Enough programs already: no split, long tiles.
     assert choose_num_splits(33, 8, 132) == 1 and choose_block_n(33, 8, 132) == 64
-    # B=1, 8 KV heads: ceil(264 / 8) = 33 splits wanted, capped at MAX_SPLITS.
-    assert choose_num_splits(1, 8, 132) == MAX_SPLITS and choose_block_n(1, 8, 132) == 32
+    # B=1, 8 KV heads: ceil(264 / 8) = 33 splits wanted, capped at max_splits.
+    assert choose_num_splits(1, 8, 132) == REFERENCE.max_splits and choose_block_n(1, 8, 132) == 32
     # rounded down to a power of two (a bounded set of compiled variants): ceil(264 / 32) = 9 -> 8
     assert choose_num_splits(4, 8, 132) == 8
     assert choose_num_splits(16, 8, 132) == 2
@@ -194,12 +195,10 @@ def test_choose_tiling():
     """(tile, stages, table chunk) by batch on 8 KV heads and 132 SMs: the 32-split batch 1 and
     the batches past a short wave keep the per-tile table; split batches read it in chunks; up
     to batch 32 (a graph bucket, so eager steps and replays agree) 32-token tiles, 4 stages."""
-    from runner.kernels.attention import (
-        NUM_STAGES,
-        SHORT_WAVE_STAGES,
-        TABLE_CHUNK,
-        choose_tiling,
-    )
+    from runner.kernels.attention import choose_tiling
+
+    NUM_STAGES, SHORT_WAVE_STAGES, TABLE_CHUNK = (REFERENCE.num_stages, REFERENCE.short_wave_stages,
+                                                  REFERENCE.table_chunk)
 
     def tiling(b):
         return choose_tiling(b, 8, 132, choose_num_splits(b, 8, 132))
@@ -434,7 +433,7 @@ def test_fused_rope_equals_rope_kernel_then_decode(dtype, splits, hq, hkv, d, le
 
 @pytest.mark.parametrize("lens,splits", [([7, 300, 17, 0], 3), ([1, 2, 33, 64, 65], 2), ([200], 32),
                                          ([16, 17, 1, 33, 0, 300], 32)])
-def test_prefetch_before_the_wait_changes_nothing(lens, splits, monkeypatch):
+def test_prefetch_before_the_wait_changes_nothing(lens, splits):
     """The split pure-decode kernel with its first tile, block table and RoPE rows loaded before
     the PDL wait (the first tile peeled off the loop): output and cache bit for bit those of the
     kernel that loads them in the loop. Covers empty splits, a padding row (seq_len 0), one-
@@ -452,12 +451,12 @@ def test_prefetch_before_the_wait_changes_nothing(lens, splits, monkeypatch):
     pos = (seq_lens.long() - 1).clamp(min=0)
     outs, caches = [], []
     assert triton_attention.prefetches(32) and not triton_attention.prefetches(1)
-    monkeypatch.setattr(triton_attention, "PREFETCH_MIN_SPLITS", 2)  # also multi-tile splits
+    tuning = dataclasses.replace(REFERENCE, prefetch_min_splits=2)  # also multi-tile splits
     for prefetch in (False, True):
         cache = kv.clone()
         outs.append(paged_decode_attention(q, cache, tables, seq_lens, d**-0.5, num_splits=splits, block_n=16,
                                            rope=DecodeRope(k, v, cos, sin, pos, meta.slot_mapping),
-                                           prefetch=prefetch))
+                                           prefetch=prefetch, tuning=tuning))
         caches.append(cache)
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(caches[0].nan_to_num(7.0), caches[1].nan_to_num(7.0))

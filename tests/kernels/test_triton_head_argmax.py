@@ -7,7 +7,7 @@ What is checked:
 * the ids equal the argmax of the logits the same tile's GEMM writes (`skinny_linear`, then
   `row_argmax`), for pointer, TMA and ragged tiles, one or several row blocks, a vocabulary that
   ends inside a tile, exact ties inside a tile and across tiles (the first index wins);
-* TritonOps.greedy_head takes it only where HEAD_TUNED names the shape and row count;
+* TritonOps.greedy_head takes it only where its tables' `head` rows name the shape and row count;
 * a model's greedy_ids go through it and give those ids, also with a padded head.
 """
 
@@ -30,12 +30,11 @@ triton = pytest.importorskip("triton", reason="triton not installed (CPU torch w
 
 from runner.kernels.argmax import row_argmax
 from runner.kernels.head_argmax import (
-    HEAD_TUNED,
     _head_argmax_kernel,
     head_argmax,
     head_tile_for,
 )
-from runner.kernels.linear import LinearTile, skinny_linear
+from runner.kernels.linear import REFERENCE, LinearTile, skinny_linear
 from runner.layers import triton_ops as triton_fused_ops
 from runner.layers.triton_ops import TritonOps
 
@@ -102,7 +101,7 @@ def test_ragged_groups_must_fit_block_n():
 @pytest.mark.skipif(not _CUDA, reason="the Orpheus-3B head (964 MB) on the GPU only")
 @pytest.mark.parametrize("m", [16, 32, 64])
 def test_orpheus_head_tiles(m):
-    """HEAD_TUNED's tiles on Orpheus-3B's head [156940, 3072], as the engine runs them."""
+    """The reference table's head tiles on Orpheus-3B's head [156940, 3072], as the engine runs them."""
     tile = head_tile_for(156940, 3072, m)
     assert tile is not None
     x = _rand(m, 3072, seed=m)
@@ -124,18 +123,18 @@ def _counting(monkeypatch) -> list[int]:
 
 def test_ops_take_it_only_where_tuned(monkeypatch):
     tile = LinearTile(16, 64, 64, 4, 2)
-    monkeypatch.setitem(HEAD_TUNED, (V, H), ((1, None), (16, None), (64, tile)))
+    ops = TritonOps(tables=REFERENCE.with_entries(head={(V, H): ((1, None), (16, None), (64, tile))}))
     calls = _counting(monkeypatch)
     _, w = _case(1, seed=9)
     for m, taken in ((1, False), (16, False), (17, True), (64, True), (65, False)):
         x = _rand(m, H, seed=m)
-        ids = TritonOps().greedy_head(x, w, None)
+        ids = ops.greedy_head(x, w, None)
         assert (calls[-1:] == [m]) == taken, m
-        ref = _reference(x, w, tile) if taken else TritonOps().head(x, w, None).argmax(-1)
+        ref = _reference(x, w, tile) if taken else ops.head(x, w, None).argmax(-1)
         assert torch.equal(ids, ref), m
     assert calls == [17, 64]
     calls.clear()
-    TritonOps(skinny_linear=False).greedy_head(_rand(20, H, seed=1), w, None)  # no Triton GEMMs at all
+    TritonOps(skinny_linear=False, tables=ops.tables).greedy_head(_rand(20, H, seed=1), w, None)  # no Triton GEMMs
     assert calls == []
 
 
@@ -149,12 +148,12 @@ def test_model_greedy_ids_through_it(monkeypatch, vocab):
         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
         "max_position_embeddings": 64,
     })
-    model = build_random_model(cfg, DEVICE, torch.bfloat16, seed=3, ops=TritonOps())
+    tile = LinearTile(16, 64, 64, 4, 2, tma=True)
+    ops = TritonOps(tables=REFERENCE.with_entries(head={(vocab, H): ((64, tile),)}))
+    model = build_random_model(cfg, DEVICE, torch.bfloat16, seed=3, ops=ops)
     if not _CUDA:  # the loader pads on CUDA only (for cuBLAS); the path is the same
         model.pad_lm_head()
     assert (model.lm_head_padded is not None) == (vocab % 64 != 0)
-    tile = LinearTile(16, 64, 64, 4, 2, tma=True)
-    monkeypatch.setitem(HEAD_TUNED, (vocab, H), ((64, tile),))
     calls = _counting(monkeypatch)
     h = _rand(24, H, seed=5)
     ids = model.greedy_ids(h)
@@ -167,7 +166,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     from runner.kernels import head_argmax as m
     from tests.support.triton_interpreter import assert_mma_not_serialised, compile_sm90
 
-    tiles = [t for _, t in m.HEAD_TUNED[(156940, 3072)] if t is not None]  # Orpheus-3B's head
+    tiles = [t for _, t in m.REFERENCE.head[(156940, 3072)] if t is not None]  # Orpheus-3B's head
     assert tiles
     for tile in tiles:
         ptr = "*bf16"

@@ -34,13 +34,11 @@ from runner.engine.cuda_graphs import graph_buckets  # noqa: E402
 from runner.kernels.fused_ops import silu_and_mul  # noqa: E402
 from runner.kernels.gpu_info import num_sms  # noqa: E402
 from runner.kernels.linear import (  # noqa: E402
-    FOLD_TUNED,
     GATED,
     MAX_M,
     PER_SM,
     PLAIN,
-    SPLIT_TUNED,
-    TUNED,
+    REFERENCE,
     LinearTile,
     RowScale,
     _column_groups,
@@ -129,16 +127,16 @@ def test_tile_choice_changes_only_at_graph_buckets():
     def bucket(m):
         return next(s for s in buckets if s >= m)
 
-    shapes = {(p, n, k) for (p, n, k) in TUNED} | {(p, 5120, 3072) for p in (PLAIN, GATED)} | {(PLAIN, 96, 200)}
+    shapes = {(p, n, k) for (p, n, k) in REFERENCE.tuned} | {(p, 5120, 3072) for p in (PLAIN, GATED)} | {(PLAIN, 96, 200)}
     for p, n, k in shapes:
         for m in range(1, MAX_M + 40):
             assert tile_for(p, n, k, m) == tile_for(p, n, k, bucket(m)), (p, n, k, m)
         assert tile_for(p, n, k, MAX_M + 1) is None
-    for n, k in list(SPLIT_TUNED) + [(96, 200)]:
+    for n, k in list(REFERENCE.split) + [(96, 200)]:
         for m in range(1, MAX_M + 40):
             assert split_tile_for(n, k, m) == split_tile_for(n, k, bucket(m)), (n, k, m)
         assert split_tile_for(n, k, 1) is None and split_tile_for(n, k, MAX_M + 1) is None
-    for n, k in list(FOLD_TUNED) + [(96, 200)]:
+    for n, k in list(REFERENCE.fold) + [(96, 200)]:
         for m in range(1, MAX_M + 40):
             assert fold_tile_for(n, k, m) == fold_tile_for(n, k, bucket(m)), (n, k, m)
         assert fold_tile_for(n, k, MAX_M + 1) is None
@@ -186,7 +184,7 @@ def test_split_k_partials_sum_to_the_gemm(m, split):
 
 def test_head_runs_here_only_where_the_table_names_its_shape(monkeypatch):
     """TritonOps.head (the lm_head): F.linear on the padded weight, bit for bit TorchOps', unless
-    TUNED names the head's shape; then the table's tile (a GEMV at M = 1, an MMA tile above),
+    the backend's tables name the head's shape; then the table's tile (a GEMV at M = 1, an MMA tile above),
     within bf16 tolerance, as an [N, V] result."""
     v, k = 100, 256
     padded = torch.zeros(128, k, dtype=torch.bfloat16, device=DEVICE)
@@ -204,11 +202,12 @@ def test_head_runs_here_only_where_the_table_names_its_shape(monkeypatch):
         x = _rand(m, k, seed=71 + m)
         want = ref.head(x, weight, padded)
         assert want.shape == (m, v) and torch.equal(ops.head(x, weight, padded), want) and not calls
-    monkeypatch.setitem(TUNED, (PLAIN, v, k), ((1, LinearTile(1, 16, 128, 4, 1)), (16, LinearTile(16, 32, 64, 4, 2))))
+    rows = ((1, LinearTile(1, 16, 128, 4, 1)), (16, LinearTile(16, 32, 64, 4, 2)))
+    ops = TritonOps(tables=REFERENCE.with_entries(tuned={(PLAIN, v, k): rows}))
     for m in (1, 5):
         x = _rand(m, k, seed=71 + m)
         got = ops.head(x, weight, padded)
-        assert got.shape == (m, v) and calls[-1] == TUNED[(PLAIN, v, k)][m > 1][1]
+        assert got.shape == (m, v) and calls[-1] == rows[m > 1][1]
         torch.testing.assert_close(got.float(), ref.head(x, weight, padded).float(), rtol=2e-2, atol=2e-2)
     assert torch.equal(ops.head(_rand(17, k, seed=9), weight, padded), ref.head(_rand(17, k, seed=9), weight, padded))
 
@@ -223,14 +222,14 @@ def test_late_trigger_only_on_mma_tiles():
     x, w, b = _inputs(5)
     late = skinny_linear(x, w, b, LinearTile(16, 32, 64, 4, 2, late_trigger=True))
     assert torch.equal(late, skinny_linear(x, w, b, LinearTile(16, 32, 64, 4, 2)))
-    assert all(t.late_trigger for _, t in TUNED[(GATED, 16384, 3072)])
+    assert all(t.late_trigger for _, t in REFERENCE.tuned[(GATED, 16384, 3072)])
 
 
 @pytest.mark.parametrize("m", [64, 40])
 def test_tuned_split_rows_sum_to_the_gemm(m):
-    """Every SPLIT_TUNED tile with its split count (at a K it divides) against the fp32 GEMM:
+    """Every split tile of the reference table with its split count (at a K it divides) against the fp32 GEMM:
     the rows the engine runs, e.g. o_proj at M = 64 in 2 splits of 64 x 64 x 128 tiles."""
-    for rows in SPLIT_TUNED.values():
+    for rows in REFERENCE.split.values():
         for _, tile, splits in rows:
             if tile is None:
                 continue
@@ -314,7 +313,7 @@ def test_per_sm_groups_follow_the_device_and_fall_back_to_tiles():
     assert _column_groups(8192, LinearTile(64, 64, 128, 4, 4, True, PER_SM), torch.device(DEVICE)) == sms
     assert _column_groups(8192, LinearTile(64, 16, 128, 4, 4, True, PER_SM), torch.device(DEVICE)) == 0
     assert _column_groups(8192, LinearTile(64, 64, 128, 4, 4), torch.device(DEVICE)) == 0
-    assert all(t.groups == PER_SM for m, t in TUNED[(GATED, 16384, 3072)] if m > 1)
+    assert all(t.groups == PER_SM for m, t in REFERENCE.tuned[(GATED, 16384, 3072)] if m > 1)
     x, w, _ = _inputs(7, seed=120)
     torch.testing.assert_close(skinny_linear(x, w, None, LinearTile(16, 16, 32, 4, 2, groups=PER_SM)).float(),
                                skinny_linear(x, w, None, LinearTile(16, 16, 32, 4, 2)).float(), rtol=1e-2, atol=1e-2)
@@ -384,7 +383,7 @@ def test_row_scale_multiplies_each_row_before_rounding(gated):
 
 @pytest.mark.parametrize("m", [1, 7, 40])
 def test_post_attention_folds_the_norm_where_the_table_says(m, monkeypatch):
-    """TritonOps.post_attention: with a FOLD_TUNED tile for o_proj's shape at M (here 2..64, as
+    """TritonOps.post_attention: with a `fold` tile for o_proj's shape at M (here 2..64, as
     the real table's rows), o_proj runs as residual_linear and gate_up with the row scale (two
     launches, no norm kernel); M = 1 (a None row) keeps the add + RMSNorm. Either way the MLP output and the residual are TorchOps' within bf16
     tolerance, and folding off (norm_fold=False) takes the unfolded path."""
@@ -392,7 +391,7 @@ def test_post_attention_folds_the_norm_where_the_table_says(m, monkeypatch):
 
     q, h, inter = 128, 64, 96
     dt = torch.bfloat16
-    monkeypatch.setitem(FOLD_TUNED, (h, q), ((1, None), (64, LinearTile(16, 32, 64, 4, 2))))
+    tables = REFERENCE.with_entries(fold={(h, q): ((1, None), (64, LinearTile(16, 32, 64, 4, 2)))})
     calls = []
     real = tfo.residual_linear
     monkeypatch.setattr(tfo, "residual_linear", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
@@ -405,7 +404,7 @@ def test_post_attention_folds_the_norm_where_the_table_says(m, monkeypatch):
         w = (1 + 0.1 * _rand(h, seed=102, dtype=torch.float32)).to(dt)
         args = (out, o_proj, res, w, 1e-5, gate_up, down)
         want_mlp, want_res = TorchOps().post_attention(*args)
-        for ops in (TritonOps(), TritonOps(norm_fold=False)):
+        for ops in (TritonOps(tables=tables), TritonOps(norm_fold=False, tables=tables)):
             calls.clear()
             mlp_out, new_res = ops.post_attention(*args)
             assert len(calls) == (1 if m > 1 and ops.norm_fold else 0)
@@ -492,12 +491,12 @@ _SERIALISED_SCRIPT = _KERNEL_SIG + textwrap.dedent(
     from runner.kernels import linear as m
     from tests.support.triton_interpreter import assert_mma_not_serialised, compile_sm90
 
-    cases = [(t, dict(split=s)) for rows in m.SPLIT_TUNED.values() for _, t, s in rows if t is not None]
-    for (kind, _, _), rows in m.TUNED.items():
+    cases = [(t, dict(split=s)) for rows in m.REFERENCE.split.values() for _, t, s in rows if t is not None]
+    for (kind, _, _), rows in m.REFERENCE.tuned.items():
         gated = kind == m.GATED
         cases += [(t, dict(GATED=gated)) for _, t in rows if t is not None and t.block_m > 1]
         cases += [(t, dict(GATED=True, ROW_SCALE=True)) for _, t in rows if gated and t is not None and t.block_m > 1]
-    cases += [(t, dict(RESIDUAL=True)) for rows in m.FOLD_TUNED.values() for _, t in rows if t is not None]
+    cases += [(t, dict(RESIDUAL=True)) for rows in m.REFERENCE.fold.values() for _, t in rows if t is not None]
     cases.append((m.LinearTile(64, 32, 128, 4, 6, tma=True), dict(RESIDUAL=True)))  # the residual tile that hid C7514
     for tile, mode in cases:
         k = compile_sm90(m._skinny_linear_kernel, *launch(tile, tma=tile.tma, **mode), div,

@@ -31,7 +31,7 @@ triton = pytest.importorskip("triton", reason="triton not installed (CPU torch w
 
 from runner.config import RopeConfig
 from runner.kernels.fused_ops import rope_
-from runner.kernels.linear import PLAIN, TUNED, LinearTile, skinny_linear
+from runner.kernels.linear import PLAIN, REFERENCE, LinearTile, skinny_linear
 from runner.kernels.qkv_rope import _qkv_rope_kernel, qkv_rope_write
 from runner.layers.triton_ops import TritonOps
 from runner.models.llama import RotaryEmbedding
@@ -93,12 +93,12 @@ def test_equals_gemm_then_rope_write_kv(m, tile):
     assert torch.equal(cache, ref_cache)  # this token's k (rotated) and v at their slots, the rest untouched
 
 
-def test_ops_take_it_only_where_qkv_is_an_mma_tile(monkeypatch):
-    """From shapes alone: qkv's tile an MMA tile (TUNED), no bias, on unless turned off."""
+def test_ops_take_it_only_where_qkv_is_an_mma_tile():
+    """From shapes alone: qkv's tile an MMA tile (the backend's tables), no bias, on unless turned off."""
     cos, sin = _tables(P, D)
     n = (HQ + 2 * HKV) * D
-    monkeypatch.setitem(TUNED, (PLAIN, n, H), ((1, LinearTile(1, 4, 64, 4, 1)), (16, None),
-                                               (64, LinearTile(16, 32, 64, 4, 2))))
+    tables = REFERENCE.with_entries(tuned={(PLAIN, n, H): ((1, LinearTile(1, 4, 64, 4, 1)), (16, None),
+                                                           (64, LinearTile(16, 32, 64, 4, 2)))})
     lin = torch.nn.Linear(H, n, bias=False).to(DEVICE, torch.bfloat16)
     biased = torch.nn.Linear(H, n, bias=True).to(DEVICE, torch.bfloat16)
     cache = _rand(2, NB, BS, HKV, D, seed=5)
@@ -106,10 +106,11 @@ def test_ops_take_it_only_where_qkv_is_an_mma_tile(monkeypatch):
         x = _rand(m, H, seed=6)
         positions = torch.zeros(m, dtype=torch.int64, device=DEVICE)
         slots = torch.arange(m, dtype=torch.int64, device=DEVICE)
-        q = TritonOps().qkv_rope_write(x, lin, HQ, cos, sin, positions, cache, slots)
+        q = TritonOps(tables=tables).qkv_rope_write(x, lin, HQ, cos, sin, positions, cache, slots)
         assert (q is not None) == taken, m
-        assert TritonOps(qkv_rope=False).qkv_rope_write(x, lin, HQ, cos, sin, positions, cache, slots) is None
-        assert TritonOps().qkv_rope_write(x, biased, HQ, cos, sin, positions, cache, slots) is None
+        off = TritonOps(qkv_rope=False, tables=tables)
+        assert off.qkv_rope_write(x, lin, HQ, cos, sin, positions, cache, slots) is None
+        assert TritonOps(tables=tables).qkv_rope_write(x, biased, HQ, cos, sin, positions, cache, slots) is None
 
 
 def test_model_decodes_the_same_with_it(monkeypatch):
@@ -126,7 +127,7 @@ def test_model_decodes_the_same_with_it(monkeypatch):
         "max_position_embeddings": 256,
     })
     n = (HQ + 2 * HKV) * D
-    monkeypatch.setitem(TUNED, (PLAIN, n, H), ((64, LinearTile(16, 32, 64, 4, 2)),))
+    gemm_tables = REFERENCE.with_entries(tuned={(PLAIN, n, H): ((64, LinearTile(16, 32, 64, 4, 2)),)})
     calls = []
     real = TritonOps.qkv_rope_write
 
@@ -141,7 +142,7 @@ def test_model_decodes_the_same_with_it(monkeypatch):
         # off: linear + the RoPE + KV write kernel + the attention kernel alone (what the one
         # launch replaces); the attention kernel's own fused RoPE adds this token in another order
         model = build_random_model(cfg, DEVICE, torch.bfloat16, seed=3, attn=TritonPagedAttention(rope_in_attention=False),
-                                   ops=TritonOps(qkv_rope=on))
+                                   ops=TritonOps(qkv_rope=on, tables=gemm_tables))
         kv = allocate_kv_cache(cfg, 16, bs, DEVICE, torch.bfloat16)
         # three sequences decoding from different lengths (their earlier K/V random), 3 steps
         lens = torch.tensor([5, 9, 2])
@@ -174,11 +175,11 @@ def test_model_decodes_the_same_with_it(monkeypatch):
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     from runner.kernels import qkv_rope as m
-    from runner.kernels.linear import TUNED, PLAIN
+    from runner.kernels.linear import REFERENCE, PLAIN
     from tests.support.triton_interpreter import assert_mma_not_serialised, compile_sm90
 
     # Orpheus-3B's qkv rows that take the fused path: its MMA tiles (2..16 and 33..64 rows)
-    tiles = {t for _, t in TUNED[(PLAIN, 5120, 3072)] if t is not None and t.block_m > 1}
+    tiles = {t for _, t in REFERENCE.tuned[(PLAIN, 5120, 3072)] if t is not None and t.block_m > 1}
     assert tiles
     for tile in tiles:
         ptr = "*bf16"

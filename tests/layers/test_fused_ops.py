@@ -413,13 +413,16 @@ def test_model_with_split_k_into_norm(monkeypatch):
     """o_proj and down as split-K partials summed by the add + RMSNorm (tile table pointed at
     this model's shapes): logits and captured hidden states (materialize) stay within bf16
     tolerance of TorchOps, and the split path is really taken."""
+    import dataclasses
+
     from runner.kernels import linear as triton_linear
     from runner.kernels.linear import LinearTile
     from runner.models.llama import build_random_model
 
     cfg = ModelConfig.from_dict(_BF16_LLAMA)
     tile = LinearTile(16, 32, 64, 4, 2)
-    monkeypatch.setattr(triton_linear, "SPLIT_TUNED", {(256, 256): ((64, tile, 2),), (256, 384): ((64, tile, 3),)})
+    split = {(256, 256): ((64, tile, 2),), (256, 384): ((64, tile, 3),)}
+    ops = TritonOps(tables=dataclasses.replace(triton_linear.REFERENCE, split=split))
     calls = []
     real = triton_linear.skinny_linear
 
@@ -432,7 +435,7 @@ def test_model_with_split_k_into_norm(monkeypatch):
     monkeypatch.setattr(tfo, "skinny_linear", spy)
     dtype = torch.bfloat16
     ref = build_random_model(cfg, DEVICE, dtype, seed=3, attn=TorchPagedAttention(), ops=TORCH_OPS)
-    model = _with_ops(ref, cfg, TRITON_OPS, TorchPagedAttention(), dtype)
+    model = _with_ops(ref, cfg, ops, TorchPagedAttention(), dtype)
     got, got_cap, _ = _run(model, cfg, dtype)
     want, want_cap, _ = _run(ref, cfg, dtype)
     assert 2 in calls and 3 in calls

@@ -518,10 +518,13 @@ SMALL_KERNEL_CFG = {"BLOCK_P": 32, "NP": 8, "BLOCK_S": 64, "C": 64}
 
 @pytest.fixture
 def kernel_cfg(request):
-    """Applies request.param (a set_config dict) for the duration of a test."""
-    old = SK.set_config(**request.param)
-    yield request.param
-    SK.set_config(**old)
+    """Tuning tables whose sampling launch configuration is the untuned one with request.param's
+    fields replaced: a backend built on them (Sampler(..., tables=)) launches with it."""
+    import dataclasses
+
+    from runner.kernels.tuning import GENERIC
+
+    return dataclasses.replace(GENERIC, sampling=dataclasses.replace(GENERIC.sampling, **request.param))
 
 
 # --------------------------------------------------------------------------- cases
@@ -782,15 +785,15 @@ def test_triton_filter_matches_old_sampler(kind, kernel_cfg):
     v = (1501 if _CUDA else 601) if kind != "ties" else 499  # the interpreter runs ~1 ms per op
     params = random_params(12 if _CUDA else 8, seed=30 + KINDS.index(kind), vocab=v)
     logits, exact = make_logits(kind, len(params), v, seed=40 + KINDS.index(kind))
-    ours, ref, scaled = _process_both(Sampler(KDEV, backend="triton"), logits, params, KDEV)
+    ours, ref, scaled = _process_both(Sampler(KDEV, backend="triton", tables=kernel_cfg), logits, params, KDEV)
     assert_threshold_semantics(ours, ref, scaled, exact)
 
 
 @needs_triton
 @pytest.mark.parametrize("kernel_cfg", [SMALL_KERNEL_CFG], indirect=True, ids=["multipass"])
 def test_triton_edge_cases_and_ties(kernel_cfg):
-    _check_edges(Sampler(KDEV, backend="triton"), KDEV)
-    _check_ties(Sampler(KDEV, backend="triton"), KDEV)
+    _check_edges(Sampler(KDEV, backend="triton", tables=kernel_cfg), KDEV)
+    _check_ties(Sampler(KDEV, backend="triton", tables=kernel_cfg), KDEV)
 
 
 @needs_triton
@@ -805,7 +808,7 @@ def test_triton_race_picks_the_torch_backend_token(kernel_cfg):
         logits = make_logits(kind, b, v, seed=60)[0]
         q = torch.empty(b, v).exponential_(generator=torch.Generator().manual_seed(1))
         q[0, :] = 0.0  # zeros are clamped, never NaN
-        ids = SK.filter_and_sample(logits.clone().to(KDEV), batch, q.clone().to(KDEV)).cpu()
+        ids = SK.filter_and_sample(logits.clone().to(KDEV), batch, q.clone().to(KDEV), kernel_cfg.sampling).cpu()
         cpu_batch = build(params, range(b), CPU)
         ref = Sampler(CPU, backend="torch")
         want = TorchSampling(CPU).filter(logits.clone(), cpu_batch, q.clone())
@@ -989,6 +992,7 @@ def test_triton_seeded_rows_batch_independent():
 
 _COMPILE_SCRIPT = textwrap.dedent(
     """
+    import dataclasses
     import itertools
     from runner.kernels import sampling as m
     from tests.support.triton_interpreter import compile_sm90
@@ -996,7 +1000,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     def build(fn, sig, consts, warps, **opts):
         return compile_sm90(fn, sig, consts, num_warps=warps, **opts)
 
-    cfg = m._CONFIG
+    cfg = dataclasses.asdict(m.DEFAULT_TUNING)
     sig = dict(y_ptr="*fp32", stride_y="i32", q_ptr="*fp32", stride_q="i32", ids_ptr="*i64", temp_ptr="*fp32",
                topk_ptr="*i64", topp_ptr="*fp32", minp_ptr="*fp32", sk_ptr="*i32", V="i32",
                has_top_k="i32", has_top_p="i32", has_min_p="i32")  # the filter flags: one variant for all

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import cache
 from pathlib import Path
 from types import MappingProxyType
 
@@ -123,6 +124,14 @@ class LinearTables:
         only where it was measured; default_tile is for the decoder's GEMMs)."""
         return (PLAIN, v, k) in self.tuned
 
+    def with_entries(self, tuned: Mapping = MappingProxyType({}), split: Mapping = MappingProxyType({}),
+                     fold: Mapping = MappingProxyType({}), head: Mapping = MappingProxyType({})) -> LinearTables:
+        """These tables with the given entries added or replaced, the rest kept (tests and
+        benchmark variants build a backend on them; the tables themselves are never edited)."""
+        return replace(self, tuned=MappingProxyType({**self.tuned, **tuned}),
+                       split=MappingProxyType({**self.split, **split}), fold=MappingProxyType({**self.fold, **fold}),
+                       head=MappingProxyType({**self.head, **head}))
+
 
 @dataclass(frozen=True)
 class SnacTuning:
@@ -168,8 +177,10 @@ def table_names() -> list[str]:
     return sorted(p.stem for p in TABLES_DIR.glob("*.json"))
 
 
+@cache
 def read_table(name: str) -> Tables:
-    """The shipped table `name` (a file stem, e.g. "nvidia_h200")."""
+    """The shipped table `name` (a file stem, e.g. "nvidia_h200"); read once per process (Tables
+    are immutable, so every backend may share one)."""
     path = TABLES_DIR / f"{name}.json"
     if not path.is_file():
         raise KeyError(f"no tuning table {name!r} in {TABLES_DIR} (have {table_names()})")
