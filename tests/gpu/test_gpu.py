@@ -228,6 +228,23 @@ def test_attention_prefetch_keeps_tokens(model_dir):
     assert run_staggered(with_prefetch, prompts, GREEDY) == run_staggered(without, prompts, GREEDY)
 
 
+def engines_get_linear_tables(monkeypatch, **parts) -> None:
+    """Engines built in this test get the device's tables with these GEMM table parts (split=,
+    fold=, ...: each replaced whole): the registry's one lookup at backend construction
+    (runner/layers/__init__.py) returns them."""
+    import dataclasses
+
+    from runner import layers
+
+    real = layers.load_tables
+
+    def load_tables(device, tuning="auto"):
+        t = real(device, tuning)
+        return dataclasses.replace(t, linear=dataclasses.replace(t.linear, **parts))
+
+    monkeypatch.setattr(layers, "load_tables", load_tables)
+
+
 @pytest.mark.parametrize("tma", [False, True])
 def test_split_k_into_norm_keeps_graphs_equal_and_hf_close(model_dir, monkeypatch, tma):
     """o_proj / down as split-K partials summed by the add + RMSNorm (the tile table pointed at
@@ -235,14 +252,13 @@ def test_split_k_into_norm_keeps_graphs_equal_and_hf_close(model_dir, monkeypatc
     (LinearTile.tma, as the real table's 17..64-row tiles): graphs + async give the same tokens
     as eager, and bf16 hidden states / logits stay within tolerance of transformers."""
     import runner.layers.triton_ops as tfo
-    from runner.kernels import linear as triton_linear
     from runner.kernels.linear import LinearTile
 
     cfg = load_hf(model_dir).config
     q_size = cfg.num_attention_heads * getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
     tile = LinearTile(16, 32, 32, 4, 2, tma=tma)
-    monkeypatch.setattr(triton_linear, "SPLIT_TUNED", {(cfg.hidden_size, q_size): ((64, tile, 2),),
-                                                       (cfg.hidden_size, cfg.intermediate_size): ((64, tile, 4),)})
+    engines_get_linear_tables(monkeypatch, split={(cfg.hidden_size, q_size): ((64, tile, 2),),
+                                                  (cfg.hidden_size, cfg.intermediate_size): ((64, tile, 4),)})
     splits = []
     real = tfo.skinny_linear
     monkeypatch.setattr(tfo, "skinny_linear", lambda *a, **k: splits.append(k.get("split_k", 1)) or real(*a, **k))
@@ -253,18 +269,16 @@ def test_split_k_into_norm_keeps_graphs_equal_and_hf_close(model_dir, monkeypatc
 
 @pytest.mark.parametrize("tma", [False, True])
 def test_norm_fold_keeps_graphs_equal_and_hf_close(model_dir, monkeypatch, tma):
-    """o_proj adding the residual and gate_up finishing the post-attention RMSNorm (the FOLD_TUNED
-    table pointed at this tiny model's o_proj at every M up to 64; the real table only has
+    """o_proj adding the residual and gate_up finishing the post-attention RMSNorm (the `fold`
+    rows pointed at this tiny model's o_proj at every M up to 64; the real table only has
     Orpheus-3B's, at 2..16 and 33..64 rows): graphs + async give the same tokens as eager, and bf16 hidden
     states / logits stay within tolerance of transformers."""
     import runner.layers.triton_ops as tfo
-    from runner.kernels import linear as triton_linear
     from runner.kernels.linear import LinearTile
 
     cfg = load_hf(model_dir).config
     q_size = cfg.num_attention_heads * getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
-    monkeypatch.setattr(triton_linear, "FOLD_TUNED",
-                        {(cfg.hidden_size, q_size): ((64, LinearTile(16, 32, 64, 4, 2, tma=tma)),)})
+    engines_get_linear_tables(monkeypatch, fold={(cfg.hidden_size, q_size): ((64, LinearTile(16, 32, 64, 4, 2, tma=tma)),)})
     rows = []
     real = tfo.residual_linear
     monkeypatch.setattr(tfo, "residual_linear", lambda x, *a, **k: rows.append(x.shape[0]) or real(x, *a, **k))

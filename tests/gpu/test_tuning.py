@@ -1,11 +1,20 @@
 """RunnerConfig.tuning on CUDA: the device's tuning tables ("auto") against the generic path
-("none": cuBLAS for every GEMM, the always-valid default attention tiles), on the tiny models.
-Skipped without a GPU (run on the lent H200).
+("none": cuBLAS for every GEMM, the always-valid default attention, SNAC and sampling launches),
+on the tiny models. Skipped without a GPU (run on the lent H200, where "auto" is the H200 table).
 
-The generic path must be a correct engine on its own: same greedy tokens as the tuned one in
-fp32 (where only the attention tiles differ: fp32 order of the softmax sums, which cannot flip
-a greedy choice on these models), and in bf16 (Triton GEMM tiles against cuBLAS: another
-accumulation order, bf16 ulps in the activations) the same tokens on nearly every position.
+The generic path must be a correct engine on its own, the proof that a GPU with no table runs:
+
+* fp32: the same greedy tokens as the tuned path. fp32 GEMMs run in cuBLAS on both paths
+  (TritonOps keeps Triton GEMMs to 16-bit dtypes), so only the attention launch choices differ
+  (tile length, stages, block-table chunks, split counts): the fp32 order of the softmax sums,
+  far below any logit gap a greedy pick depends on in these models.
+* bf16: no Triton GEMM launch at all on "none" (the tuned path launches them: the H200 table's
+  default tiles cover the tiny shapes), and the same tokens on nearly every position. Not all:
+  a Triton tile and cuBLAS accumulate the K sums in different orders, so activations differ by
+  bf16 ulps, and a random tiny model has near-tied logits where one ulp flips a greedy pick;
+  from there on that request continues from another token. 90% of positions bounds that.
+* the codec stage: "none" decodes with the safe SNAC tiles, "auto" with the table's; same PCM
+  within the fused decoder's tolerance.
 """
 
 from __future__ import annotations
@@ -17,59 +26,100 @@ import torch
 
 from runner.config import EngineConfig
 from runner.engine.engine import Engine
+from runner.kernels.tuning import GENERIC, load_tables
 from streaming.sampling_params import SamplingParams
 from tests.engine.test_engine import prompts_of, run_staggered
-from tests.support.tiny_models import make_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+# the Triton GEMM launchers TritonOps calls (runner/layers/triton_ops.py's module names)
+TRITON_GEMMS = ("skinny_linear", "residual_linear", "head_argmax", "qkv_rope_write")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
-def model_dir(request, tmp_path_factory):
+def model_dir(request, tiny_model_dir):
     fam = request.param
-    return make_tiny_model(fam, tmp_path_factory.mktemp(fam), seed=7, head_dim=64 if fam != "qwen3" else 32)
+    return tiny_model_dir(fam, seed=7, head_dim=64 if fam != "qwen3" else 32)
 
 
-def _engines(path, dtype: str) -> tuple[Engine, Engine]:
+@pytest.fixture(autouse=True)
+def no_tf32():
+    """fp32 GEMMs in full fp32 (cuBLAS may otherwise round to tf32: another source of ulps)."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _engine(path, dtype: str, tuning: str) -> Engine:
+    """An engine with CUDA graphs and async scheduling on, as served, at this tuning; its backends
+    hold the tables the registry looked up once for it."""
     cfg = EngineConfig.build(path, device="cuda", dtype=dtype, max_model_len=256, max_num_batched_tokens=128,
                              max_num_seqs=16, block_size=16, num_blocks=256)
-    assert cfg.runner.tuning == "auto"
-    return Engine(cfg), Engine(cfg.with_(runner=replace(cfg.runner, tuning="none")))
+    assert cfg.runner.tuning == "auto"  # the default
+    eng = Engine(cfg.with_(runner=replace(cfg.runner, tuning=tuning)))
+    tables = load_tables("cuda", tuning)
+    assert eng.model.ops.tables is tables.linear and eng.model.attn.tuning is tables.attention
+    return eng
 
 
 @pytest.fixture()
-def triton_gemm_calls(monkeypatch):
-    """Counts the Triton GEMM launches TritonOps makes (skinny, residual, fused head)."""
+def triton_gemm_calls(monkeypatch) -> list[str]:
+    """Counts the Triton GEMM launches TritonOps makes (skinny, residual, fused head, qkv + RoPE)."""
     import runner.layers.triton_ops as tops
 
     calls: list[str] = []
-    for name in ("skinny_linear", "residual_linear", "head_argmax", "qkv_rope_write"):
+    for name in TRITON_GEMMS:
         real = getattr(tops, name)
         monkeypatch.setattr(tops, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
     return calls
 
 
+def test_the_h200_takes_its_table():
+    """"auto" on an H200 is the H200 table (the tuned side of these tests is really tuned)."""
+    if "H200" not in torch.cuda.get_device_name():
+        pytest.skip("checks the H200's table")
+    assert load_tables("cuda").name == "nvidia_h200" and load_tables("cuda", "none") is GENERIC
+
+
 def test_untuned_path_gives_the_tuned_tokens_fp32(model_dir):
     prompts = prompts_of([5, 11, 20, 9, 1, 30], 512, seed=21)
-    auto, none = _engines(model_dir, "float32")
-    assert run_staggered(auto, prompts, GREEDY) == run_staggered(none, prompts, GREEDY)
+    got = run_staggered(_engine(model_dir, "float32", "auto"), prompts, GREEDY)
+    assert run_staggered(_engine(model_dir, "float32", "none"), prompts, GREEDY) == got
 
 
 def test_untuned_path_runs_no_triton_gemm_and_keeps_bf16_tokens(model_dir, triton_gemm_calls):
-    from runner.kernels.tuning import load_tables
-
     prompts = prompts_of([5, 11, 20, 9, 1, 30], 512, seed=22)
-    auto, none = _engines(model_dir, "bfloat16")
-    got = run_staggered(auto, prompts, GREEDY)
-    tuned_calls = len(triton_gemm_calls)
+    got = run_staggered(_engine(model_dir, "bfloat16", "auto"), prompts, GREEDY)
     if load_tables("cuda").tuned:  # a GPU with a table (the H200): its default tiles run the tiny GEMMs
-        assert tuned_calls > 0
+        assert triton_gemm_calls
     triton_gemm_calls.clear()
-    ref = run_staggered(none, prompts, GREEDY)
+    # counted from the engine's construction on: warm-up and graph capture included
+    ref = run_staggered(_engine(model_dir, "bfloat16", "none"), prompts, GREEDY)
     assert triton_gemm_calls == []  # "none": cuBLAS for every GEMM
     assert [len(r) for r in got] == [len(r) for r in ref]
     same = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r))
     total = sum(len(r) for r in ref)
     assert same / total >= 0.9, (same, total)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_untuned_codec_takes_the_safe_tiles(tiny_snac_dir, dtype):
+    from runner.codecs.config import CodecConfig
+    from runner.codecs.stage import CodecStage
+    from runner.kernels.tuning.tiles import SAFE_SNAC_TILES
+
+    cfg = CodecConfig(path=str(tiny_snac_dir), codebook_size=64, cuda_graphs=False)
+    auto = CodecStage(cfg, torch.device("cuda"), dtype, tuning="auto").decoder
+    none = CodecStage(cfg, torch.device("cuda"), dtype, tuning="none").decoder
+    assert auto.kernels == none.kernels == "triton"
+    assert none.fused.tiles == SAFE_SNAC_TILES
+    assert auto.fused.tiles in (load_tables("cuda").snac.tiles(dtype), SAFE_SNAC_TILES)  # (retried if too big)
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 64, (4, 6, 7), generator=g).cuda()
+    start = torch.tensor([0, 5, 17, 40]).cuda()
+    seeds = torch.tensor([1, 2, 3, 4]).cuda()
+    a, b = auto.decode(codes, start, seeds), none.decode(codes, start, seeds)
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
