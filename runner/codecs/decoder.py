@@ -21,6 +21,7 @@ from runner.codecs.config import KERNEL_CHOICES, CodecError
 from runner.codecs.graphs import CodecGraphs
 from runner.codecs.noise import noise_salts, positional_noise
 from runner.codecs.orpheus_tokens import FRAME_WIDTH, ORPHEUS_LEVELS, frames_to_levels
+from runner.kernels.tuning import Tables
 from runner.utils.host_staging import staging_for
 from streaming.audio import WindowJob, WindowPolicy, plan_offline
 
@@ -58,6 +59,9 @@ class SnacWindowDecoder:
         tiles=None,  # runner.kernels.snac.Tiles override (tests, tuning)
         graph_windows: tuple[int, ...] = (),  # CUDA + fused: capture graphs for these window lengths
         graph_max_rows: int = 128,
+        # the device's tuning tables, load_tables(device, RunnerConfig.tuning) (CodecStage looks
+        # them up); the fused path's CUDA tiles are their `snac` part. None: the device's ("auto")
+        tables: Tables | None = None,
     ) -> None:
         self.model = model
         self.samples_per_frame = samples_per_frame
@@ -79,7 +83,7 @@ class SnacWindowDecoder:
             raise CodecError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
         self.fused = None
         if kernels == "triton" or (kernels == "auto" and self.device.type == "cuda"):
-            self.fused = self._build_fused(matmul_precision, tiles, required=kernels == "triton")
+            self.fused = self._build_fused(matmul_precision, tiles, tables, required=kernels == "triton")
         if self.fused is not None and self.device.type == "cuda":
             self._warm_up(required=kernels == "triton", tiles_given=tiles is not None)
         self.kernels = "triton" if self.fused is not None else "torch"
@@ -89,7 +93,7 @@ class SnacWindowDecoder:
             self.graphs = CodecGraphs(lambda c, s, n: float_to_s16(self._decode_fused(c, s, n)), self.device,
                                       list(graph_windows), graph_max_rows, FRAME_WIDTH, samples_per_frame)
 
-    def _build_fused(self, precision: str, tiles, required: bool):
+    def _build_fused(self, precision: str, tiles, tables: Tables | None, required: bool):
         if snac_kernels is None:
             if required:
                 raise CodecError(f"CodecConfig.kernels: 'triton' needs the triton package ({_NO_TRITON})") from _NO_TRITON
@@ -97,7 +101,8 @@ class SnacWindowDecoder:
             return None
         salts = [noise_salts(i) for i in range(len(self._block_rates))]
         try:
-            return snac_kernels.FusedSnacDecoder(self.model, self._block_rates, salts, ORPHEUS_LEVELS, precision, tiles)
+            return snac_kernels.FusedSnacDecoder(self.model, self._block_rates, salts, ORPHEUS_LEVELS, precision, tiles,
+                                                 tables)
         except ValueError as e:
             if required:
                 raise CodecError(f"CodecConfig.kernels: the fused SNAC decoder cannot run this model: {e}") from e

@@ -20,6 +20,7 @@ from runner.codecs.config import CodecConfig
 from runner.codecs.decoder import PendingPCM, SnacWindowDecoder
 from runner.codecs.orpheus_tokens import audio_token_range, invalid_token_reason
 from runner.codecs.snac import load_snac
+from runner.kernels.tuning import load_tables
 from streaming.audio import FrameCursor, WindowJob, plan_offline
 
 
@@ -45,13 +46,16 @@ class _Request:
 class CodecStage:
     """Streams PCM for many requests, decoding ready windows in batched SNAC calls."""
 
-    def __init__(self, cfg: CodecConfig, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, cfg: CodecConfig, device: torch.device, dtype: torch.dtype = torch.float32,
+                 tuning: str = "auto") -> None:
+        """tuning: RunnerConfig.tuning ("auto": the device's SNAC tiles, "none": the safe
+        generic ones), looked up once here."""
         self.cfg = cfg
         # graphs for the window lengths of an unbounded stream (a stream's last window is eager)
         lengths = tuple(sorted({j.window_frames for j in plan_offline(cfg.policy, 64 * cfg.policy.max_window_frames)[:-1]}))
         self.decoder = SnacWindowDecoder(load_snac(cfg, device, dtype), cfg.samples_per_frame, cfg.kernels,
                                          cfg.matmul_precision, graph_windows=lengths if cfg.cuda_graphs else (),
-                                         graph_max_rows=cfg.max_batch_windows)
+                                         graph_max_rows=cfg.max_batch_windows, tables=load_tables(device, tuning))
         self._reqs: dict[object, _Request] = {}
         # launched batches in launch order: (key, job) per window, the windows' _Request
         # objects, and the PCM on its way

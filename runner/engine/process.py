@@ -49,7 +49,7 @@ def build_engine(args: EngineProcArgs):
     if dev.type == "cpu":
         torch.set_num_threads(proc.cpu_threads or max(1, min(4, (os.cpu_count() or 2) // 2)))
     family = family_for(args.profile)
-    codec = family.build_codec(dev, parse_dtype(proc.codec_dtype, dev))
+    codec = family.build_codec(dev, parse_dtype(proc.codec_dtype, dev), cfg.runner.tuning)
     model = None
     if proc.random_weights:  # benchmarks: config.json gives the shape, no safetensors read
         attn, ops = make_backends(cfg.runner)

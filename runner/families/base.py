@@ -62,8 +62,9 @@ class ModelFamily(ABC):
         return self.profile.codec is not None
 
     @abstractmethod
-    def build_codec(self, device: torch.device, dtype: torch.dtype) -> CodecStageLike | None:
-        """The codec stage of audio requests, or None when the folder names no codec."""
+    def build_codec(self, device: torch.device, dtype: torch.dtype, tuning: str = "auto") -> CodecStageLike | None:
+        """The codec stage of audio requests, or None when the folder names no codec. tuning:
+        RunnerConfig.tuning, the codec kernels' tuning tables ("auto" | "none")."""
 
     @abstractmethod
     def logits_constraint(self, backend: str) -> LogitsConstraint | None:

@@ -85,10 +85,10 @@ class OrpheusFamily(ModelFamily):
 
     name = "orpheus"
 
-    def build_codec(self, device: torch.device, dtype: torch.dtype) -> CodecStageLike | None:
+    def build_codec(self, device: torch.device, dtype: torch.dtype, tuning: str = "auto") -> CodecStageLike | None:
         if self.profile.codec is None:
             return None
-        return CodecStage(CodecConfig(**self.profile.codec), device, dtype)
+        return CodecStage(CodecConfig(**self.profile.codec), device, dtype, tuning)
 
     def logits_constraint(self, backend: str) -> LogitsConstraint | None:
         c = self.profile.codec

@@ -14,7 +14,7 @@ class TextFamily(ModelFamily):
     def speaks(self) -> bool:
         return False
 
-    def build_codec(self, device: torch.device, dtype: torch.dtype) -> None:
+    def build_codec(self, device: torch.device, dtype: torch.dtype, tuning: str = "auto") -> None:
         return None
 
     def logits_constraint(self, backend: str) -> LogitsConstraint | None:
