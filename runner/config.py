@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from runner.kernels.tuning import TUNING_MODES
 from streaming.knobs import knob
 
 SUPPORTED_ARCHITECTURES = {
@@ -197,7 +198,7 @@ class RunnerConfig:
                                    flag="--no-rope-in-attention")
     # ... and, where that kernel is split many ways (batch 1 on few KV heads), its loads that no
     # earlier kernel of the step writes (block table, first K/V tile, RoPE rows) issued before
-    # the PDL wait (runner/kernels/attention.py PREFETCH_MIN_SPLITS)
+    # the PDL wait (the tuning table's attention.prefetch_min_splits)
     attention_prefetch: bool = knob(True, "attention loads issued before the PDL wait (A/B switch)",
                                     flag="--no-attention-prefetch")
     # o_proj / down of 2..64 rows as split-K partials summed by the add + RMSNorm
@@ -284,8 +285,8 @@ class EngineConfig:
             raise ConfigError("num_blocks: must be >= 1")
         if self.runner.sampler_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"sampler_backend: {self.runner.sampler_backend!r} is not one of auto, torch, triton")
-        if self.runner.tuning not in ("auto", "none"):
-            raise ConfigError(f"tuning: {self.runner.tuning!r} is not one of auto, none")
+        if self.runner.tuning not in TUNING_MODES:
+            raise ConfigError(f"tuning: {self.runner.tuning!r} is not one of {', '.join(TUNING_MODES)}")
         if self.runner.torch_device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device: CUDA requested but torch.cuda.is_available() is False")
 

@@ -180,7 +180,9 @@ def main() -> int:
             continue
         # each side imports its own packages; the new side's generated model folders go under
         # its own TMPDIR (the old code writes fixed /tmp paths)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [site, str(cwd)])), OUT=str(run_out))
+        # (wheels installed by the caller into a site folder on PYTHONPATH stay reachable, after the side's own root)
+        inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(cwd), site, *inherited])), OUT=str(run_out))
         if side == "new":
             env["TMPDIR"] = "/tmp/ab-new"
             Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
