@@ -2,22 +2,30 @@
 admission) and the shared context. `build_app` is the only entry point.
 
 Middleware order (outermost first): request id -> metrics -> errors -> auth -> speech routes
-(refused at once when the model has no speech) -> admission.
-Admission is a counter, not a queue: a generation request or WebSocket session over
-`max_concurrent_requests` gets 429 with Retry-After at once (for a WebSocket, before the
-upgrade), so overload never turns into unbounded waiting.
+(refused at once when the model has no speech) -> body (read within http_body_timeout_s) ->
+admission.
+Admission (server.admission) is a counter, not a queue, and counts work, not sockets: an HTTP
+generation request over `max_concurrent_requests` (or its client's `max_requests_per_client`)
+gets 429 with Retry-After at once; a WebSocket upgrade is refused (429, before the upgrade)
+only over `max_open_sessions`, and the session then takes a work slot only while it has work
+in flight. Slow clients: `server_options` bounds the time to a complete request head
+(http_header_timeout_s).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
+from server.admission import ADMISSION, Admission, client_of
 from server.context import CTX, ServerContext
 from server.engine_api import EngineClientProtocol, EngineOverloaded, EngineUnavailable
 from server.errors import (
@@ -44,27 +52,33 @@ REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 STATIC_DIR = Path(__file__).parent / "static"
-# Routes that start engine work and so count against max_concurrent_requests.
-ADMITTED_ROUTES = frozenset({"speech", "speech_ws", "elevenlabs_ws", "completions", "generate_ws"})
+# HTTP routes that start engine work and so hold a work slot while they run.
+ADMITTED_ROUTES = frozenset({"speech", "completions"})
+# WebSocket sessions: bounded by max_open_sessions; they take work slots themselves.
+SESSION_ROUTES = frozenset({"speech_ws", "elevenlabs_ws", "generate_ws"})
 # Routes that need the model's speech profile.
 SPEECH_ROUTES = frozenset({"speech", "speech_ws", "elevenlabs_ws"})
 # Reachable without an API key: probes, scrapers and the demo page (which asks for the key).
 OPEN_PATHS = frozenset({"/", "/health", "/metrics"})
 
 
-class Admission:
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.active = 0
+def server_options(settings: ServerSettings) -> dict[str, Any]:
+    """aiohttp server arguments (web.AppRunner / TestServer) for the slow-client limits.
 
-    def try_enter(self) -> bool:
-        if self.active >= self.limit:
-            return False
-        self.active += 1
-        return True
+    aiohttp has no header-read timeout of its own, but its keep-alive timer is one: it is armed
+    when a connection opens and after each response, and when it fires on a connection still
+    waiting for a complete request head (nothing sent, or a head trickling in) it closes it.
+    Bodies are bounded by the app itself (http_body_timeout_s, a 408)."""
+    return {"keepalive_timeout": settings.http_header_timeout_s}
 
-    def leave(self) -> None:
-        self.active -= 1
+
+def request_timeout(settings: ServerSettings) -> APIError:
+    return APIError(
+        408,
+        f"The request body did not arrive within {settings.http_body_timeout_s:g} s (http_body_timeout_s).",
+        code="request_timeout",
+        headers={"Connection": "close"},
+    )
 
 
 def _endpoint(request: web.Request) -> str:
@@ -96,7 +110,7 @@ def build_app(
             f"the engine's codec produces {engine.info.sample_rate} Hz but the speech profile says {profile.sample_rate} Hz"
         )
     ctx = ServerContext(engine=engine, tokenizer=tokenizer, profile=profile, settings=settings, metrics=Metrics())
-    admission = Admission(settings.max_concurrent_requests)
+    admission = Admission(settings)
 
     @web.middleware
     async def request_id(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -163,16 +177,36 @@ def build_app(
         return await handler(request)
 
     @web.middleware
+    async def read_body_in_time(request: web.Request, handler: Handler) -> web.StreamResponse:
+        # The body is read here, before a work slot is taken, so a slow upload holds no slot;
+        # handlers' request.read() then returns the cached bytes.
+        if request.body_exists:
+            try:
+                async with asyncio.timeout(settings.http_body_timeout_s):
+                    await request.read()
+            except TimeoutError:
+                raise request_timeout(settings) from None
+        return await handler(request)
+
+    @web.middleware
     async def admit(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.match_info.route.name not in ADMITTED_ROUTES:
+        route = request.match_info.route.name
+        if route in ADMITTED_ROUTES:
+            client = client_of(request)
+            refusal = admission.try_enter(client)
+            leave = partial(admission.leave, client)
+        elif route in SESSION_ROUTES:
+            refusal = admission.try_open_session()
+            leave = admission.close_session
+        else:
             return await handler(request)
-        if not admission.try_enter():
+        if refusal is not None:
             ctx.metrics.rejected.labels(_endpoint(request)).inc()
-            raise overloaded(settings.retry_after_s)
+            raise refusal
         try:
             return await handler(request)
         finally:
-            admission.leave()
+            leave()
 
     async def add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
         if REQUEST_ID in request:
@@ -182,10 +216,11 @@ def build_app(
         return web.FileResponse(STATIC_DIR / "index.html")
 
     app = web.Application(
-        middlewares=[request_id, count_requests, shape_errors, authenticate, speech_only, admit],
+        middlewares=[request_id, count_requests, shape_errors, authenticate, speech_only, read_body_in_time, admit],
         client_max_size=max(2**20, 4 * settings.max_input_chars + 2**16),
     )
     app[CTX] = ctx
+    app[ADMISSION] = admission
     app.on_response_prepare.append(add_request_id_header)
 
     async def close_websockets(app: web.Application) -> None:

@@ -70,7 +70,7 @@ def _speech_line(p: ModelProfile) -> str:
 
 async def run_server(args: argparse.Namespace) -> None:
     from runner.models.default_model import ensure_default_model
-    from server.app import build_app
+    from server.app import build_app, server_options
     from server.engine_client import EngineClient
     from server.routes.zmq_gateway import ZmqGateway
     from server.tokenizer import TextTokenizer
@@ -98,7 +98,7 @@ async def run_server(args: argparse.Namespace) -> None:
     runner = None
     try:
         app = build_app(engine, tokenizer, profile, settings)
-        runner = web.AppRunner(app, handle_signals=False)
+        runner = web.AppRunner(app, handle_signals=False, **server_options(settings))
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()

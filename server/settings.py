@@ -44,8 +44,31 @@ class ServerSettings:
     max_json_depth: int = knob(32, "deepest JSON nesting a request body or WebSocket message may have")
     # Generation requests (HTTP) and TTS/generate WebSocket sessions admitted at once; the
     # next one gets 429 + Retry-After at the door instead of waiting.
-    max_concurrent_requests: int = knob(256, "generation requests and sessions admitted at once (then 429)")
+    # Admission counts work, not sockets: an HTTP generation request holds a slot while it
+    # runs; a WebSocket session holds one only while it has an utterance or a generation in
+    # flight or queued (an idle session holds none). Over it: 429 + Retry-After at the door,
+    # or an `overloaded` error event inside a session.
+    max_concurrent_requests: int = knob(256, "generation requests (HTTP, and WebSocket sessions with work in "
+                                             "flight) admitted at once (then 429)")
+    # Open WebSocket sessions, busy or idle; the next upgrade gets 429 before it happens.
+    max_open_sessions: int = knob(1024, "open WebSocket sessions (idle ones included) at once (then 429)")
+    # One client (its peer address) may hold at most this many work slots, so it cannot take
+    # every slot; 0 turns it off (behind a proxy every client has the proxy's address).
+    max_requests_per_client: int = knob(0, "work slots one client address may hold at once (0: no per-client cap)")
     retry_after_s: int = 1
+    # A connection must deliver a complete request head within this time of connecting or of
+    # its previous response (a slow-header client is cut off; idle keep-alive connections
+    # close after the same time).
+    http_header_timeout_s: float = knob(10.0, "seconds a connection has to send a complete request head "
+                                              "(after connecting, or after its previous response)")
+    # A request body must arrive completely within this time of its head (then 408).
+    http_body_timeout_s: float = knob(30.0, "seconds a request body has to arrive completely (then 408)")
+    # A WebSocket session with no client message and no work in flight for this long gets an
+    # `inactivity_timeout` error event and close 1008; `?inactivity_timeout=N` on the URL
+    # picks another value in [1, ws_max_inactivity_timeout_s] (ElevenLabs' parameter).
+    ws_inactivity_timeout_s: float = knob(20.0, "close a WebSocket session with no message and no work in flight "
+                                                "for this long")
+    ws_max_inactivity_timeout_s: float = knob(180.0, "largest inactivity_timeout a WebSocket client may ask for")
     # Bound of each request's output queue in the engine client (steps buffered for a slow
     # reader before the engine client gives up on it).
     output_queue_size: int = 256
@@ -74,7 +97,17 @@ class ServerSettings:
         need(self.max_ws_message_bytes >= 1024, "max_ws_message_bytes", "must be >= 1024")
         need(self.max_json_depth >= 4, "max_json_depth", "must be >= 4")
         need(self.max_concurrent_requests > 0, "max_concurrent_requests", "must be > 0")
+        need(self.max_open_sessions > 0, "max_open_sessions", "must be > 0")
+        need(self.max_requests_per_client >= 0, "max_requests_per_client", "must be >= 0 (0: off)")
         need(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
+        need(self.http_header_timeout_s > 0, "http_header_timeout_s", "must be > 0")
+        need(self.http_body_timeout_s > 0, "http_body_timeout_s", "must be > 0")
+        need(self.ws_inactivity_timeout_s > 0, "ws_inactivity_timeout_s", "must be > 0")
+        need(
+            self.ws_max_inactivity_timeout_s >= max(1.0, self.ws_inactivity_timeout_s),
+            "ws_max_inactivity_timeout_s",
+            f"must be >= 1 and >= ws_inactivity_timeout_s ({self.ws_inactivity_timeout_s})",
+        )
         need(self.output_queue_size > 0, "output_queue_size", "must be > 0")
         need(self.ws_max_inflight_utterances >= 1, "ws_max_inflight_utterances", "must be >= 1")
         need(self.ws_max_pending_segments >= 1, "ws_max_pending_segments", "must be >= 1")

@@ -5,6 +5,14 @@ Once a socket is upgraded nothing may answer it with an HTTP response (aiohttp's
 middleware would write one into the socket and the client would hang): a client's mistake is
 an `error` event, and when the message cannot be read at all, a close code after it (1007
 invalid payload, 1009 too big, 1008 policy); a server fault is an `error` event and 1011.
+
+Idle sessions: every session has an inactivity clock (`SessionActivity`): no client message
+and no work in flight for `ws_inactivity_timeout_s` (or the client's `?inactivity_timeout=`)
+ends it with an `inactivity_timeout` error event and close 1008. Any message counts as
+activity; `{"type": "ping"}` (answered `{"type": "pong"}`) is the keepalive of the speech
+and generate streams, `{"text": " "}` that of ElevenLabs' stream-input. Protocol-level pings
+are answered but are not activity (client libraries send them on their own). The session's
+work slot (server.admission) is held only while work is in flight.
 """
 
 from __future__ import annotations
@@ -12,12 +20,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import time
 import weakref
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 
-from aiohttp import WSCloseCode, web
+import msgspec
+from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
+from server.admission import WorkSlot, admission_of, client_of
 from server.context import get_ctx
+from server.errors import APIError, invalid_request
 from server.settings import ServerSettings
 from streaming.schema import (
     INVALID_JSON,
@@ -91,6 +104,113 @@ async def guard_session(ws: web.WebSocketResponse, session: Awaitable[None], end
         except ConnectionResetError:
             pass
     return ws
+
+
+class PingMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """{"type": "ping"}: a keepalive, answered {"type": "pong"}."""
+
+    type: str
+
+
+class SessionActivity:
+    """One session's inactivity clock and its work slot: `start_work` takes the slot (or says
+    why not), `end_work` gives it back and restarts the clock; while the slot is held the
+    session is busy and never idle."""
+
+    def __init__(self, timeout_s: float, slot: WorkSlot):
+        self.timeout_s = timeout_s
+        self._slot = slot
+        self._last = time.monotonic()
+
+    @property
+    def busy(self) -> bool:
+        return self._slot.held
+
+    def touch(self) -> None:
+        self._last = time.monotonic()
+
+    def start_work(self) -> APIError | None:
+        return self._slot.acquire()
+
+    def end_work(self) -> None:
+        if self._slot.held:
+            self._slot.release()
+            self.touch()  # idle from now on
+
+    def idle_s(self) -> float:
+        return 0.0 if self.busy else time.monotonic() - self._last
+
+    def next_check_s(self) -> float:
+        """How long the reader may wait for a message before looking at the clock again."""
+        if self.busy:
+            return self.timeout_s
+        return max(self.timeout_s - self.idle_s(), 0.001)
+
+
+def inactivity_timeout(request: web.Request) -> float:
+    """The session's timeout: `?inactivity_timeout=` (seconds, as ElevenLabs' parameter) within
+    [1, ws_max_inactivity_timeout_s], else the server's ws_inactivity_timeout_s. Checked before
+    the upgrade, so a bad value is a 400 naming the parameter."""
+    settings = get_ctx(request).settings
+    raw = request.query.get("inactivity_timeout")
+    if raw is None:
+        return settings.ws_inactivity_timeout_s
+    top = settings.ws_max_inactivity_timeout_s
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (1.0 <= value <= top):  # NaN fails too
+        raise invalid_request(
+            f"inactivity_timeout: must be a number of seconds in [1, {top:g}], got {raw!r}", param="inactivity_timeout"
+        )
+    return value
+
+
+def session_activity(request: web.Request) -> SessionActivity:
+    """The new session's clock and (not yet held) work slot; raises the 400 for a bad
+    `inactivity_timeout` before the upgrade."""
+    return SessionActivity(inactivity_timeout(request), WorkSlot(admission_of(request), client_of(request)))
+
+
+async def messages(ws: web.WebSocketResponse, activity: SessionActivity) -> AsyncIterator[WSMessage]:
+    """The client's messages (as `async for msg in ws`), each one restarting the inactivity
+    clock; when the session has been idle too long, it is closed (error event + 1008) and the
+    iteration ends."""
+    while True:
+        try:
+            # our own deadline, not receive(timeout=): aiohttp restarts that one after every
+            # protocol ping it answers, which would make pings count as activity
+            async with asyncio.timeout(activity.next_check_s()):
+                msg = await ws.receive()
+        except TimeoutError:
+            if activity.idle_s() >= activity.timeout_s:
+                await close_idle(ws, activity.timeout_s)
+                return
+            continue
+        if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+            return
+        activity.touch()
+        yield msg
+
+
+async def close_idle(ws: web.WebSocketResponse, timeout_s: float) -> None:
+    try:
+        await send_error(
+            ws,
+            "inactivity_timeout",
+            f"No message and nothing in flight for {timeout_s:g} s; closing. Send any message (a ping) to keep "
+            "the session open, or pass ?inactivity_timeout= (ws_inactivity_timeout_s).",
+        )
+        await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"inactivity timeout")
+    except ConnectionResetError:
+        pass
+
+
+async def overloaded_event(ws: web.WebSocketResponse, refusal: APIError, param: str | None = None, **extra) -> None:
+    """A work slot refused inside a session: an `overloaded` error event; the session goes on."""
+    retry = refusal.headers.get("Retry-After")
+    await send_error(ws, "overloaded", refusal.message, param, retry_after_s=int(retry) if retry else None, **extra)
 
 
 def new_websocket(request: web.Request) -> web.WebSocketResponse:

@@ -59,13 +59,14 @@ class CompletionJob:
     skip_special_tokens: bool
 
 
-def parse_prompt(ctx: ServerContext, value: object, limits: RequestLimits) -> list[int]:
-    """A string, a list of token ids, or a one-element list of either (OpenAI's batch form)."""
+async def parse_prompt(ctx: ServerContext, value: object, limits: RequestLimits) -> list[int]:
+    """A string, a list of token ids, or a one-element list of either (OpenAI's batch form); a
+    long string is tokenized off the event loop."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
     if isinstance(value, str):
         text = check_text(value, "prompt", limits.max_input_chars)
-        return ctx.tokenizer.encode(text, add_bos=ctx.tokenizer.bos_token_id is not None)
+        return await ctx.tokenizer.encode_async(text, add_bos=ctx.tokenizer.bos_token_id is not None)
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return token_ids(value, "prompt", limits.vocab_size)
     if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
@@ -78,11 +79,11 @@ def _unsupported(name: str, ok: bool, why: str) -> None:
         raise SchemaError(name, why, UNSUPPORTED)
 
 
-def parse_completion_body(ctx: ServerContext, req: CompletionRequest) -> CompletionJob:
+async def parse_completion_body(ctx: ServerContext, req: CompletionRequest) -> CompletionJob:
     limits = request_limits(ctx)
     if req.prompt is None:
         raise SchemaError("prompt", "this field is required", MISSING)
-    prompt = parse_prompt(ctx, req.prompt, limits)
+    prompt = await parse_prompt(ctx, req.prompt, limits)
     _unsupported("n", req.n in (None, 1), "only n=1 is supported")
     _unsupported("best_of", req.best_of in (None, 1), "only best_of=1 is supported")
     _unsupported("echo", not req.echo, "echo is not supported")
@@ -118,7 +119,7 @@ def _usage(job: CompletionJob, last: RequestOutput, n_out: int) -> dict:
 async def create_completion(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     ctx = get_ctx(request)
-    job = parse_completion_body(ctx, await read_body(request, CompletionRequest, ctx.settings.max_json_depth))
+    job = await parse_completion_body(ctx, await read_body(request, CompletionRequest, ctx.settings.max_json_depth))
     async with aclosing(ctx.engine.generate(job.add)) as outputs:
         first = await first_output(outputs, COMPLETION_FIELDS, "prompt")
         head = {"id": job.add.request_id, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}

@@ -3,6 +3,7 @@
 client: {"type": "generate" (optional), "prompt_token_ids": [...] | "prompt": "text",
          "sampling": {SamplingParams fields}, "hidden_state_layers": [...]}
         {"type": "cancel"}   (aborts the running request; it ends with finish_reason "abort")
+        {"type": "ping"}     (a keepalive, answered {"type": "pong"})
 server: per step {"type": "step", "token_ids": [...], "hidden": {"dtype", "shape",
         "positions"} | null}, followed by one binary frame of raw little-endian rows
         [n, layers, hidden] when "hidden" is not null ("bfloat16" = raw bf16 bit patterns);
@@ -15,7 +16,10 @@ connection stays usable; a message that cannot be read (lone surrogate: 1007; ne
 max_json_depth or size over max_ws_message_bytes: 1009) is an error event and then the close.
 
 One request runs at a time per connection (a second one while busy is a `busy` error); the
-connection can run any number of requests one after another.
+connection can run any number of requests one after another. A request holds one of the
+server's work slots while it runs (none is held between requests); when none is free it is
+answered with an `overloaded` error event and the connection stays usable. A session with no
+message and no request running for its inactivity timeout is closed (error event + 1008).
 """
 
 from __future__ import annotations
@@ -33,13 +37,18 @@ from server.errors import APIError
 from server.sampling import NESTED_FIELDS, rejection_error, request_limits
 from server.ws_common import (
     BadMessage,
+    PingMessage,
+    SessionActivity,
     bad_message,
     guard_session,
+    messages,
     new_websocket,
+    overloaded_event,
     read_message,
     reject,
     send_error,
     send_json,
+    session_activity,
 )
 from streaming.encoders import array_bytes, array_header
 from streaming.ipc import AddRequest, RequestOutput
@@ -58,14 +67,15 @@ log = logging.getLogger(__name__)
 ENDPOINT = "/v1/generate/stream"
 
 
-def parse_generate_message(ctx: ServerContext, obj: dict) -> AddRequest:
-    """A generate message, judged by streaming.schema (the same rules as ZeroMQ's generate)."""
+async def parse_generate_message(ctx: ServerContext, obj: dict) -> AddRequest:
+    """A generate message, judged by streaming.schema (the same rules as ZeroMQ's generate);
+    a long text prompt is tokenized off the event loop."""
     limits = request_limits(ctx)
     job = generate_job(convert(obj, GenerateMessage), SamplingParams(), limits)
     prompt = job.prompt_token_ids
     if prompt is None:
         assert job.prompt_text is not None
-        prompt = ctx.tokenizer.encode(job.prompt_text, add_bos=ctx.tokenizer.bos_token_id is not None)
+        prompt = await ctx.tokenizer.encode_async(job.prompt_text, add_bos=ctx.tokenizer.bos_token_id is not None)
         check_prompt_length(len(prompt), limits, "prompt")
     return AddRequest(
         request_id=f"gen-{uuid.uuid4().hex}",
@@ -76,9 +86,10 @@ def parse_generate_message(ctx: ServerContext, obj: dict) -> AddRequest:
 
 
 class GenerateSession:
-    def __init__(self, ctx: ServerContext, ws: web.WebSocketResponse):
+    def __init__(self, ctx: ServerContext, ws: web.WebSocketResponse, activity: SessionActivity):
         self.ctx = ctx
         self.ws = ws
+        self.activity = activity
         self.task: asyncio.Task | None = None
         self.crash_reporter: asyncio.Future | None = None
         # Set when the generation task closes the socket itself: let that close handshake
@@ -88,7 +99,7 @@ class GenerateSession:
     async def run(self) -> None:
         self.ctx.metrics.active_streams.labels(ENDPOINT).inc()
         try:
-            async for msg in self.ws:
+            async for msg in messages(self.ws, self.activity):
                 if msg.type is WSMsgType.TEXT:
                     await self._on_text(msg.data)
                 elif msg.type is WSMsgType.BINARY:
@@ -102,6 +113,7 @@ class GenerateSession:
                 if not self.closing:
                     self.task.cancel()  # aborts the engine request
                 await asyncio.gather(self.task, return_exceptions=True)
+            self.activity.end_work()  # also when the task was cancelled before it ran
             self.ctx.metrics.active_streams.labels(ENDPOINT).dec()
 
     def _report_crash(self, task: asyncio.Task) -> None:
@@ -119,7 +131,12 @@ class GenerateSession:
             if kind == "generate":
                 if self.task is not None and not self.task.done():
                     raise BadMessage("busy", "A request is running; wait for its done event or cancel it.", "type")
-                add = parse_generate_message(self.ctx, obj)
+                add = await parse_generate_message(self.ctx, obj)
+                refusal = self.activity.start_work()
+                if refusal is not None:
+                    self.ctx.metrics.rejected.labels(ENDPOINT).inc()
+                    await overloaded_event(self.ws, refusal)
+                    return
                 self.task = asyncio.create_task(self._generate(add))
                 self.task.add_done_callback(self._report_crash)
             elif kind == "cancel":
@@ -127,9 +144,15 @@ class GenerateSession:
                 if self.task is not None and not self.task.done():
                     self.task.cancel()
                     await asyncio.gather(self.task, return_exceptions=True)
+                    self.activity.end_work()  # a task cancelled before it started never ran its finally
                     await send_json(self.ws, {"type": "done", "finish_reason": "abort", "usage": None})
+            elif kind == "ping":
+                convert(obj, PingMessage)
+                await send_json(self.ws, {"type": "pong"})
             else:
-                raise BadMessage("unknown_type", f"Unknown message type {kind!r}; expected generate or cancel.", "type")
+                raise BadMessage(
+                    "unknown_type", f"Unknown message type {kind!r}; expected generate, cancel or ping.", "type"
+                )
         except SchemaError as e:
             await reject(self.ws, bad_message(e))
         except APIError as e:
@@ -138,6 +161,12 @@ class GenerateSession:
             await reject(self.ws, e)
 
     async def _generate(self, add: AddRequest) -> None:
+        try:
+            await self._run_request(add)
+        finally:
+            self.activity.end_work()  # the slot is free before the next message is read
+
+    async def _run_request(self, add: AddRequest) -> None:
         info = self.ctx.engine.info
         n_out = 0
         try:
@@ -181,6 +210,7 @@ class GenerateSession:
 
 async def generate_stream(request: web.Request) -> web.WebSocketResponse:
     ctx = get_ctx(request)
+    activity = session_activity(request)  # a bad ?inactivity_timeout= is a 400 before the upgrade
     ws = new_websocket(request)
     await ws.prepare(request)
-    return await guard_session(ws, GenerateSession(ctx, ws).run(), ENDPOINT)
+    return await guard_session(ws, GenerateSession(ctx, ws, activity).run(), ENDPOINT)

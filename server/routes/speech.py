@@ -66,11 +66,12 @@ class SpeechJob:
     stream: bool
 
 
-def speech_add_request(
+async def speech_add_request(
     ctx: ServerContext, voice: str, text: str, sampling: SamplingParams, param: str = "input"
 ) -> AddRequest:
-    """One engine request speaking `text` in `voice` (shared with the WebSocket sessions)."""
-    prompt = ctx.profile.build_prompt(ctx.tokenizer, voice, text)
+    """One engine request speaking `text` in `voice` (shared with the WebSocket sessions); a
+    long text is tokenized off the event loop."""
+    prompt = await ctx.profile.build_prompt_async(ctx.tokenizer, voice, text)
     limit = ctx.engine.info.max_model_len
     if len(prompt) >= limit:
         raise invalid_request(
@@ -79,7 +80,7 @@ def speech_add_request(
     return AddRequest(request_id=f"speech-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=sampling, audio=True)
 
 
-def parse_speech_body(ctx: ServerContext, req: SpeechRequest) -> SpeechJob:
+async def parse_speech_body(ctx: ServerContext, req: SpeechRequest) -> SpeechJob:
     limits = request_limits(ctx)
     if req.input is None:
         raise SchemaError("input", "this field is required", MISSING)
@@ -102,13 +103,13 @@ def parse_speech_body(ctx: ServerContext, req: SpeechRequest) -> SpeechJob:
     if not stream and stream_format == "sse":
         raise SchemaError("stream", "stream_format 'sse' needs stream=true")
     sampling = sampling_params(req.given(), ctx.speech_sampling, limits, SPEECH_FIELDS)
-    return SpeechJob(speech_add_request(ctx, voice, text, sampling), fmt, stream_format, stream)
+    return SpeechJob(await speech_add_request(ctx, voice, text, sampling), fmt, stream_format, stream)
 
 
 async def create_speech(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     ctx = get_ctx(request)
-    job = parse_speech_body(ctx, await read_body(request, SpeechRequest, ctx.settings.max_json_depth))
+    job = await parse_speech_body(ctx, await read_body(request, SpeechRequest, ctx.settings.max_json_depth))
     async with aclosing(ctx.engine.generate(job.add)) as outputs:
         # The first output proves admission (EngineOverloaded/Unavailable surface here, still
         # as a status code) or carries the request's rejection.

@@ -4,7 +4,7 @@
     client: {"type": "session.config", "voice", "response_format": "pcm", "sample_rate",
              <sampling fields as on /v1/audio/speech>}
             {"type": "input.text", "text": "..."}   {"type": "input.flush"}
-            {"type": "session.close"}
+            {"type": "session.close"}   {"type": "ping"} (a keepalive, answered {"type": "pong"})
     server: {"type": "session.created", "session": {...}}
             {"type": "audio.start", "utterance": k, "format": "pcm_s16le", "sample_rate", "text"}
             binary frames of s16le PCM
@@ -32,6 +32,13 @@ goes away aborts the session's engine requests.
 The reader never waits on the speaker, so a close, flush or config is seen at once; text
 that would put more than `ws_max_pending_segments` segments in the queue is refused with an
 `input_overflow` error instead (a client sending text far faster than it can be spoken).
+
+Admission counts work, not sockets: a session holds one of the server's work slots only while
+text is queued or being spoken. Text that needs a slot when none is free is refused with an
+`overloaded` error event (with `retry_after_s`) and the session goes on. A session with no
+message and nothing to speak for its inactivity timeout (`?inactivity_timeout=`, default
+ws_inactivity_timeout_s; ElevenLabs' `{"text": " "}` keeps it open) is closed: an
+`inactivity_timeout` error event, then 1008.
 """
 
 from __future__ import annotations
@@ -44,17 +51,22 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from server.context import ServerContext, get_ctx
 from server.errors import APIError, invalid_request
 from server.sampling import SPEECH_FIELDS, request_limits
-from server.tts.speaker import Sink, Speaker, Utterance, Voicing, usage_of
+from server.tts.speaker import Refusal, Sink, Speaker, Utterance, Voicing, usage_of
 from server.tts.text_segmenter import TextSegmenter
 from server.ws_common import (
     BadMessage,
+    PingMessage,
+    SessionActivity,
     bad_message,
     guard_session,
+    messages,
     new_websocket,
+    overloaded_event,
     read_message,
     reject,
     send_error,
     send_json,
+    session_activity,
 )
 from streaming.encoders import b64
 from streaming.ipc import RequestOutput
@@ -87,19 +99,20 @@ class TextSession(Sink):
 
     endpoint = ""
 
-    def __init__(self, ctx: ServerContext, ws: web.WebSocketResponse, voicing: Voicing):
+    def __init__(self, ctx: ServerContext, ws: web.WebSocketResponse, voicing: Voicing, activity: SessionActivity):
         self.ctx = ctx
         self.ws = ws
         self.voicing = voicing
+        self.activity = activity
         self.segmenter = TextSegmenter(ctx.settings.segment_min_clause_chars, ctx.settings.segment_max_chars)
-        self.speaker = Speaker(ctx, self, self.endpoint)
+        self.speaker = Speaker(ctx, self, self.endpoint, activity)
 
     async def run(self) -> None:
         self.speaker.start()
         self.ctx.metrics.active_streams.labels(self.endpoint).inc()
         try:
             await self.on_open()
-            async for msg in self.ws:
+            async for msg in messages(self.ws, self.activity):
                 if msg.type is WSMsgType.TEXT:
                     await self._on_text(msg.data)
                 elif msg.type is WSMsgType.BINARY:
@@ -127,7 +140,8 @@ class TextSession(Sink):
         return check_text(text, "text", self.ctx.settings.max_input_chars, allow_empty=True)
 
     async def speak(self, segments: list[str]) -> None:
-        if segments and not self.speaker.say(segments, self.voicing):
+        refusal = self.speaker.say(segments, self.voicing)
+        if refusal is Refusal.OVERFLOW:
             limit = self.ctx.settings.ws_max_pending_segments
             await self.send_error(
                 "input_overflow",
@@ -135,6 +149,10 @@ class TextSession(Sink):
                 "Send text no faster than it is spoken.",
                 "text",
             )
+        elif refusal is Refusal.OVERLOADED:
+            assert self.speaker.refused is not None
+            self.ctx.metrics.rejected.labels(self.endpoint).inc()
+            await overloaded_event(self.ws, self.speaker.refused, "text", dropped=" ".join(segments))
 
     async def send_json(self, obj: dict) -> None:
         await send_json(self.ws, obj)
@@ -180,13 +198,17 @@ class SpeechStreamSession(TextSession):
 
     async def on_message(self, obj: dict) -> None:
         kind = obj.get("type")
+        if kind == "ping":  # a keepalive, answered even while the session is closing
+            convert(obj, PingMessage)
+            await self.send_json({"type": "pong"})
+            return
         if self.speaker.input_ended and kind != "session.close":
             raise BadMessage("invalid_state", "The session is closing; no more input is accepted.", "type")
         message_type = SPEECH_STREAM_MESSAGES.get(kind) if isinstance(kind, str) else None
         if message_type is None:
             raise BadMessage(
                 "unknown_type",
-                f"Unknown message type {kind!r}; expected {', '.join(SPEECH_STREAM_MESSAGES)}.",
+                f"Unknown message type {kind!r}; expected {', '.join(SPEECH_STREAM_MESSAGES)} or ping.",
                 "type",
             )
         msg = convert(obj, message_type)
@@ -282,10 +304,11 @@ class ElevenLabsSession(TextSession):
 
 async def speech_stream(request: web.Request) -> web.WebSocketResponse:
     ctx = get_ctx(request)
+    activity = session_activity(request)  # a bad ?inactivity_timeout= is a 400 before the upgrade
     ws = new_websocket(request)
     await ws.prepare(request)
     voicing = Voicing(ctx.profile.default_voice, ctx.speech_sampling)
-    return await guard_session(ws, SpeechStreamSession(ctx, ws, voicing).run(), SPEECH_WS_ENDPOINT)
+    return await guard_session(ws, SpeechStreamSession(ctx, ws, voicing, activity).run(), SPEECH_WS_ENDPOINT)
 
 
 async def elevenlabs_stream_input(request: web.Request) -> web.WebSocketResponse:
@@ -298,6 +321,8 @@ async def elevenlabs_stream_input(request: web.Request) -> web.WebSocketResponse
         raise invalid_request(
             f"output_format: {output_format!r} is not supported; supported: {supported}", param="output_format"
         )
+    activity = session_activity(request)
     ws = new_websocket(request)
     await ws.prepare(request)
-    return await guard_session(ws, ElevenLabsSession(ctx, ws, Voicing(voice, ctx.speech_sampling)).run(), ELEVENLABS_ENDPOINT)
+    session = ElevenLabsSession(ctx, ws, Voicing(voice, ctx.speech_sampling), activity)
+    return await guard_session(ws, session.run(), ELEVENLABS_ENDPOINT)

@@ -76,3 +76,9 @@ class SpeechProfile:
         s = self._need()
         body = tokenizer.encode(s.text_template.format(voice=voice, text=text), add_bos=s.add_bos)
         return [*s.prefix_token_ids, *body, *s.suffix_token_ids]
+
+    async def build_prompt_async(self, tokenizer: TextTokenizer, voice: str, text: str) -> list[int]:
+        """build_prompt with a long text tokenized off the event loop (TextTokenizer.encode_async)."""
+        s = self._need()
+        body = await tokenizer.encode_async(s.text_template.format(voice=voice, text=text), add_bos=s.add_bos)
+        return [*s.prefix_token_ids, *body, *s.suffix_token_ids]

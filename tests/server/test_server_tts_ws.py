@@ -217,8 +217,10 @@ async def test_dead_engine_closes_the_session_with_1011():
 
 
 async def test_ws_admission_and_auth_are_checked_before_the_upgrade():
+    # The open-session bound is what refuses an upgrade (idle sessions hold no work slot:
+    # tests/server/test_server_slow_clients.py)
     engine = FakeEngine(steps=500, step_delay=0.01)
-    async with serve(engine, max_concurrent_requests=1, api_key="k") as s:
+    async with serve(engine, max_open_sessions=1, api_key="k") as s:
         url = s.url("/v1/audio/speech/stream", "ws")
         with pytest.raises(InvalidStatus) as e:
             await websockets.connect(url)

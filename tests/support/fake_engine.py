@@ -30,7 +30,8 @@ from typing import AsyncIterator, Callable
 import numpy as np
 from aiohttp import web
 
-from server.app import build_app
+from server.app import build_app, server_options
+from server.context import CTX
 from server.engine_api import EngineOverloaded, EngineUnavailable
 from server.settings import ServerSettings
 from server.tokenizer import TextTokenizer
@@ -261,7 +262,7 @@ async def serve(
     `web.run_app` defaults to False), so tests can cover both."""
     engine = engine or FakeEngine()
     app = build_app(engine, make_tokenizer(), profile or SpeechProfile(), ServerSettings(**settings))
-    runner = web.AppRunner(app, handler_cancellation=handler_cancellation)
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, **server_options(app[CTX].settings))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
