@@ -63,6 +63,12 @@ def test_bad_omnistream_json_fails_at_start_up(tmp_path, content, word):
         ({"max_concurrent_requests": 0}, "max_concurrent_requests"),
         ({"max_ws_message_bytes": 10}, "max_ws_message_bytes"),
         ({"segment_min_clause_chars": 50, "segment_max_chars": 40}, "segment_max_chars"),
+        ({"max_open_sessions": 0}, "max_open_sessions"),
+        ({"max_requests_per_client": -1}, "max_requests_per_client"),
+        ({"http_header_timeout_s": 0}, "http_header_timeout_s"),
+        ({"http_body_timeout_s": -1}, "http_body_timeout_s"),
+        ({"ws_inactivity_timeout_s": 0}, "ws_inactivity_timeout_s"),
+        ({"ws_inactivity_timeout_s": 60, "ws_max_inactivity_timeout_s": 30}, "ws_max_inactivity_timeout_s"),
     ],
 )
 def test_settings_are_validated_at_start_up(kw, field):
@@ -71,6 +77,25 @@ def test_settings_are_validated_at_start_up(kw, field):
     with pytest.raises(ValueError) as e:
         ServerSettings(**kw)
     assert field in str(e.value)
+
+
+def test_slow_client_limits_are_serve_options():
+    import argparse
+
+    from server.settings import ServerSettings
+    from streaming.knobs import add_arguments, from_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, ServerSettings)
+    args = parser.parse_args(["--http-header-timeout-s", "5", "--http-body-timeout-s", "7", "--ws-inactivity-timeout-s",
+                              "9", "--ws-max-inactivity-timeout-s", "60", "--max-open-sessions", "10",
+                              "--max-requests-per-client", "3"])
+    s = from_arguments(ServerSettings, args)
+    assert (s.http_header_timeout_s, s.http_body_timeout_s, s.ws_inactivity_timeout_s) == (5, 7, 9)
+    assert (s.ws_max_inactivity_timeout_s, s.max_open_sessions, s.max_requests_per_client) == (60, 10, 3)
+    d = ServerSettings()
+    assert (d.http_header_timeout_s, d.http_body_timeout_s, d.ws_inactivity_timeout_s) == (10.0, 30.0, 20.0)
+    assert (d.ws_max_inactivity_timeout_s, d.max_open_sessions, d.max_requests_per_client) == (180.0, 1024, 0)
 
 
 def test_settings_validate_the_sampling_override():
