@@ -376,3 +376,33 @@ async def test_a_long_input_does_not_stall_other_requests(where):
         await poller
     # tokenizing takes ~0.5-1 s here; /health answered all along
     assert max(latencies) < min(0.3, took / 2), f"/health took up to {max(latencies):.3f} s of {took:.3f} s"
+
+
+@pytest.mark.parametrize("path", WS_PATHS)
+async def test_a_session_that_goes_away_mid_work_gives_its_slot_back(path):
+    from server.admission import ADMISSION
+
+    engine = FakeEngine(steps=500, step_delay=0.01)
+    async with serve(engine, max_concurrent_requests=1) as s:
+        admission = s.app[ADMISSION]
+        ws = await websockets.connect(s.url(path, "ws"))
+        if path.endswith("speech/stream"):
+            await recv_json(ws)
+            await ws.send(json.dumps({"type": "input.text", "text": "Hello there. And more."}))
+            await ws.send(json.dumps({"type": "input.flush"}))
+        elif "stream-input" in path:
+            await ws.send(json.dumps({"text": "Hello there. And more.", "flush": True}))
+        else:
+            await ws.send(json.dumps({"prompt_token_ids": [1], "sampling": {"max_tokens": 500}}))
+        await asyncio.wait_for(ws.recv(), 2.0)  # work is flowing
+        assert (admission.active, admission.sessions) == (1, 1)
+        ws.transport.abort()  # gone without a close handshake
+        async with asyncio.timeout(2.0):
+            while admission.active or admission.sessions:
+                await asyncio.sleep(0.01)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(s.url("/v1/audio/speech"), json={**SPEECH, "max_new_tokens": 3}) as r:
+                assert r.status == 200
+                await r.read()
+        assert (admission.active, admission.sessions) == (0, 0)
+        assert engine.aborted  # the session's engine requests were aborted
