@@ -134,7 +134,7 @@ def peek(frame: bytes) -> tuple[str, object]:
     frame refused as a whole gets its error under the id the client waits on."""
     try:
         env = _envelope_decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):  # see read_request
         return "", None
     return (env.id if isinstance(env.id, str) else ""), env.api_key
 
@@ -154,6 +154,9 @@ def read_request(frame: bytes, max_bytes: int) -> ZmqRequest:
     except msgspec.DecodeError as e:  # not msgpack, or a string that is not UTF-8
         raise RequestError(INVALID_REQUEST, f"a request is one msgpack map with UTF-8 strings: {e}",
                            None, peek(frame)[0]) from None
+    except RecursionError:  # msgspec's own nesting limit: a 1 KB frame of nested arrays reaches it
+        raise RequestError(INVALID_REQUEST, "a request is one msgpack map; this frame is nested too deeply "
+                           "to read", None, peek(frame)[0]) from None
 
 
 def from_schema(e: SchemaError, rid: str) -> RequestError:

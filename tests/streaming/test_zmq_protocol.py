@@ -81,3 +81,18 @@ def test_tensors_round_trip_through_frames(arr):
     received = [b"header", *(bytes(f) for f in frames)]  # what recv_multipart hands back
     np.testing.assert_array_equal(unpack_tensor(ref, received), arr)
     assert pack_tensor(None, frames) is None and unpack_tensor(None, received) is None
+
+
+@pytest.mark.parametrize("frame", [
+    b"\x91" * 1000 + b"\xc0",  # arrays nested 1000 deep: msgspec's recursion limit
+    b"\x83\xa4type\xa5abort\xa2id\xa1x\xb3hidden_state_layers" + b"\x91" * 1000 + b"\xc0",
+])
+def test_a_deeply_nested_frame_is_a_request_error_not_a_recursion_error(frame):
+    """msgspec raises RecursionError (not DecodeError) past its nesting limit; escaping the
+    gateway's read it ended the socket loop, and ZeroMQ answered nobody after one such frame."""
+    from streaming.zmq_protocol import INVALID_REQUEST, RequestError, peek, read_request
+
+    assert peek(frame) == ("", None)  # the envelope's untyped fields recurse into the nesting
+    with pytest.raises(RequestError) as e:  # the typed decoder refuses the first wrong type instead
+        read_request(frame, 1 << 20)
+    assert e.value.code == INVALID_REQUEST and e.value.id == ""
