@@ -89,6 +89,9 @@ class EngineStats(msgspec.Struct, tag="stats"):
     num_generated_tokens_total: int
     step_count: int
     active_request_ids: list[str] = []
+    # Codec streams open in the codec stage (each holds a decode slot until its request's audio
+    # is emitted or aborted): 0 when idle, like a full free-block count.
+    num_codec_streams: int = 0
 
 
 class Ready(msgspec.Struct, tag="ready"):

@@ -368,6 +368,7 @@ class Engine:
             num_generated_tokens_total=self.num_generated_total,
             step_count=self.step_count,
             active_request_ids=sorted(self.requests),
+            num_codec_streams=len(self.codec) if self.codec is not None else 0,
         )
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:

@@ -382,6 +382,21 @@ def test_warm_up_runs_an_audio_request_and_leaves_the_engine_clean(audio_engine)
     assert len(audio_engine.codec) == 0
 
 
+def test_stats_count_open_codec_streams(audio_engine):
+    """EngineStats.num_codec_streams: a speech request holds a codec stream while it runs, and
+    none is left once it ends or is aborted (the soak's end-of-run check reads it)."""
+    sp = SamplingParams(temperature=0.8, max_tokens=30, seed=7, ignore_eos=True)
+    audio_engine.add_request("s1", list(range(20, 45)), sp, audio=True)
+    audio_engine.add_request("s2", list(range(20, 45)), sp, audio=True)
+    audio_engine.step()
+    assert audio_engine.stats().num_codec_streams == 2
+    audio_engine.abort_request("s1")
+    while audio_engine.has_unfinished:
+        audio_engine.step()
+    st = audio_engine.stats()
+    assert st.num_codec_streams == 0 and st.active_request_ids == []
+
+
 def test_warm_sampling_changes_no_result(audio_engine):
     """The start-up pass that runs the lm_head and the sampler at max_num_seqs padding rows
     (constrained and free) leaves every slot's state alone: the seeded speech after it is the
