@@ -502,25 +502,12 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool | None = None
 
 
-class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
+class CompletionRequest(GenerationOptions, forbid_unknown_fields=True):
     """POST /v1/completions: OpenAI's fields (the unsupported ones are named and refused by the
-    handler) plus extensions."""
+    handler) plus extensions; the sampling fields are GenerationOptions' (flat, as OpenAI's)."""
 
     model: str | None = None
     prompt: str | list[Any] | None = None  # a string, token ids, or a one-element list of either
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[int, float] | None = None
-    seed: int | None = None
-    max_tokens: int | None = None
-    min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = None
