@@ -128,3 +128,45 @@ def load_hf(path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def tiny_mimi_config(**overrides):
+    """A MimiConfig of the real topology (24 kHz, 12.5 frames/s, 1920 samples a frame: upsampling
+    ratios 8, 6, 5, 4 and a 2x latent upsample), tiny widths, 8 codebooks of 64, and a sliding
+    window of 6 latent steps (3 frames) so short test streams run past it."""
+    from transformers import MimiConfig
+
+    cfg = dict(hidden_size=32, num_filters=4, num_residual_layers=1, upsampling_ratios=[8, 6, 5, 4],
+               codebook_size=64, codebook_dim=16, num_quantizers=8, vector_quantization_hidden_dimension=16,
+               upsample_groups=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
+               num_key_value_heads=2, sliding_window=6, max_position_embeddings=4096, use_conv_shortcut=False)
+    cfg.update(overrides)
+    return MimiConfig(**cfg)
+
+
+@torch.no_grad()
+def make_tiny_mimi(path, *, seed: int = 0, **overrides) -> Path:
+    """Save a random transformers MimiModel (tiny_mimi_config + overrides) to `path`. The weights
+    are re-drawn so every part matters: random codebooks (transformers' init leaves them zero),
+    layer scales of 0.5 instead of 0.01 (the transformer changes the output), and the last conv
+    scaled so the PCM stays mostly inside [-1, 1] (clipped int16 would hide differences)."""
+    from transformers import MimiModel
+
+    torch.manual_seed(seed)
+    model = MimiModel(tiny_mimi_config(**overrides)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    for name, b in model.named_buffers():
+        if name.endswith("embed_sum"):
+            b.copy_(torch.randn(b.shape, generator=gen))
+    for name, p in model.named_parameters():
+        if name.endswith("layer_scale.scale"):
+            p.fill_(0.5)
+    last = model.decoder.decoder_seanet.layers[-1].conv
+    codes = torch.randint(0, model.config.codebook_size, (1, model.config.num_quantizers, 8), generator=gen)
+    std = model.decode(codes).audio_values.std()
+    last.weight.mul_(0.3 / std)
+    last.bias.mul_(0.3 / std)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path

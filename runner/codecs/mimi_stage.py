@@ -1,0 +1,189 @@
+"""Mimi codec stage: frames of K codes -> 24 kHz int16 PCM, streamed exactly once per request.
+
+The per-request interface of the SNAC stage (runner/codecs/stage.py, what the engine calls through
+runner/families/base.py's CodecStageLike): open / push_many / close / abort / step / __len__,
+except that push_many takes (key, frame) pairs where a frame is the K codes of one step (one per
+codebook), not a token. Each request holds a slot of decoder state (runner/codecs/mimi.py), so a
+frame is decoded once, when it arrives, and its samples are emitted once, in order: the
+concatenated PCM of a request equals transformers' offline `MimiModel.decode` of its codes up to
+float rounding (at most 1 int16 LSB, tests/codecs/test_mimi.py). Requests with the same number of
+new frames decode together in one batched call.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from runner.codecs.config import CodecError
+from runner.codecs.decoder import float_to_s16
+from runner.codecs.mimi import MimiStreamingDecoder, load_mimi
+from runner.codecs.stage import StageResult
+
+
+@dataclass(frozen=True)
+class MimiCodecConfig:
+    path: str  # local MimiModel folder: config.json + model.safetensors (save_pretrained's layout)
+    num_codebooks: int | None = None  # codes per frame; None: all the codec's quantizers (CSM: 32)
+    sample_rate: int = 24000  # checked against the codec's MimiConfig.sampling_rate
+    # Streams with decoder state at once (its pools grow by doubling up to this); open() past it
+    # is an error, so the engine must not run more audio requests than this.
+    max_streams: int = 1024
+    max_batch_rows: int = 256  # streams per decode call; bounds activation memory with max_chunk_frames
+    # frames of one stream per decode call: a longer backlog decodes in several calls of the same step()
+    max_chunk_frames: int = 16
+    # Frames pushed and not decoded yet, per request: past this the request fails (a producer
+    # that outruns step() must not grow memory without bound).
+    max_pending_frames: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("sample_rate", "max_streams", "max_batch_rows", "max_chunk_frames", "max_pending_frames"):
+            if getattr(self, name) < 1:
+                raise CodecError(f"MimiCodecConfig.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.num_codebooks is not None and self.num_codebooks < 1:
+            raise CodecError(f"MimiCodecConfig.num_codebooks: must be >= 1, got {self.num_codebooks}")
+
+
+@dataclass
+class _Request:
+    slot: int
+    pending: list[np.ndarray] = field(default_factory=list)  # (K,) int64 frames not decoded yet
+    n_frames: int = 0  # frames accepted so far (the index of the next one)
+    ended: bool = False  # close() called: no more frames
+    error: str | None = None
+
+
+class MimiCodecStage:
+    """Streams PCM for many requests; each step decodes their new frames in batched Mimi calls."""
+
+    def __init__(self, cfg: MimiCodecConfig, device: torch.device, dtype: torch.dtype = torch.float32,
+                 tuning: str = "auto", model=None) -> None:
+        """model: an already loaded transformers MimiModel (CSM's codec_model) instead of
+        cfg.path; tuning: accepted for the families' build_codec signature (no tuned kernels yet)."""
+        self.cfg = cfg
+        self.decoder = MimiStreamingDecoder(load_mimi(model if model is not None else cfg.path, device, dtype),
+                                            cfg.num_codebooks, max_streams=cfg.max_streams)
+        if self.decoder.sample_rate != cfg.sample_rate:
+            raise CodecError(f"MimiCodecConfig.sample_rate: the codec runs at {self.decoder.sample_rate} Hz, "
+                             f"got {cfg.sample_rate}")
+        self.sample_rate = cfg.sample_rate
+        self.num_codebooks = self.decoder.num_codebooks
+        self.codebook_size = self.decoder.codebook_size
+        self.samples_per_frame = self.decoder.samples_per_frame
+        self._reqs: dict[object, _Request] = {}
+        self._dirty: set = set()  # keys with new frames, an end or an error since the last step()
+
+    # -- request lifecycle -------------------------------------------------------------
+
+    def open(self, key: object, seed: int | None = None) -> None:
+        """A request that wants audio starts. `seed` is accepted for the interface: Mimi's
+        decoder has no noise."""
+        if key in self._reqs:
+            raise KeyError(f"codec request {key!r} is already open")
+        self._reqs[key] = _Request(slot=self.decoder.new_stream())
+
+    def push_many(self, items: list[tuple[object, object]]) -> None:
+        """(key, frame) pairs in order within a key; a frame is K codes (a sequence or array of
+        ints, one per codebook). A bad frame fails its request (the error names frame and
+        codebook); frames for unknown keys (a late output after abort) or ended requests are
+        ignored."""
+        for key, frame in items:
+            req = self._reqs.get(key)
+            if req is None or req.ended or req.error is not None:
+                continue
+            codes, why = self._check_frame(frame, req.n_frames)
+            if why is None and len(req.pending) >= self.cfg.max_pending_frames:
+                why = (f"MimiCodecConfig.max_pending_frames: more than {self.cfg.max_pending_frames} frames "
+                       "waiting to be decoded")
+            self._dirty.add(key)
+            if why is not None:
+                req.error = why
+                continue
+            req.pending.append(codes)
+            req.n_frames += 1
+
+    def _check_frame(self, frame: object, index: int) -> tuple[np.ndarray | None, str | None]:
+        """The frame as (K,) int64 codes, or why it is invalid (naming frame and codebook)."""
+        codes = np.asarray(frame)
+        k, size = self.num_codebooks, self.codebook_size
+        if codes.shape != (k,):
+            return None, f"codes: frame {index} must hold {k} codes (one per codebook), got shape {codes.shape}"
+        if codes.dtype.kind not in "iu":
+            return None, f"codes: frame {index} must hold integer codes, got dtype {codes.dtype}"
+        bad = np.flatnonzero((codes < 0) | (codes >= size))
+        if bad.size:
+            c = int(bad[0])
+            return None, (f"codes: frame {index}, codebook {c}: code {int(codes[c])} is outside the codebook "
+                          f"range [0, {size})")
+        return codes.astype(np.int64, copy=False), None
+
+    def close(self, key: object) -> None:
+        """The request finished: its pushed frames are decoded, then it is done. Unknown keys are
+        ignored."""
+        req = self._reqs.get(key)
+        if req is not None:
+            req.ended = True
+            self._dirty.add(key)
+
+    def abort(self, key: object) -> None:
+        """Drop the request and free its decoder state; nothing more is emitted for it."""
+        req = self._reqs.pop(key, None)
+        if req is not None:
+            self.decoder.free(req.slot)
+        self._dirty.discard(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._reqs
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    # -- decoding ----------------------------------------------------------------------
+
+    def step(self, wait: bool = False) -> dict[object, StageResult]:
+        """Decode every pushed frame (at most cfg.max_chunk_frames per request per call, calls
+        repeated until none is left) and return results for keys with news: PCM in order, an
+        error, or completion. Keys reported done are forgotten. Decoding is synchronous, so
+        `wait` (the SNAC stage's "collect everything in flight") has nothing to wait for."""
+        results: dict[object, StageResult] = {}
+        pieces: dict[object, list[np.ndarray]] = defaultdict(list)
+        dirty, self._dirty = self._dirty, set()
+        live = [(key, self._reqs[key]) for key in dirty if key in self._reqs]
+        todo = [(key, req) for key, req in live if req.error is None and req.pending]
+        while todo:
+            by_len: dict[int, list[tuple[object, _Request]]] = defaultdict(list)
+            for key, req in todo:
+                by_len[min(len(req.pending), self.cfg.max_chunk_frames)].append((key, req))
+            for m, group in by_len.items():
+                for i in range(0, len(group), self.cfg.max_batch_rows):
+                    self._decode(group[i : i + self.cfg.max_batch_rows], m, pieces)
+            todo = [(key, req) for key, req in todo if req.pending]
+        for key, parts in pieces.items():
+            # a copy either way: a row must not pin its whole batch's block
+            results[key] = StageResult(parts[0].copy() if len(parts) == 1 else np.concatenate(parts), done=False)
+        for key, req in live:
+            if req.error is not None:
+                results[key] = StageResult(np.zeros(0, dtype=np.int16), done=True, error=req.error)
+            elif not (req.ended and not req.pending):
+                continue
+            results.setdefault(key, StageResult(np.zeros(0, dtype=np.int16), done=True)).done = True
+            self.abort(key)
+        return results
+
+    def _decode(self, group: list[tuple[object, _Request]], m: int, pieces: dict[object, list[np.ndarray]]) -> None:
+        """The next m frames of each request in `group`, in one decoder call."""
+        codes = np.stack([np.stack(req.pending[:m]) for _, req in group])  # (B, m, K)
+        for _, req in group:
+            del req.pending[:m]
+        pcm = self.decoder.decode([req.slot for _, req in group], torch.from_numpy(codes).transpose(1, 2))
+        pcm = float_to_s16(pcm).cpu().numpy()
+        for (key, _), row in zip(group, pcm):
+            pieces[key].append(row)
+
+    @property
+    def num_inflight(self) -> int:
+        """Frames pushed and not decoded yet (decoding is synchronous: 0 after step())."""
+        return sum(len(r.pending) for r in self._reqs.values())

@@ -1,0 +1,258 @@
+"""Mimi codec stage on a tiny random MimiModel: streaming == transformers' offline decode, each
+sample once, batching, abort, bad codes (CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import MimiModel
+
+from runner.codecs.config import CodecError
+from runner.codecs.decoder import float_to_s16
+from runner.codecs.mimi import MimiStreamingDecoder, load_mimi
+from runner.codecs.mimi_stage import MimiCodecConfig, MimiCodecStage
+from tests.support.tiny_models import make_tiny_mimi, tiny_mimi_config
+
+CPU = torch.device("cpu")
+K, SIZE, SPF = 8, 64, 1920  # tiny_mimi_config: 8 codebooks of 64, 1920 samples a frame
+FLOAT_TOL = 1e-5  # streamed vs offline float PCM of a ~0.3-std signal: measured ~1e-6
+
+
+@pytest.fixture(scope="module")
+def mimi_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.set_num_threads(1)  # the test machine's cores are shared
+    return make_tiny_mimi(tmp_path_factory.mktemp("mimi") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def model(mimi_dir: Path) -> MimiModel:
+    return load_mimi(mimi_dir, CPU)
+
+
+@pytest.fixture(scope="module")
+def stage_factory(mimi_dir: Path, model: MimiModel):
+    def make(**overrides) -> MimiCodecStage:
+        return MimiCodecStage(MimiCodecConfig(path=str(mimi_dir), **overrides), CPU, model=model)
+
+    return make
+
+
+def _codes(seed: int, n: int, k: int = K) -> np.ndarray:
+    """(n, k) random frames."""
+    return np.random.default_rng(seed).integers(0, SIZE, size=(n, k), dtype=np.int64)
+
+
+def _offline(model: MimiModel, frames: np.ndarray) -> torch.Tensor:
+    """transformers' decode of the whole (n, k) sequence -> float (n * SPF,)."""
+    with torch.inference_mode():
+        return model.decode(torch.from_numpy(frames).T[None]).audio_values[0, 0]
+
+
+def _assert_s16_close(got: np.ndarray, want: torch.Tensor) -> None:
+    # exact sample count; values within 1 LSB (float rounding of other shapes, then int16 rounding)
+    want16 = float_to_s16(want).numpy()
+    assert got.dtype == np.int16 and got.shape == want16.shape
+    assert np.abs(got.astype(np.int32) - want16.astype(np.int32)).max(initial=0) <= 1
+
+
+def _drain(stage: MimiCodecStage, out: dict, done: dict | None = None) -> None:
+    for key, r in stage.step().items():
+        assert r.error is None, r.error
+        out.setdefault(key, []).append(r.pcm)
+        if done is not None and r.done:
+            assert key not in done, "done reported twice"
+            done[key] = True
+
+
+def _pcm(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, np.int16)
+
+
+# ---------------------------------------------------------------- the streaming decoder
+
+
+@pytest.mark.parametrize("chunks", [[1] * 14, [1, 2, 1, 3, 7], [14], [5, 9]])
+def test_streamed_float_pcm_equals_offline_decode(model: MimiModel, chunks: list[int]) -> None:
+    # 14 frames = 28 latent steps, past the tiny codec's 6-step attention window
+    dec = MimiStreamingDecoder(model)
+    frames = [_codes(s, 14) for s in range(3)]
+    slots = [dec.new_stream() for _ in frames]
+    got, i = [], 0
+    for c in chunks:
+        batch = torch.from_numpy(np.stack([f[i : i + c] for f in frames])).transpose(1, 2)
+        out = dec.decode(slots, batch)
+        assert out.shape == (3, c * SPF)
+        got.append(out)
+        i += c
+    got = torch.cat(got, dim=1)
+    for row, f in zip(got, frames):
+        assert (row - _offline(model, f)).abs().max().item() <= FLOAT_TOL
+
+
+def test_the_comparison_sees_the_transformer_and_its_window(mimi_dir: Path, model: MimiModel) -> None:
+    # The offline reference with a longer attention window differs from the streamed decode
+    # by far more than the tolerance: a ring that forgot the window (or no transformer at all)
+    # would fail the test above.
+    wide = load_mimi(MimiModel.from_pretrained(mimi_dir, sliding_window=64), CPU)
+    frames = _codes(7, 14)
+    dec = MimiStreamingDecoder(model)
+    got = torch.cat([dec.decode([dec.new_stream()], torch.from_numpy(frames).T[None])[0]])
+    assert (got - _offline(wide, frames)).abs().max().item() > 100 * FLOAT_TOL
+    assert (got - _offline(model, frames)).abs().max().item() <= FLOAT_TOL
+
+
+def test_fewer_codebooks_than_quantizers(model: MimiModel) -> None:
+    dec = MimiStreamingDecoder(model, num_codebooks=4)
+    frames = _codes(3, 6, k=4)
+    slot = dec.new_stream()
+    got = torch.cat([dec.decode([slot], torch.from_numpy(frames[i : i + 1]).T[None])[0] for i in range(6)])
+    assert (got - _offline(model, frames)).abs().max().item() <= FLOAT_TOL
+    with pytest.raises(CodecError, match="num_codebooks"):
+        MimiStreamingDecoder(model, num_codebooks=K + 1)
+
+
+def test_non_streamable_configs_are_refused_naming_the_field() -> None:
+    for field, value in (("use_causal_conv", False), ("pad_mode", "reflect")):
+        m = MimiModel(tiny_mimi_config(**{field: value}))
+        with pytest.raises(CodecError, match=f"MimiConfig.{field}"):
+            load_mimi(m, CPU)
+
+
+def test_missing_folder_is_a_codec_error(tmp_path: Path) -> None:
+    with pytest.raises(CodecError, match="config.json"):
+        load_mimi(tmp_path, CPU)
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def test_stage_streams_each_sample_once_equal_to_offline(stage_factory, model: MimiModel) -> None:
+    stage = stage_factory()
+    assert (stage.sample_rate, stage.num_codebooks, stage.samples_per_frame) == (24000, K, SPF)
+    frames = _codes(11, 13)
+    stage.open("a")
+    out: dict = {}
+    done: dict = {}
+    for i, f in enumerate(frames):
+        stage.push_many([("a", f.tolist() if i % 2 else f)])  # lists and arrays alike
+        _drain(stage, out, done)
+        # each step emits exactly the new frame's samples: nothing held back, nothing repeated
+        assert sum(p.size for p in out["a"]) == (i + 1) * SPF
+    stage.close("a")
+    _drain(stage, out, done)
+    assert done == {"a": True} and len(stage) == 0
+    _assert_s16_close(_pcm(out["a"]), _offline(model, frames))
+    assert stage.step() == {}  # forgotten
+    stage.push_many([("a", frames[0])])  # a late frame of a finished request: ignored
+    assert len(stage) == 0 and stage.step() == {}
+
+
+def test_concurrent_requests_batched_equal_each_alone(stage_factory, model: MimiModel) -> None:
+    stage = stage_factory(max_chunk_frames=3)
+    calls: list[tuple[int, int]] = []  # (rows, frames) of each decoder call
+    decode = stage.decoder.decode
+    stage.decoder.decode = lambda slots, codes: (calls.append((len(slots), codes.shape[-1])), decode(slots, codes))[1]
+    # different lengths, joining at different steps, several frames per push now and then
+    plan = {"a": (0, 9), "b": (0, 4), "c": (2, 12), "d": (5, 1), "e": (3, 7)}  # key: (first step, frames)
+    frames = {k: _codes(20 + i, n) for i, (k, (_, n)) in enumerate(plan.items())}
+    sent = dict.fromkeys(plan, 0)
+    out: dict = {}
+    done: dict = {}
+    for step in range(16):
+        items, closing = [], []
+        for k, (start, n) in plan.items():
+            if step == start:
+                stage.open(k)
+            if start <= step and sent[k] < n:
+                take = 1 + (step % 3 == 0) * 3  # 1, or a burst of 4 (decoded 3 + 1)
+                items += [(k, f) for f in frames[k][sent[k] : sent[k] + take]]
+                sent[k] = min(n, sent[k] + take)
+                if sent[k] == n:
+                    closing.append(k)
+        stage.push_many(items)
+        for k in closing:  # after its last frame
+            stage.close(k)
+        _drain(stage, out, done)
+    assert done == dict.fromkeys(plan, True) and len(stage) == 0
+    assert max(rows for rows, _ in calls) >= 3  # requests did share decoder calls
+    assert max(m for _, m in calls) == 3  # max_chunk_frames bounds a call
+    for k in plan:
+        _assert_s16_close(_pcm(out[k]), _offline(model, frames[k]))
+        alone = stage_factory()
+        alone.open(k)
+        alone.push_many([(k, f) for f in frames[k]])
+        alone.close(k)
+        res = alone.step()
+        assert res[k].done and res[k].pcm.shape == _pcm(out[k]).shape
+        assert np.abs(res[k].pcm.astype(np.int32) - _pcm(out[k]).astype(np.int32)).max() <= 1
+
+
+def test_abort_frees_state_and_a_reused_slot_starts_fresh(stage_factory, model: MimiModel) -> None:
+    stage = stage_factory(max_streams=2)
+    free = stage.decoder.num_free
+    stage.open("x")
+    stage.push_many([("x", f) for f in _codes(1, 5)])
+    stage.step()
+    stage.push_many([("x", f) for f in _codes(2, 3)])  # pushed, never decoded
+    stage.abort("x")
+    assert len(stage) == 0 and "x" not in stage and stage.decoder.num_free == free
+    assert stage.step() == {}  # nothing more for it
+    stage.push_many([("x", _codes(3, 1)[0])])  # late frames after abort: ignored
+    assert stage.step() == {}
+    stage.abort("x")  # twice: harmless
+    # the freed slot is handed out again with zero state: the new stream equals its offline decode
+    frames = _codes(4, 6)
+    stage.open("y")
+    stage.push_many([("y", f) for f in frames])
+    stage.close("y")
+    res = stage.step()
+    assert res["y"].done and res["y"].error is None
+    _assert_s16_close(res["y"].pcm, _offline(model, frames))
+    assert stage.decoder.num_free == free
+
+
+def test_bad_codes_fail_only_their_request_naming_frame_and_codebook(stage_factory, model: MimiModel) -> None:
+    stage = stage_factory()
+    good = _codes(5, 4)
+    for key in ("ok", "range", "negative", "shape", "dtype"):
+        stage.open(key)
+    bad_range = good[2].copy()
+    bad_range[5] = SIZE
+    bad_neg = good[1].copy()
+    bad_neg[0] = -1
+    stage.push_many([("ok", f) for f in good] + [("range", good[0]), ("range", good[1]), ("range", bad_range),
+                                                  ("negative", bad_neg), ("shape", good[0][:7]),
+                                                  ("dtype", good[0].astype(np.float32))])
+    stage.close("ok")
+    res = stage.step()
+    assert res["range"].done and res["range"].error == (
+        f"codes: frame 2, codebook 5: code {SIZE} is outside the codebook range [0, {SIZE})")
+    assert res["negative"].error == f"codes: frame 0, codebook 0: code -1 is outside the codebook range [0, {SIZE})"
+    assert "frame 0 must hold 8 codes (one per codebook), got shape (7,)" in res["shape"].error
+    assert "integer codes" in res["dtype"].error
+    assert res["ok"].done and res["ok"].error is None
+    _assert_s16_close(res["ok"].pcm, _offline(model, good))
+    assert len(stage) == 0 and stage.decoder.num_free == stage.decoder.max_streams
+
+
+def test_limits_are_named_errors(stage_factory, mimi_dir: Path) -> None:
+    stage = stage_factory(max_streams=2, max_pending_frames=3)
+    stage.open(1)
+    stage.open(2)
+    with pytest.raises(CodecError, match="max_streams: all 2"):
+        stage.open(3)
+    with pytest.raises(KeyError):
+        stage.open(1)
+    stage.push_many([(1, f) for f in _codes(0, 4)])  # one more than may wait
+    res = stage.step()
+    assert res[1].done and "MimiCodecConfig.max_pending_frames" in res[1].error
+    stage.close(2)  # closed with no frames: done, no audio
+    assert stage.step()[2].done
+    stage.open(3)  # slots came back
+    with pytest.raises(CodecError, match="MimiCodecConfig.sample_rate"):
+        MimiCodecStage(MimiCodecConfig(path=str(mimi_dir), sample_rate=16000), CPU)
+    with pytest.raises(CodecError, match="MimiCodecConfig.max_batch_rows"):
+        MimiCodecConfig(path=str(mimi_dir), max_batch_rows=0)
