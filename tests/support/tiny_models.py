@@ -170,3 +170,56 @@ def make_tiny_mimi(path, *, seed: int = 0, **overrides) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+# make_tiny_csm's codec: the smallest Mimi transformers builds (CsmForConditionalGeneration always
+# builds its codec; these tensors are saved under codec_model.* and not read by runner/models/csm)
+TINY_CSM_MIMI = dict(hidden_size=32, num_filters=4, codebook_dim=16, vector_quantization_hidden_dimension=16, codebook_size=32, num_quantizers=4,
+                     num_semantic_quantizers=1, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                     head_dim=16, intermediate_size=64, upsampling_ratios=[8, 6, 5, 4], sliding_window=16,
+                     upsample_groups=32)
+CSM_TEXT_VOCAB = 100
+CSM_AUDIO_TOKEN_ID = 90
+CSM_AUDIO_EOS_TOKEN_ID = 91
+
+
+def tiny_csm_config(*, num_codebooks: int = 4, codebook_size: int = 40, hidden: int = 64, layers: int = 2,
+                    depth_hidden: int = 32, depth_layers: int = 2, tie: bool = True):
+    """transformers CsmConfig of a tiny CSM: backbone 64 wide (4 / 2 heads), depth decoder 32
+    wide with K + 1 positions, `num_codebooks` codebooks of `codebook_size`, text vocabulary 100
+    with 90 = audio frame and 91 = audio end, 1 = BOS; codebook 0 = end of stream as in CSM-1B."""
+    from transformers import CsmConfig, MimiConfig
+
+    return CsmConfig(
+        num_codebooks=num_codebooks, vocab_size=codebook_size, text_vocab_size=CSM_TEXT_VOCAB, hidden_size=hidden,
+        intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, pad_token_id=CSM_AUDIO_TOKEN_ID, codebook_pad_token_id=codebook_size - 1,
+        codebook_eos_token_id=0, bos_token_id=BOS_ID, audio_token_id=CSM_AUDIO_TOKEN_ID,
+        audio_eos_token_id=CSM_AUDIO_EOS_TOKEN_ID, tie_codebooks_embeddings=tie,
+        depth_decoder_config=dict(num_codebooks=num_codebooks, backbone_hidden_size=hidden, vocab_size=codebook_size,
+                                  hidden_size=depth_hidden, intermediate_size=2 * depth_hidden,
+                                  num_hidden_layers=depth_layers, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=num_codebooks + 1),
+        codec_config=MimiConfig(**TINY_CSM_MIMI).to_dict(),
+    )
+
+
+def make_tiny_csm(path, *, seed: int = 0, **config) -> Path:
+    """Save a random transformers CsmForConditionalGeneration (tiny_csm_config(**config)) to
+    `path`; weights re-drawn as _reinit does (the codec's too)."""
+    from transformers import CsmForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = CsmForConditionalGeneration(tiny_csm_config(**config)).to(torch.float32)
+    _reinit(model, seed)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_hf_csm(path):
+    """The saved CSM as transformers loads it: fp32, eval mode, eager attention."""
+    from transformers import CsmForConditionalGeneration
+
+    return CsmForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()

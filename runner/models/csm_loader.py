@@ -1,0 +1,115 @@
+"""Load a transformers `CsmForConditionalGeneration` folder (config.json + safetensors) into
+`CsmModel`, in the style of runner/models/loader.py: every tensor is matched to a destination and
+shape-checked from the safetensors headers before anything is allocated, the coverage of every
+parameter is checked, then tensors are copied in one at a time.
+
+The decoder layers of both transformers go through loader.expected_tensors (the Llama mapping,
+q/k/v and gate/up fused); `codec_model.*` (the Mimi codec) is not part of this model and is left
+to the codec's loader. With tied codebook embeddings a checkpoint stores the table under either
+name (transformers saves the depth decoder's); both fill the one shared parameter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from runner.config import ModelConfig
+from runner.layers.base import AttentionBackend, OpsBackend
+from runner.models.csm import CsmModel, build_empty_csm
+from runner.models.csm_config import CsmModelConfig
+from runner.models.loader import LoadError, _check_coverage, _names, _Target, expected_tensors, find_safetensors
+
+_IGNORED_PREFIXES = ("codec_model.",)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "audio_tokens_offsets")
+_BACKBONE_AUDIO = "backbone_model.embed_tokens.embed_audio_tokens.weight"
+_DEPTH_AUDIO = "depth_decoder.model.embed_tokens.weight"
+
+
+def _stack_tensors(cfg: ModelConfig, src_prefix: str, dst_prefix: str) -> dict[str, _Target]:
+    """The decoder layers and final norm of one stack, renamed from the Llama layout."""
+    out = {}
+    for name, t in expected_tensors(cfg).items():
+        if name.startswith("model.layers.") or name == "model.norm.weight":
+            out[src_prefix + name[len("model."):]] = _Target(dst_prefix + t.param, t.row_start, t.shape)
+    return out
+
+
+def expected_csm_tensors(cfg: CsmModelConfig) -> dict[str, _Target]:
+    """transformers tensor name -> destination in CsmModel, with its shape. With tied codebook
+    embeddings only the depth decoder's name is listed (plan_csm_load accepts either)."""
+    k, v, h, hd = cfg.num_codebooks, cfg.codebook_size, cfg.backbone.hidden_size, cfg.depth.hidden_size
+    out = {
+        "embed_text_tokens.weight": _Target("embed_text_tokens.weight", 0, (cfg.text_vocab_size, h)),
+        "lm_head.weight": _Target("lm_head.weight", 0, (v, h)),
+        "depth_decoder.model.inputs_embeds_projector.weight":
+            _Target("depth.inputs_embeds_projector.weight", 0, (hd, h)),
+        "depth_decoder.codebooks_head.weight": _Target("depth.codebooks_head", 0, (k - 1, hd, v)),
+    }
+    if cfg.tie_codebook_embeddings:  # one parameter (named_parameters lists the first owner)
+        out[_DEPTH_AUDIO] = _Target("embed_audio_tokens.weight", 0, (k * v, h))
+    else:
+        out[_BACKBONE_AUDIO] = _Target("embed_audio_tokens.weight", 0, (k * v, h))
+        out[_DEPTH_AUDIO] = _Target("depth.embed_tokens.weight", 0, (k * v, h))
+    out.update(_stack_tensors(cfg.backbone, "backbone_model.", "backbone."))
+    out.update(_stack_tensors(cfg.depth, "depth_decoder.model.", "depth."))
+    return out
+
+
+def plan_csm_load(cfg: CsmModelConfig, files: list[Path]) -> dict[str, tuple[Path, _Target, str]]:
+    """Match checkpoint tensors to destinations from headers only: expected name -> (file,
+    destination, the name it is stored under). LoadError names the tensor and its file on any
+    mismatch, and lists what is missing or unexpected."""
+    expected = expected_csm_tensors(cfg)
+    plan: dict[str, tuple[Path, _Target]] = {}
+    stored: dict[str, str] = {}  # plan key -> the name it is stored under, where they differ
+    unexpected: list[str] = []
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.startswith(_IGNORED_PREFIXES) or name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                key = _DEPTH_AUDIO if cfg.tie_codebook_embeddings and name == _BACKBONE_AUDIO else name
+                target = expected.get(key)
+                if target is None:
+                    unexpected.append(name)
+                    continue
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != target.shape:
+                    raise LoadError(f"tensor {name!r} in {path.name}: expected shape {target.shape}, got {shape}")
+                if key in plan:
+                    if key != name or stored.get(key, key) != key:  # the tied table under both names
+                        continue
+                    raise LoadError(f"tensor {name!r}: present in both {plan[key][0].name} and {path.name}")
+                plan[key] = (path, target)
+                if key != name:
+                    stored[key] = name
+    if unexpected:
+        raise LoadError(f"unexpected tensor(s) in checkpoint: {_names(unexpected)}")
+    missing = [n for n in expected if n not in plan]
+    if missing:
+        if cfg.tie_codebook_embeddings and missing == [_DEPTH_AUDIO]:
+            missing = [f"{_DEPTH_AUDIO} (or {_BACKBONE_AUDIO})"]
+        raise LoadError(f"missing tensor(s) in checkpoint {str(cfg.path)!r}: {_names(missing)}")
+    return {key: (path, target, stored.get(key, key)) for key, (path, target) in plan.items()}
+
+
+@torch.no_grad()
+def load_csm(cfg: CsmModelConfig, device: torch.device | str, dtype: torch.dtype,
+             attn: AttentionBackend | None = None, ops: OpsBackend | None = None) -> CsmModel:
+    """CsmModel for `cfg` on `device` in `dtype`, filled from the safetensors in cfg.path."""
+    plan = plan_csm_load(cfg, find_safetensors(cfg.path))
+    model = build_empty_csm(cfg, device, dtype, attn, ops)
+    params = dict(model.named_parameters())
+    _check_coverage({k: (p, t) for k, (p, t, _) in plan.items()}, params)
+    by_file: dict[Path, list[tuple[str, _Target]]] = {}
+    for path, target, stored in plan.values():
+        by_file.setdefault(path, []).append((stored, target))
+    for path, entries in by_file.items():
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for stored, target in entries:
+                dst = params[target.param].narrow(0, target.row_start, target.shape[0])
+                dst.copy_(f.get_tensor(stored))  # casts dtype and moves device in one copy
+    return model

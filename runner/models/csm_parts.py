@@ -1,0 +1,139 @@
+"""CSM's two transformers: a Llama decoder stack over input embeddings (the backbone) and the
+depth decoder with its per-frame KV buffers.
+
+Both stacks are runner/models/llama.py's `DecoderLayer`s (same attention and ops backends, same
+numerics as transformers) run over the paged KV layout of runner/layers/attention.py. The
+backbone's KV is the engine's paged cache; the depth decoder's is `DepthKV`: one block of K
+slots per batch row (num_blocks = max_rows, block_size = K), allocated once and overwritten by
+every frame (position p of a frame writes slot p before any query reads it, and the attention
+masks slots >= seq_len, so nothing is cleared between frames).
+
+The depth decoder of one frame, as transformers' CsmDepthDecoderForCausalLM.generate runs it:
+position 0 is the backbone's last hidden state, position 1 the code of codebook 0, position
+p >= 2 the code of codebook p - 1 (embedded at offset (p - 1) * V in the shared codebook
+table); every input goes through `inputs_embeds_projector` (backbone width -> depth width), and
+the output at position p (p >= 1) gives codebook p through its own head `codebooks_head[p - 1]`.
+Positions 0 and 1 go in one forward (two query rows per batch row, as transformers' first
+call), then one row per batch row per sub-step: K - 1 forwards per frame.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.config import ModelConfig
+from runner.layers.attention import AttentionMetadata, allocate_kv_cache
+from runner.layers.base import AttentionBackend, OpsBackend
+from runner.models.csm_sampling import CodebookSampler
+from runner.models.llama import DecoderLayer, RMSNorm, RotaryEmbedding
+
+
+class DecoderStack(nn.Module):
+    """Llama decoder layers + final norm over input embeddings [T, H] (no token embedding, no head)."""
+
+    def __init__(self, cfg: ModelConfig, attn: AttentionBackend, ops: OpsBackend):
+        super().__init__()
+        self.cfg = cfg
+        self.ops = ops
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, attn, self.rotary, ops) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """[T, H] input embeddings -> [T, H] final hidden states after the norm (what
+        transformers' `last_hidden_state` and `hidden_states[-1]` hold)."""
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, positions, kv_caches[i], meta)
+        h, _ = self.ops.add_rmsnorm(h, residual, self.norm.weight, self.norm.eps)
+        return h
+
+
+class DepthKV:
+    """The depth decoder's KV for up to `max_rows` rows of one frame, and every metadata tensor
+    its K - 1 forwards read, built once: a sub-step slices them (views of fixed addresses, as a
+    CUDA graph wants) and allocates nothing on the device.
+
+    Layout: per layer [2, max_rows, K, Hkv, D] (runner/layers/attention.py's paged layout with
+    one block of K slots per row; row r's table is [r]). Slot of row r, position p: r * K + p.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_codebooks: int, max_rows: int, device: torch.device | str,
+                 dtype: torch.dtype):
+        k = num_codebooks
+        self.max_rows = max_rows
+        self.num_codebooks = k
+        self.caches = allocate_kv_cache(cfg, max_rows, k, device, dtype)
+        i32 = dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        rows = torch.arange(max_rows, **i64)
+        self.block_tables = rows.to(torch.int32)[:, None].contiguous()  # [R, 1]
+        self.qsl_pairs = torch.arange(0, 2 * max_rows + 1, 2, **i32)  # [R + 1]: two queries a row
+        self.qsl_single = torch.arange(max_rows + 1, **i32)  # [R + 1]: one query a row
+        # the first forward: positions 0, 1 of each row, interleaved (row r owns query rows 2r, 2r+1)
+        self.pair_positions = torch.arange(2, **i64).repeat(max_rows)  # [2R]
+        self.pair_slots = (rows[:, None] * k + torch.arange(2, **i64)).reshape(-1)  # [2R]
+        # sub-step at position p (2 <= p < K): row r's position, slot and context length
+        pos = torch.arange(k, **i64)[:, None].expand(k, max_rows)
+        self.positions = pos.contiguous()  # [K, R]
+        self.slots = (rows[None, :] * k + pos).contiguous()  # [K, R]
+        self.seq_lens = (pos + 1).to(torch.int32).contiguous()  # [K, R]
+
+    def pair_meta(self, b: int) -> AttentionMetadata:
+        """Positions 0 and 1 of b rows in one forward (a 2-token prefill per row)."""
+        return AttentionMetadata(query_start_loc=self.qsl_pairs[: b + 1], seq_lens=self.seq_lens[1, :b],
+                                 block_tables=self.block_tables[:b], slot_mapping=self.pair_slots[: 2 * b],
+                                 max_query_len=2, max_seq_len=2)
+
+    def step_meta(self, b: int, p: int) -> AttentionMetadata:
+        """Position p of b rows, one query each (a pure decode step)."""
+        return AttentionMetadata(query_start_loc=self.qsl_single[: b + 1], seq_lens=self.seq_lens[p, :b],
+                                 block_tables=self.block_tables[:b], slot_mapping=self.slots[p, :b],
+                                 max_query_len=1, max_seq_len=p + 1, num_decodes=b, pure_decode=True)
+
+
+class CsmDepthDecoder(DecoderStack):
+    """transformers' CsmDepthDecoderForCausalLM: its decoder stack plus the codebook embedding
+    (backbone width; shared with the backbone when the checkpoint ties them), the projector to
+    its own width and one head per codebook 1..K-1."""
+
+    def __init__(self, cfg: ModelConfig, num_codebooks: int, backbone_hidden: int, attn: AttentionBackend,
+                 ops: OpsBackend):
+        super().__init__(cfg, attn, ops)
+        k, v = num_codebooks, cfg.vocab_size
+        self.num_codebooks = k
+        self.codebook_size = v
+        self.embed_tokens = nn.Embedding(k * v, backbone_hidden)
+        self.inputs_embeds_projector = nn.Linear(backbone_hidden, cfg.hidden_size, bias=False)
+        # [K - 1, H, V]: codebook k's logits are h @ codebooks_head[k - 1] (transformers' layout)
+        self.codebooks_head = nn.Parameter(torch.empty(k - 1, cfg.hidden_size, v))
+
+    def codebook_logits(self, h: torch.Tensor, codebook: int) -> torch.Tensor:
+        """[B, H] depth hidden at position `codebook` -> [B, V] float32 (model-dtype matmul, as transformers)."""
+        return F.linear(h, self.codebooks_head[codebook - 1].T).float()
+
+    def decode(self, hidden: torch.Tensor, code0: torch.Tensor, sampler: CodebookSampler, kv: DepthKV) -> torch.Tensor:
+        """hidden [B, H_backbone] (the backbone's last hidden state of each row), code0 [B] int64
+        -> the frames [B, K] int64 (column 0 is code0). All rows' sub-steps run batched; nothing
+        reads a device value on the host."""
+        b, k, v = hidden.shape[0], self.num_codebooks, self.codebook_size
+        if b > kv.max_rows:
+            raise ValueError(f"depth decode of {b} rows: its KV holds {kv.max_rows} (allocate_depth_kv(max_rows))")
+        frames = torch.empty(b, k, dtype=torch.int64, device=hidden.device)
+        frames[:, 0] = code0
+        # positions 0 and 1: [hidden_r, embed(code0_r)] interleaved per row
+        x = torch.stack((hidden, self.embed_tokens(code0)), dim=1).reshape(2 * b, -1)
+        h = self(self.inputs_embeds_projector(x), kv.pair_positions[: 2 * b], kv.caches, kv.pair_meta(b))
+        h = h.view(b, 2, -1)[:, 1]  # position 1 predicts codebook 1
+        for p in range(1, k):
+            code = sampler(self.codebook_logits(h, p), p)
+            frames[:, p] = code
+            if p == k - 1:
+                break
+            # codebook p's code sits at position p + 1, embedded at offset p * V
+            x = self.inputs_embeds_projector(self.embed_tokens(code + p * v))
+            h = self(x, kv.positions[p + 1, :b], kv.caches, kv.step_meta(b, p + 1))
+        return frames
