@@ -36,6 +36,16 @@ NUM_BLOCKS = 96
 PROMPTS = [[BOS_ID, 5, 7], [BOS_ID, 11, 3, 8, 20, 33, 4, 9], [BOS_ID, 2, 60, 61, 62, 14, 15, 16, 17, 40, 41, 42, 43]]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The models are tiny: hundreds of small ops per frame run several times faster on one
+    # thread than on a pool that competes with other processes for the cores.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def csm_dir(tmp_path_factory):
     return make_tiny_csm(tmp_path_factory.mktemp("csm"), seed=3)
@@ -132,7 +142,7 @@ def test_prompt_with_audio_frames_embeds_as_transformers(pair):
     n_frames = 3
     clip = torch.randn(1, 1, 1920 * n_frames, generator=torch.Generator().manual_seed(1))
     codes = hf.codec_model.encode(clip).audio_codes[0].T  # [F, K]
-    assert codes.shape == (n_frames, cfg.num_codebooks)
+    assert codes.shape == (n_frames, cfg.num_codebooks) and len(set(codes.flatten().tolist())) > 3
     prompt = [BOS_ID, 7, 8] + [CSM_AUDIO_TOKEN_ID] * n_frames + [CSM_AUDIO_EOS_TOKEN_ID, BOS_ID, 12, 13]
     out = hf(input_ids=torch.tensor([prompt]), input_values=clip, input_values_cutoffs=torch.tensor([[clip.shape[-1]]]),
              output_hidden_states=True)
@@ -254,3 +264,22 @@ def test_missing_and_misshapen_tensors_are_named(csm_dir, tmp_path):
     save_file(weights, bad / "model.safetensors")
     with pytest.raises(LoadError, match=r"tensor '" + gone.replace(".", r"\.") + r"' in model\.safetensors: expected shape"):
         load_csm(cfg, "cpu", torch.float32)
+
+
+@torch.no_grad()
+def test_untied_codebook_embeddings_load_both_tables(tmp_path):
+    path = make_tiny_csm(tmp_path / "untied", seed=4, tie=False, num_codebooks=3)
+    cfg = CsmModelConfig.from_pretrained(path)
+    ours, hf = load_csm(cfg, "cpu", torch.float32), load_hf_csm(path)
+    assert not cfg.tie_codebook_embeddings
+    assert torch.equal(ours.embed_audio_tokens.weight, hf.backbone_model.embed_tokens.embed_audio_tokens.weight)
+    assert torch.equal(ours.depth.embed_tokens.weight, hf.depth_decoder.model.embed_tokens.weight)
+    assert not torch.equal(ours.embed_audio_tokens.weight, ours.depth.embed_tokens.weight)
+    frames = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    torch.testing.assert_close(ours.embed_frames(frames), hf.backbone_model.embed_tokens(frames[:, None])[:, 0],
+                               rtol=0, atol=0)
+    hidden, code0 = torch.randn(2, cfg.backbone.hidden_size), torch.tensor([7, 9])
+    ours.allocate_depth_kv(2)
+    ref = hf.depth_decoder.generate(input_ids=torch.stack([torch.zeros_like(code0), code0], 1),
+                                    backbone_last_hidden_state=hidden, do_sample=False, max_new_tokens=2)
+    assert torch.equal(ours.depth_decode(hidden, code0, GreedyCodebooks()), ref[:, 1:])

@@ -172,12 +172,6 @@ def make_tiny_mimi(path, *, seed: int = 0, **overrides) -> Path:
     return path
 
 
-# make_tiny_csm's codec: the smallest Mimi transformers builds (CsmForConditionalGeneration always
-# builds its codec; these tensors are saved under codec_model.* and not read by runner/models/csm)
-TINY_CSM_MIMI = dict(hidden_size=32, num_filters=4, codebook_dim=16, vector_quantization_hidden_dimension=16, codebook_size=32, num_quantizers=4,
-                     num_semantic_quantizers=1, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                     head_dim=16, intermediate_size=64, upsampling_ratios=[8, 6, 5, 4], sliding_window=16,
-                     upsample_groups=32)
 CSM_TEXT_VOCAB = 100
 CSM_AUDIO_TOKEN_ID = 90
 CSM_AUDIO_EOS_TOKEN_ID = 91
@@ -188,7 +182,7 @@ def tiny_csm_config(*, num_codebooks: int = 4, codebook_size: int = 40, hidden: 
     """transformers CsmConfig of a tiny CSM: backbone 64 wide (4 / 2 heads), depth decoder 32
     wide with K + 1 positions, `num_codebooks` codebooks of `codebook_size`, text vocabulary 100
     with 90 = audio frame and 91 = audio end, 1 = BOS; codebook 0 = end of stream as in CSM-1B."""
-    from transformers import CsmConfig, MimiConfig
+    from transformers import CsmConfig
 
     return CsmConfig(
         num_codebooks=num_codebooks, vocab_size=codebook_size, text_vocab_size=CSM_TEXT_VOCAB, hidden_size=hidden,
@@ -200,18 +194,27 @@ def tiny_csm_config(*, num_codebooks: int = 4, codebook_size: int = 40, hidden: 
                                   hidden_size=depth_hidden, intermediate_size=2 * depth_hidden,
                                   num_hidden_layers=depth_layers, num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=num_codebooks + 1),
-        codec_config=MimiConfig(**TINY_CSM_MIMI).to_dict(),
+        # its codec: tiny_mimi_config with one quantizer per codebook, codes < codebook_size (Mimi
+        # wants a power of two)
+        codec_config=tiny_mimi_config(num_quantizers=num_codebooks,
+                                      codebook_size=min(1 << (codebook_size.bit_length() - 1), 64)).to_dict(),
     )
 
 
 def make_tiny_csm(path, *, seed: int = 0, **config) -> Path:
     """Save a random transformers CsmForConditionalGeneration (tiny_csm_config(**config)) to
-    `path`; weights re-drawn as _reinit does (the codec's too)."""
+    `path`; weights re-drawn as _reinit does (the codec's too), and the codec's codebooks random
+    (transformers leaves them zero, which encodes every clip to code 0)."""
     from transformers import CsmForConditionalGeneration
 
     torch.manual_seed(seed)
     model = CsmForConditionalGeneration(tiny_csm_config(**config)).to(torch.float32)
     _reinit(model, seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, b in model.codec_model.named_buffers():
+            if name.endswith("embed_sum"):
+                b.copy_(torch.randn(b.shape, generator=gen))
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
