@@ -23,7 +23,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
@@ -89,19 +89,21 @@ async def reject(ws: web.WebSocketResponse, e: BadMessage) -> None:
         await ws.close(code=e.close, message=e.code.encode())
 
 
-async def guard_session(ws: web.WebSocketResponse, session: Awaitable[None], endpoint: str) -> web.WebSocketResponse:
-    """Run an upgraded session; a bug in it becomes an error event and close 1011 instead of an
-    exception reaching the HTTP error middleware (which would write a 500 into the socket)."""
+async def guard_session(ws: web.WebSocketResponse, session: Callable[[], Awaitable[None]],
+                        endpoint: str) -> web.WebSocketResponse:
+    """Build and run an upgraded session; a bug in either becomes an error event and close 1011
+    instead of an exception reaching the HTTP error middleware (which would write a 500 into the
+    socket). The session is built here, inside the guard, so a failing constructor is covered."""
     try:
-        await session
-    except ConnectionResetError:
+        await session()
+    except ConnectionError:  # the client went away (reset, or aiohttp's "Connection lost")
         pass
     except Exception:  # a bug: the traceback goes to the log, the client gets a proper close
         log.exception("%s: session failed", endpoint)
         try:
             await send_error(ws, "internal_error", "The session failed on the server; see its log.")
             await ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"internal error")
-        except ConnectionResetError:
+        except ConnectionError:
             pass
     return ws
 
@@ -203,7 +205,7 @@ async def close_idle(ws: web.WebSocketResponse, timeout_s: float) -> None:
             "the session open, or pass ?inactivity_timeout= (ws_inactivity_timeout_s).",
         )
         await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"inactivity timeout")
-    except ConnectionResetError:
+    except ConnectionError:  # reset, or aiohttp's "Connection lost"
         pass
 
 

@@ -37,7 +37,8 @@ TOO_LARGE = "too_large"  # the frame is over the server's zmq_max_message_bytes
 NO_SPEECH = "model_has_no_speech"  # a speech request to a model without a speech profile
 OVERLOADED = "overloaded"
 UNAVAILABLE = "unavailable"
-ERROR_CODES = (INVALID_REQUEST, UNAUTHORIZED, TOO_LARGE, NO_SPEECH, OVERLOADED, UNAVAILABLE)
+INTERNAL_ERROR = "internal_error"  # a server bug handling this frame (logged); the gateway keeps serving
+ERROR_CODES = (INVALID_REQUEST, UNAUTHORIZED, TOO_LARGE, NO_SPEECH, OVERLOADED, UNAVAILABLE, INTERNAL_ERROR)
 
 REQUEST_TYPES = ("generate", "speech", "abort", "ping")
 

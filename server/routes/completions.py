@@ -183,7 +183,7 @@ async def _stream(request, ctx: ServerContext, job: CompletionJob, head: dict, f
             await resp.write(_sse({**head, "choices": [], "usage": _usage(job, last, n_out)}))
         await resp.write(_sse("[DONE]"))
         await resp.write_eof()
-    except ConnectionResetError:
+    except ConnectionError:  # reset, or aiohttp's "Connection lost"
         pass
     return resp
 

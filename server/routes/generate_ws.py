@@ -106,7 +106,7 @@ class GenerateSession:
                     await send_error(self.ws, "binary_not_allowed", "Binary frames are not accepted; send JSON.")
                 elif msg.type is WSMsgType.ERROR:
                     break
-        except ConnectionResetError:
+        except ConnectionError:  # reset, or aiohttp's "Connection lost"
             pass
         finally:
             if self.task is not None:
@@ -196,7 +196,7 @@ class GenerateSession:
             await send_error(self.ws, "engine_unavailable", f"The inference engine failed: {e}")
             self.closing = True
             await self.ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"engine unavailable")
-        except ConnectionResetError:
+        except ConnectionError:  # reset, or aiohttp's "Connection lost"
             pass  # the reader sees the close and cleans up
 
     async def _send_step(self, out: RequestOutput, model_dtype: str) -> None:
@@ -213,4 +213,4 @@ async def generate_stream(request: web.Request) -> web.WebSocketResponse:
     activity = session_activity(request)  # a bad ?inactivity_timeout= is a 400 before the upgrade
     ws = new_websocket(request)
     await ws.prepare(request)
-    return await guard_session(ws, GenerateSession(ctx, ws, activity).run(), ENDPOINT)
+    return await guard_session(ws, lambda: GenerateSession(ctx, ws, activity).run(), ENDPOINT)

@@ -171,7 +171,7 @@ async def _stream_audio(
         log.warning("speech %s: stream ended early: %s", job.add.request_id, e)
         _cut_connection(request)
         return resp
-    except ConnectionResetError:
+    except ConnectionError:  # reset, or aiohttp's "Connection lost"
         return resp
     if last is None or last.finish_reason == "error":
         log.warning("speech %s: generation failed mid-stream: %s", job.add.request_id, last and last.error)
@@ -182,7 +182,7 @@ async def _stream_audio(
         if tail:
             await resp.write(tail)
         await resp.write_eof()
-    except ConnectionResetError:
+    except ConnectionError:  # reset, or aiohttp's "Connection lost"
         pass
     return resp
 
@@ -228,7 +228,7 @@ async def _stream_sse(
                 await resp.write(_sse({"type": "speech.audio.delta", "audio": b64(tail)}))
             await resp.write(_sse({"type": "speech.audio.done", "usage": _usage(job, last)}))
         await resp.write_eof()
-    except ConnectionResetError:
+    except ConnectionError:  # reset, or aiohttp's "Connection lost"
         pass
     return resp
 

@@ -120,7 +120,7 @@ class TextSession(Sink):
                 elif msg.type is WSMsgType.ERROR:
                     log.info("%s: websocket error: %s", self.endpoint, self.ws.exception())
                     break
-        except ConnectionResetError:
+        except ConnectionError:  # reset, or aiohttp's "Connection lost"
             pass
         finally:
             await self.speaker.cancel()
@@ -180,7 +180,7 @@ class TextSession(Sink):
         try:
             await self.send_error("internal_error", "The session failed on the server; see its log.")
             await self.ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"internal error")
-        except ConnectionResetError:
+        except ConnectionError:  # reset, or aiohttp's "Connection lost"
             pass
 
 
@@ -308,7 +308,7 @@ async def speech_stream(request: web.Request) -> web.WebSocketResponse:
     ws = new_websocket(request)
     await ws.prepare(request)
     voicing = Voicing(ctx.profile.default_voice, ctx.speech_sampling)
-    return await guard_session(ws, SpeechStreamSession(ctx, ws, voicing, activity).run(), SPEECH_WS_ENDPOINT)
+    return await guard_session(ws, lambda: SpeechStreamSession(ctx, ws, voicing, activity).run(), SPEECH_WS_ENDPOINT)
 
 
 async def elevenlabs_stream_input(request: web.Request) -> web.WebSocketResponse:
@@ -324,5 +324,5 @@ async def elevenlabs_stream_input(request: web.Request) -> web.WebSocketResponse
     activity = session_activity(request)
     ws = new_websocket(request)
     await ws.prepare(request)
-    session = ElevenLabsSession(ctx, ws, Voicing(voice, ctx.speech_sampling), activity)
-    return await guard_session(ws, session.run(), ELEVENLABS_ENDPOINT)
+    voicing = Voicing(voice, ctx.speech_sampling)
+    return await guard_session(ws, lambda: ElevenLabsSession(ctx, ws, voicing, activity).run(), ELEVENLABS_ENDPOINT)

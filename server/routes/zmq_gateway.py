@@ -41,6 +41,7 @@ from streaming.schema import (
     sampling_params,
 )
 from streaming.zmq_protocol import (
+    INTERNAL_ERROR,
     INVALID_REQUEST,
     NO_SPEECH,
     OVERLOADED,
@@ -122,9 +123,19 @@ class ZmqGateway:
             while self._monitor.get(zmq.EVENTS) & zmq.POLLIN:
                 self._on_event(parse_monitor_message(await self._monitor.recv_multipart()))
             if self.sock.get(zmq.EVENTS) & zmq.POLLIN:
-                await self._on_frames(await self.sock.recv_multipart(copy=False))
+                await self._guarded(await self.sock.recv_multipart(copy=False))
             else:
                 await poller.poll()
+
+    async def _guarded(self, frames: list[zmq.Frame]) -> None:
+        """One frame's handling; a bug in it is logged and answered internal_error, and the
+        socket loop goes on serving every other client (an exception escaping here would end
+        ZeroMQ for all of them, silently)."""
+        try:
+            await self._on_frames(frames)
+        except Exception:
+            log.exception("zmq gateway: handling a frame failed")
+            await self._error(frames[0].bytes, "", INTERNAL_ERROR, "The server failed on this message; see its log.")
 
     def _on_event(self, event: dict) -> None:
         fd = int(event["value"])

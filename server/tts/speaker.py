@@ -256,7 +256,7 @@ class Speaker:
             await self._sink.speech_finished()
         except SessionFatal:
             pass
-        except ConnectionResetError:
+        except ConnectionError:  # reset, or aiohttp's "Connection lost"
             pass  # the client is gone; the reader notices and cancels us
         finally:
             if not finished:

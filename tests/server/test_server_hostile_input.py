@@ -274,3 +274,25 @@ async def test_a_bug_in_a_session_is_an_error_event_and_1011_not_an_http_respons
             assert (err["type"], err["code"]) == ("error", "internal_error")
             assert await closed_within(ws, 1.0) == 1011
         await still_serving(s)
+
+
+@pytest.mark.parametrize("path,module,cls", [
+    ("/v1/generate/stream", "server.routes.generate_ws", "GenerateSession"),
+    ("/v1/audio/speech/stream", "server.routes.tts_ws", "SpeechStreamSession"),
+    ("/v1/text-to-speech/tara/stream-input", "server.routes.tts_ws", "ElevenLabsSession"),
+])
+async def test_a_session_whose_construction_fails_is_1011_not_an_http_response(monkeypatch, path, module, cls):
+    """The session object is built inside the guard: a failing constructor (after the upgrade)
+    is an error event and close 1011, never an HTTP 500 written into the upgraded socket."""
+    import importlib
+
+    def broken(self, *a, **k):
+        raise RuntimeError("a bug in the constructor")
+
+    monkeypatch.setattr(getattr(importlib.import_module(module), cls), "__init__", broken)
+    async with serve() as s:
+        async with websockets.connect(s.url(path, "ws")) as ws:
+            err = await recv_json(ws, timeout=1.0)
+            assert (err["type"], err["code"]) == ("error", "internal_error")
+            assert await closed_within(ws, 1.0) == 1011
+        await still_serving(s)

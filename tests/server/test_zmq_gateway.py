@@ -395,3 +395,27 @@ async def test_invalid_utf8_is_refused_without_a_traceback():
             await s.send(plain.encode({"type": "generate", "id": "ok", "prompt_token_ids": [1]}))
             assert (await reply(s))[0].id == "ok"
     assert isinstance(r, ErrorReply) and r.code == "invalid_request" and "UTF-8" in r.message
+
+
+async def test_a_bug_handling_one_frame_is_answered_and_the_gateway_keeps_serving(monkeypatch):
+    """A bug while handling one frame is logged and answered internal_error; the socket loop
+    goes on and the next message is served (an escaping exception used to end ZeroMQ for all)."""
+    from server.routes.zmq_gateway import ZmqGateway as Gw
+
+    real, failed = Gw._read, []
+
+    def read_once_broken(self, raw):
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("a bug")
+        return real(self, raw)
+
+    monkeypatch.setattr(Gw, "_read", read_once_broken)
+    async with gateway(FakeEngine()) as ep:
+        with dealer(ep) as sock:
+            await sock.send(plain.encode({"type": "ping", "id": "a"}))
+            first = msgspec.msgpack.decode((await asyncio.wait_for(sock.recv_multipart(), WAIT_S))[0])
+            assert (first["type"], first["code"]) == ("error", "internal_error")
+            await sock.send(plain.encode({"type": "ping", "id": "b"}))
+            second = msgspec.msgpack.decode((await asyncio.wait_for(sock.recv_multipart(), WAIT_S))[0])
+            assert (second["type"], second["id"]) == ("pong", "b")
