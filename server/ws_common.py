@@ -175,18 +175,78 @@ def session_activity(request: web.Request) -> SessionActivity:
     return SessionActivity(inactivity_timeout(request), WorkSlot(admission_of(request), client_of(request)))
 
 
-async def messages(ws: web.WebSocketResponse, activity: SessionActivity) -> AsyncIterator[WSMessage]:
+class CloseRequest:
+    """A close that a session's other task (the speaker's writer, a generation) asks of the
+    session's reader, which then does it.
+
+    Why the reader: aiohttp's `close()` waits for the client's Close frame only when the task
+    that reads the socket calls it. Called from another task while the reader waits in
+    `receive()`, it sends our Close, wakes the reader with a CLOSING message (which marks the
+    socket as closing) and then closes TCP at once, without reading the client's answer; the
+    reader's loop ends and the handler returns. A client that is still sending (its next
+    message already on the wire) then gets a reset from our kernel, and its kernel discards
+    what it had not yet read: our last event and Close frame; the client sees an abnormal
+    closure (1006). So other tasks only ask (`request`: sets the code and wakes the reader out
+    of its wait), and `messages` closes from the reader: aiohttp then reads, discarding, until
+    the client's Close (or its close timeout) before the iteration ends, the handler returns
+    and TCP is closed, as RFC 6455 7.1.1 wants. The session's last event (session.done)
+    travels with the request and is sent by the reader too, so no answer to a message read
+    meanwhile can come after it."""
+
+    def __init__(self) -> None:
+        self.code: int | None = None
+        self.message = b""
+        self.last_event: dict | None = None
+        self._reader_wait: asyncio.Timeout | None = None  # the reader's current wait, if it waits
+
+    @property
+    def requested(self) -> bool:
+        return self.code is not None
+
+    def request(self, code: int, message: bytes = b"", last_event: dict | None = None) -> None:
+        """Ask the reader to send `last_event` (if any) and close with this code; the first
+        request stands."""
+        if self.code is not None:
+            return
+        self.code, self.message, self.last_event = code, message, last_event
+        if self._reader_wait is not None and not self._reader_wait.expired():
+            # Expire the reader's deadline now: its receive() is cancelled before it took a
+            # message (nothing is lost) and `messages` sees the request.
+            self._reader_wait.reschedule(asyncio.get_running_loop().time())
+
+    async def close(self, ws: web.WebSocketResponse) -> None:
+        """Called by the reader: the last event, our Close, then the client's, then TCP closes."""
+        assert self.code is not None
+        try:
+            if self.last_event is not None and not ws.closed:
+                await send_json(ws, self.last_event)
+            await ws.close(code=self.code, message=self.message)
+        except ConnectionError:  # reset, or aiohttp's "Connection lost"
+            pass
+
+
+async def messages(
+    ws: web.WebSocketResponse, activity: SessionActivity, closer: CloseRequest
+) -> AsyncIterator[WSMessage]:
     """The client's messages (as `async for msg in ws`), each one restarting the inactivity
     clock; when the session has been idle too long, it is closed (error event + 1008) and the
-    iteration ends."""
+    iteration ends. When another task asked `closer` for a close, this reader closes (waiting
+    for the client's Close) and the iteration ends."""
     while True:
+        if closer.requested:
+            await closer.close(ws)
+            return
         try:
             # our own deadline, not receive(timeout=): aiohttp restarts that one after every
             # protocol ping it answers, which would make pings count as activity
-            async with asyncio.timeout(activity.next_check_s()):
-                msg = await ws.receive()
+            async with asyncio.timeout(activity.next_check_s()) as deadline:
+                closer._reader_wait = deadline
+                try:
+                    msg = await ws.receive()
+                finally:
+                    closer._reader_wait = None
         except TimeoutError:
-            if activity.idle_s() >= activity.timeout_s:
+            if not closer.requested and activity.idle_s() >= activity.timeout_s:
                 await close_idle(ws, activity.timeout_s)
                 return
             continue

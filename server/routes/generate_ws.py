@@ -37,6 +37,7 @@ from server.errors import APIError
 from server.sampling import NESTED_FIELDS, rejection_error, request_limits
 from server.ws_common import (
     BadMessage,
+    CloseRequest,
     PingMessage,
     SessionActivity,
     bad_message,
@@ -92,14 +93,13 @@ class GenerateSession:
         self.activity = activity
         self.task: asyncio.Task | None = None
         self.crash_reporter: asyncio.Future | None = None
-        # Set when the generation task closes the socket itself: let that close handshake
-        # finish instead of cancelling it into an abnormal closure.
-        self.closing = False
+        # The generation task ends the session by asking; the reader (run) closes.
+        self.closer = CloseRequest()
 
     async def run(self) -> None:
         self.ctx.metrics.active_streams.labels(ENDPOINT).inc()
         try:
-            async for msg in messages(self.ws, self.activity):
+            async for msg in messages(self.ws, self.activity, self.closer):
                 if msg.type is WSMsgType.TEXT:
                     await self._on_text(msg.data)
                 elif msg.type is WSMsgType.BINARY:
@@ -110,8 +110,7 @@ class GenerateSession:
             pass
         finally:
             if self.task is not None:
-                if not self.closing:
-                    self.task.cancel()  # aborts the engine request
+                self.task.cancel()  # aborts the engine request (a no-op once it has ended)
                 await asyncio.gather(self.task, return_exceptions=True)
             self.activity.end_work()  # also when the task was cancelled before it ran
             self.ctx.metrics.active_streams.labels(ENDPOINT).dec()
@@ -194,8 +193,7 @@ class GenerateSession:
             await send_error(self.ws, "overloaded", f"The engine is at capacity: {e}")
         except EngineUnavailable as e:
             await send_error(self.ws, "engine_unavailable", f"The inference engine failed: {e}")
-            self.closing = True
-            await self.ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"engine unavailable")
+            self.closer.request(WSCloseCode.INTERNAL_ERROR, b"engine unavailable")
         except ConnectionError:  # reset, or aiohttp's "Connection lost"
             pass  # the reader sees the close and cleans up
 

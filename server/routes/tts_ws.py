@@ -55,6 +55,7 @@ from server.tts.speaker import Refusal, Sink, Speaker, Utterance, Voicing, usage
 from server.tts.text_segmenter import TextSegmenter
 from server.ws_common import (
     BadMessage,
+    CloseRequest,
     PingMessage,
     SessionActivity,
     bad_message,
@@ -106,13 +107,15 @@ class TextSession(Sink):
         self.activity = activity
         self.segmenter = TextSegmenter(ctx.settings.segment_min_clause_chars, ctx.settings.segment_max_chars)
         self.speaker = Speaker(ctx, self, self.endpoint, activity)
+        # The speaker's writer ends the session by asking; the reader (run) closes.
+        self.closer = CloseRequest()
 
     async def run(self) -> None:
         self.speaker.start()
         self.ctx.metrics.active_streams.labels(self.endpoint).inc()
         try:
             await self.on_open()
-            async for msg in messages(self.ws, self.activity):
+            async for msg in messages(self.ws, self.activity, self.closer):
                 if msg.type is WSMsgType.TEXT:
                     await self._on_text(msg.data)
                 elif msg.type is WSMsgType.BINARY:
@@ -167,21 +170,22 @@ class TextSession(Sink):
     async def on_message(self, obj: dict) -> None:
         raise NotImplementedError  # each protocol handles its own messages
 
-    async def close_from_writer(self, code: int, message: bytes = b"") -> None:
-        self.speaker.closing = True
-        await self.ws.close(code=code, message=message)
+    def close_from_writer(self, code: int, message: bytes = b"", last_event: dict | None = None) -> None:
+        """The writer's end of the session: the reader sends `last_event` and closes (see
+        ws_common.CloseRequest)."""
+        self.closer.request(code, message, last_event)
 
     async def utterance_failed(self, utt: Utterance, code: str, message: str, param: str | None) -> None:
         await self.send_error(code, message, param, utterance=utt.index)
         if code == "engine_unavailable":
-            await self.close_from_writer(WSCloseCode.INTERNAL_ERROR, b"engine unavailable")
+            self.close_from_writer(WSCloseCode.INTERNAL_ERROR, b"engine unavailable")
 
     async def crashed(self) -> None:
         try:
             await self.send_error("internal_error", "The session failed on the server; see its log.")
-            await self.ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"internal error")
         except ConnectionError:  # reset, or aiohttp's "Connection lost"
             pass
+        self.close_from_writer(WSCloseCode.INTERNAL_ERROR, b"internal error")
 
 
 # ---- /v1/audio/speech/stream ------------------------------------------------------------------
@@ -262,8 +266,7 @@ class SpeechStreamSession(TextSession):
         )
 
     async def speech_finished(self) -> None:
-        await self.send_json({"type": "session.done"})
-        await self.close_from_writer(WSCloseCode.OK)
+        self.close_from_writer(WSCloseCode.OK, last_event={"type": "session.done"})
 
 
 # ---- /v1/text-to-speech/{voice_id}/stream-input (ElevenLabs shapes) ----------------------------
@@ -295,8 +298,7 @@ class ElevenLabsSession(TextSession):
         await self.send_json({"audio": b64(pcm), "isFinal": False, "normalizedAlignment": None, "alignment": None})
 
     async def speech_finished(self) -> None:
-        await self.send_json({"isFinal": True})
-        await self.close_from_writer(WSCloseCode.OK)
+        self.close_from_writer(WSCloseCode.OK, last_event={"isFinal": True})
 
 
 # ---- handlers -----------------------------------------------------------------------------------

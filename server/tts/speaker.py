@@ -125,9 +125,6 @@ class Speaker:
         self._ended = False
         self._stopped = False  # the writer is gone: nothing more will be spoken
         self._crash_reporter: asyncio.Future | None = None
-        # Set when the writer closes the socket itself (all spoken, or engine gone): that close
-        # handshake must finish rather than be cancelled into an abnormal closure.
-        self.closing = False
 
     def start(self) -> None:
         self._launcher = asyncio.create_task(self._launch_loop())
@@ -193,13 +190,9 @@ class Speaker:
         """Stop everything; in-flight engine requests are aborted before this returns."""
         tasks = [t for t in (self._launcher, self._writer) if t is not None]
         tasks += [u.task for u in self._live if u.task is not None]
-        if self.closing and self._writer is not None:
-            tasks.remove(self._writer)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self.closing and self._writer is not None:
-            await asyncio.gather(self._writer, return_exceptions=True)
         self._pending = 0
         self._work.end_work()
 

@@ -390,3 +390,51 @@ async def test_engine_rejection_in_a_tts_session_names_the_field(as_output):
             await ws.send(json.dumps({"prompt_token_ids": [1]}))
             err = await recv_json(ws)
             assert (err["code"], err["param"]) == ("invalid_field", "sampling.max_tokens")
+
+
+def ended_by_server(url: str, messages: list[dict], final: dict, sessions: int) -> list[str]:
+    """Sessions of a client (websockets' threaded one, so it runs beside the server's loop
+    as a separate client process would) that ends the input with the first message and sends
+    the others right behind it, then reads to the end: the last event must be `final`, then
+    the server's Close frame 1000, not a reset (1006). The failures, described."""
+    from websockets.sync.client import connect
+
+    failures: list[str] = []
+    for _ in range(sessions):
+        events: list = []
+        with connect(url, close_timeout=5) as ws:
+            if "speech/stream" in url:
+                ws.recv(timeout=5)  # session.created
+            try:
+                for m in messages:
+                    ws.send(json.dumps(m))
+            except ConnectionClosed:
+                pass  # the server has closed already; what it sent is still readable
+            try:
+                while True:
+                    events.append(json.loads(ws.recv(timeout=5)))
+            except ConnectionClosed:
+                pass
+            rcvd = ws.protocol.close_rcvd
+            if rcvd is None or rcvd.code != 1000 or not events or events[-1] != final:
+                failures.append(f"close {rcvd}, last events {events[-3:]}")
+    return failures
+
+
+@pytest.mark.parametrize("protocol", ["speech", "elevenlabs"])
+async def test_a_session_the_server_ends_closes_cleanly_while_the_client_still_sends(protocol):
+    # 32d_findings #6: the writer task used to close the socket while the reader waited; aiohttp
+    # then closed TCP without waiting for the client's Close, and a client still sending got a
+    # reset that discarded the session's last event and Close frame (1006). The reader now owns
+    # the close, so both Close frames are exchanged first, under load, every time.
+    if protocol == "speech":
+        path = "/v1/audio/speech/stream"
+        messages = [{"type": "session.close"}, {"type": "session.close"}, {"type": "session.config"}, {"type": "ping"}]
+        final = {"type": "session.done"}
+    else:
+        path = "/v1/text-to-speech/tara/stream-input"
+        messages = [{"text": ""}, {"text": "more"}, {"text": " "}, {"text": "and more"}]
+        final = {"isFinal": True}
+    async with serve(FakeEngine(samples_per_step=SPS)) as s:
+        failures = await asyncio.to_thread(ended_by_server, s.url(path, "ws"), messages, final, 200)
+    assert not failures, f"{len(failures)} of 200 sessions: {failures[:3]}"
