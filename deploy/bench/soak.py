@@ -40,6 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from deploy.bench.soak_driver import Soak
 from deploy.bench.soak_report import render, summarize, verdict  # noqa: F401  (re-exported for tests)
 from deploy.bench.soak_server import (
     DEFAULT_MIX,
@@ -49,7 +50,6 @@ from deploy.bench.soak_server import (
     Server,
     parse_mix,
 )
-from deploy.bench.soak_sessions import Soak
 
 
 async def soak(cfg: Config, workdir: Path) -> dict:
