@@ -71,9 +71,6 @@ class Engine:
         self._finished_out: list[RequestOutput] = []  # outputs produced outside a step (aborts)
         self._audio_open: dict[int, Request] = {}  # codec streams not yet fully emitted
         self.step_count = 0
-        # host seconds per phase, summed over steps (the engine process logs them): schedule,
-        # execute (prepare + launch the forward), sample (launch), emit (wait for the step's
-        # ids + bookkeeping), codec (collect + launch windows)
         self.phase_s = [0.0] * len(self.PHASES)
         self.last_scheduled = SchedulerOutput()  # what the latest step ran (for the slow-step log)
         self.num_requests_total = 0

@@ -58,8 +58,8 @@ class ModelFamily(ABC):
 
     @property
     def speaks(self) -> bool:
-        """Whether requests may ask for audio (a codec is configured)."""
-        return self.profile.codec is not None
+        """Whether requests may ask for audio (the profile's rule: a speech spec and a codec)."""
+        return self.profile.speaks
 
     @abstractmethod
     def build_codec(self, device: torch.device, dtype: torch.dtype, tuning: str = "auto") -> CodecStageLike | None:

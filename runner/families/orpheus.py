@@ -22,6 +22,7 @@ import torch
 from runner.codecs.config import CodecConfig
 from runner.codecs.stage import CodecStage
 from runner.families.base import CodecStageLike, LogitsConstraint, ModelFamily
+from streaming.profile import ModelProfile
 
 
 class OrpheusCodeConstraint:
@@ -85,17 +86,23 @@ class OrpheusFamily(ModelFamily):
 
     name = "orpheus"
 
+    def __init__(self, profile: ModelProfile):
+        super().__init__(profile)
+        # the codec section parsed (and checked) once; the constraint and the codec stage both
+        # read the token layout from it, so its defaults live in CodecConfig alone
+        self.codec_config = CodecConfig(**profile.codec) if profile.codec is not None else None
+
     def build_codec(self, device: torch.device, dtype: torch.dtype, tuning: str = "auto") -> CodecStageLike | None:
-        if self.profile.codec is None:
+        if self.codec_config is None:
             return None
-        return CodecStage(CodecConfig(**self.profile.codec), device, dtype, tuning)
+        return CodecStage(self.codec_config, device, dtype, tuning)
 
     def logits_constraint(self, backend: str) -> LogitsConstraint | None:
-        c = self.profile.codec
+        c = self.codec_config
         if c is None:
             return None
-        return OrpheusCodeConstraint(c["audio_token_offset"], c["codebook_size"], c.get("tokens_per_frame", 7),
-                                     c["end_token_id"], backend=backend)
+        return OrpheusCodeConstraint(c.audio_token_offset, c.codebook_size, c.tokens_per_frame, c.end_token_id,
+                                     backend=backend)
 
     def stop_token_ids(self) -> tuple[int, ...]:
-        return (self.profile.codec["end_token_id"],) if self.profile.codec is not None else ()
+        return (self.codec_config.end_token_id,) if self.codec_config is not None else ()

@@ -10,10 +10,6 @@ from runner.families.base import LogitsConstraint, ModelFamily
 class TextFamily(ModelFamily):
     name = "text"
 
-    @property
-    def speaks(self) -> bool:
-        return False
-
     def build_codec(self, device: torch.device, dtype: torch.dtype, tuning: str = "auto") -> None:
         return None
 
