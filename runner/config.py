@@ -274,8 +274,11 @@ class EngineConfig:
             raise ConfigError("block_size: must be a power of two")
         if s.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens: must be >= 1")
-        if s.max_model_len is None:  # built without from_parts: the model's limit
-            object.__setattr__(self, "scheduler", replace(s, max_model_len=self.model.max_position_embeddings))
+        # the one place max_model_len is resolved: None is the model's limit, and no more than it
+        limit = self.model.max_position_embeddings
+        resolved = min(s.max_model_len or limit, limit)
+        if resolved != s.max_model_len:
+            object.__setattr__(self, "scheduler", replace(s, max_model_len=resolved))
             s = self.scheduler
         if s.max_model_len < 2:
             raise ConfigError("max_model_len: must be >= 2")
@@ -302,8 +305,6 @@ class EngineConfig:
     def from_parts(model_path: str | Path, cache: CacheConfig, scheduler: SchedulerConfig,
                    runner: RunnerConfig) -> "EngineConfig":
         model = ModelConfig.from_pretrained(model_path)
-        limit = model.max_position_embeddings
-        scheduler = replace(scheduler, max_model_len=min(scheduler.max_model_len or limit, limit))
         if runner.sampler_backend == "auto":
             runner = replace(runner, sampler_backend=Env.read().sampler_backend)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler, runner=runner)
