@@ -48,6 +48,7 @@ ORPHEUS_SUFFIX = (128009, 128260, 128261, 128257)
 ORPHEUS_END_OF_SPEECH = 128258
 ORPHEUS_AUDIO_TOKEN_OFFSET = 128266  # audio token = offset + slot * codebook_size + code
 ORPHEUS_CODEBOOK_SIZE = 4096
+ORPHEUS_TOKENS_PER_FRAME = 7  # codebook slots per SNAC frame (runner/codecs/orpheus_tokens.py: its levels)
 ORPHEUS_SAMPLE_RATE = 24000
 
 
@@ -159,7 +160,7 @@ def _holds_orpheus_tokens(folder: Path) -> bool:
         raise ProfileError(f"{cfg}: missing (a model folder needs config.json, *.safetensors and tokenizer.json)") from None
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise ProfileError(f"{cfg}: not a JSON object ({e})") from None
-    return isinstance(vocab, int) and vocab >= ORPHEUS_AUDIO_TOKEN_OFFSET + 7 * ORPHEUS_CODEBOOK_SIZE
+    return isinstance(vocab, int) and vocab >= ORPHEUS_AUDIO_TOKEN_OFFSET + ORPHEUS_TOKENS_PER_FRAME * ORPHEUS_CODEBOOK_SIZE
 
 
 def _speech(raw: _ProfileFile) -> SpeechSpec:

@@ -76,3 +76,10 @@ def test_profile_round_trips_as_engine_argument(tmp_path):
     (tmp_path / "omnistream.json").write_text(json.dumps({"voices": ["a", "b"], "codec": {"path": "/c"}}))
     p = read_profile(tmp_path)
     assert msgspec.json.decode(msgspec.json.encode(p), type=ModelProfile) == p
+
+
+def test_the_profile_and_the_codec_agree_on_the_frame_width():
+    from runner.codecs.orpheus_tokens import FRAME_WIDTH
+    from streaming.profile import ORPHEUS_TOKENS_PER_FRAME
+
+    assert FRAME_WIDTH == ORPHEUS_TOKENS_PER_FRAME
