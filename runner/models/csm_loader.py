@@ -20,7 +20,15 @@ from runner.config import ModelConfig
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.csm import CsmModel, build_empty_csm
 from runner.models.csm_config import CsmModelConfig
-from runner.models.loader import LoadError, _check_coverage, _names, _Target, expected_tensors, find_safetensors
+from runner.models.loader import (
+    LoadError,
+    _check_coverage,
+    _names,
+    _Target,
+    copy_planned,
+    expected_tensors,
+    find_safetensors,
+)
 
 _IGNORED_PREFIXES = ("codec_model.",)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "audio_tokens_offsets")
@@ -104,12 +112,5 @@ def load_csm(cfg: CsmModelConfig, device: torch.device | str, dtype: torch.dtype
     model = build_empty_csm(cfg, device, dtype, attn, ops)
     params = dict(model.named_parameters())
     _check_coverage({k: (p, t) for k, (p, t, _) in plan.items()}, params)
-    by_file: dict[Path, list[tuple[str, _Target]]] = {}
-    for path, target, stored in plan.values():
-        by_file.setdefault(path, []).append((stored, target))
-    for path, entries in by_file.items():
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for stored, target in entries:
-                dst = params[target.param].narrow(0, target.row_start, target.shape[0])
-                dst.copy_(f.get_tensor(stored))  # casts dtype and moves device in one copy
+    copy_planned(params, ((path, stored, target) for path, target, stored in plan.values()))
     return model

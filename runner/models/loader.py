@@ -11,6 +11,7 @@ peak memory is the model plus one tensor.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,12 +168,17 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, attn:
     model = build_empty_model(cfg, device, dtype, attn, ops, model_cls=model_class_for(cfg))
     params = dict(model.named_parameters())
     _check_coverage(plan, params)
+    copy_planned(params, ((path, name, target) for name, (path, target) in plan.items()))
+    return model
+
+
+def copy_planned(params: dict[str, torch.Tensor], plan: Iterable[tuple[Path, str, _Target]]) -> None:
+    """Copy each (file, stored tensor name, target rows) into the parameters, opening each file
+    once; the copy casts the dtype and moves to the device in one step."""
     by_file: dict[Path, list[tuple[str, _Target]]] = {}
-    for name, (path, target) in plan.items():
-        by_file.setdefault(path, []).append((name, target))
+    for path, stored, target in plan:
+        by_file.setdefault(path, []).append((stored, target))
     for path, entries in by_file.items():
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name, target in entries:
-                dst = params[target.param].narrow(0, target.row_start, target.shape[0])
-                dst.copy_(f.get_tensor(name))  # casts dtype and moves device in one copy
-    return model
+            for stored, target in entries:
+                params[target.param].narrow(0, target.row_start, target.shape[0]).copy_(f.get_tensor(stored))
