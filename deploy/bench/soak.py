@@ -66,19 +66,19 @@ async def soak(cfg: Config, workdir: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--duration", type=float, default=180.0, help="seconds of load (default 180)")
-    ap.add_argument("--sessions", type=int, default=4000, help="stop after this many sessions (default 4000)")
-    ap.add_argument("--concurrency", type=int, default=24, help="sessions in flight at once (default 24)")
+    ap.add_argument("--duration", type=float, default=Config.duration_s, help="seconds of load (default %(default)s)")
+    ap.add_argument("--sessions", type=int, default=Config.sessions, help="stop after this many sessions (default %(default)s)")
+    ap.add_argument("--concurrency", type=int, default=Config.concurrency, help="sessions in flight at once (default %(default)s)")
     ap.add_argument("--mix", default=DEFAULT_MIX, help=f"kind=weight,... (default {DEFAULT_MIX})")
-    ap.add_argument("--stall-every", type=float, default=30.0,
+    ap.add_argument("--stall-every", type=float, default=Config.stall_every_s,
                     help="heavy requests start this often (s), alternately stalled and read")
-    ap.add_argument("--stall-s", type=float, default=8.0, help="how long a stalled reader stops reading")
-    ap.add_argument("--idle-s", type=float, default=4.0, help="how long an idle session sends nothing")
-    ap.add_argument("--max-num-seqs", type=int, default=48, help="the server's --max-num-seqs")
-    ap.add_argument("--rss-growth-mb", type=float, default=48.0, help="RSS growth after warm-up counted as flat")
-    ap.add_argument("--model", default=None, help="model folder (default: the embedded tiny default)")
+    ap.add_argument("--stall-s", type=float, default=Config.stall_s, help="how long a stalled reader stops reading")
+    ap.add_argument("--idle-s", type=float, default=Config.idle_s, help="how long an idle session sends nothing")
+    ap.add_argument("--max-num-seqs", type=int, default=Config.max_num_seqs, help="the server's --max-num-seqs")
+    ap.add_argument("--rss-growth-mb", type=float, default=Config.rss_growth_mb, help="RSS growth after warm-up counted as flat")
+    ap.add_argument("--model", default=Config.model, help="model folder (default: the embedded tiny default)")
     ap.add_argument("--machine", default=os.environ.get("SOAK_MACHINE", ""), help="machine named in the results")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=Config.seed)
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / ".bench" / "soak"),
                     help="results folder (default: $OUT, else .bench/soak/)")
     a = ap.parse_args()
