@@ -28,7 +28,8 @@ def _client_parser(sub) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--zmq-endpoint", default="tcp://127.0.0.1:5555")
     p.add_argument("--voice", default=None)
-    p.add_argument("--format", default="wav", choices=["wav", "pcm"])
+    p.add_argument("--format", default="wav", help="speak: any response_format (mp3, opus, aac, flac, wav, pcm, "
+                   "pcm_16000, ulaw_8000, mp3_44100_128, ...); ws: wav or pcm (default: wav)")
     p.add_argument("-o", "--output", default="out.wav")
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-tokens", type=int, default=64)

@@ -68,8 +68,14 @@ async def speak(args: argparse.Namespace) -> int:
                         ttfa = time.monotonic() - started
                     f.write(chunk)
                     written += len(chunk)
-    header = 44 if args.format == "wav" else 0
-    _report("speak", written, max(0, written - header), rate, ttfa, time.monotonic() - started, args.output)
+    total = time.monotonic() - started
+    if args.format in ("pcm", "wav"):
+        header = 44 if args.format == "wav" else 0
+        _report("speak", written, max(0, written - header), rate, ttfa, total, args.output)
+    else:  # a compressed format: its duration is the decoder's business
+        first = f"{ttfa * 1000:.0f} ms" if ttfa is not None else "n/a"
+        print(f"speak: wrote {written} bytes of {args.format} to {args.output}; first bytes after {first}, "
+              f"done after {total:.2f} s", file=sys.stderr)
     return 0
 
 

@@ -1,7 +1,8 @@
 """POST /v1/audio/speech: OpenAI-compatible text to speech.
 
 Body: `model` (any name: one model is served), `input`, `voice` (a name or {"id": name}),
-`response_format` (see streaming.encoders; default "wav" since "mp3" is not available),
+`response_format` (OpenAI's mp3 (the default), opus, aac, flac, wav, pcm, or a codec_rate[_kbps]
+name such as pcm_16000, ulaw_8000 or mp3_44100_128: see streaming.encoders),
 `speed` (only 1.0), `stream_format` ("audio" chunked bytes | "sse" events), and extensions:
 `stream` (false -> one whole file with Content-Length), `seed`, `temperature`, `top_p`,
 `top_k`, `min_p`, `repetition_penalty`, `max_new_tokens`. The body is a
@@ -23,6 +24,7 @@ import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
 
+import numpy as np
 from aiohttp import web
 
 from server.context import ServerContext, get_ctx
@@ -30,14 +32,8 @@ from server.engine_api import EngineOverloaded, EngineUnavailable
 from server.errors import invalid_request, read_body
 from server.outputs import first_output, mid_stream_error, until_finished
 from server.sampling import SPEECH_FIELDS, rejection_error, request_limits
-from streaming.encoders import (
-    AudioFormat,
-    UnsupportedFormat,
-    b64,
-    get_format,
-    pcm16_bytes,
-    supported_formats,
-)
+from server.tts.encoding import EncodedStream, whole_file
+from streaming.encoders import AudioFormat, UnsupportedFormat, b64, resolve_format
 from streaming.ipc import AddRequest, RequestOutput
 from streaming.sampling_params import SamplingParams
 from streaming.schema import (
@@ -54,7 +50,7 @@ from streaming.schema import (
 log = logging.getLogger(__name__)
 
 ENDPOINT = "/v1/audio/speech"
-DEFAULT_RESPONSE_FORMAT = "wav"
+DEFAULT_RESPONSE_FORMAT = "mp3"  # OpenAI's default
 STREAM_FORMATS = ("audio", "sse")
 
 
@@ -88,11 +84,9 @@ async def parse_speech_body(ctx: ServerContext, req: SpeechRequest) -> SpeechJob
     voice = ctx.profile.resolve_voice(voice_name(req.voice))
     fmt_name = req.response_format or DEFAULT_RESPONSE_FORMAT
     try:
-        fmt = get_format(fmt_name)
-    except UnsupportedFormat:
-        raise SchemaError(
-            "response_format", f"{fmt_name!r} is not supported; supported: {', '.join(supported_formats())}", UNSUPPORTED
-        ) from None
+        fmt = resolve_format(fmt_name)
+    except UnsupportedFormat as e:
+        raise SchemaError("response_format", str(e), UNSUPPORTED) from None
     check_speech_options(req)
     stream_format = req.stream_format or "audio"
     if stream_format not in STREAM_FORMATS:
@@ -146,15 +140,14 @@ async def _stream_audio(
     request: web.Request, ctx: ServerContext, job: SpeechJob, first: RequestOutput, outputs, arrived: float
 ) -> web.StreamResponse:
     sample_rate = ctx.profile.sample_rate
-    encoder = job.fmt.stream(sample_rate)
-    resp = web.StreamResponse(headers={"Content-Type": job.fmt.content_type, "X-Sample-Rate": str(sample_rate)})
+    encoder = EncodedStream(job.fmt, sample_rate)
+    resp = web.StreamResponse(
+        headers={"Content-Type": job.fmt.content_type, "X-Sample-Rate": str(encoder.sample_rate)}
+    )
     await resp.prepare(request)
     last: RequestOutput | None = None
     sent_audio = False
     try:
-        head = encoder.start()
-        if head:
-            await resp.write(head)
         async with aclosing(until_finished(first, outputs)) as steps:
             async for out in steps:
                 if _client_gone(request):
@@ -164,7 +157,9 @@ async def _stream_audio(
                         ctx.metrics.ttfa.labels(ENDPOINT).observe(time.monotonic() - arrived)
                         sent_audio = True
                     ctx.metrics.audio_seconds.inc(out.audio.size / sample_rate)
-                    await resp.write(encoder.encode(out.audio))
+                    data = await encoder.encode(out.audio)
+                    if data:  # a codec may hold a chunk's samples until it has a frame
+                        await resp.write(data)
                 last = out
     except (EngineOverloaded, EngineUnavailable) as e:
         # Overloaded mid-stream: the engine client dropped us as too slow a reader.
@@ -177,7 +172,7 @@ async def _stream_audio(
         log.warning("speech %s: generation failed mid-stream: %s", job.add.request_id, last and last.error)
         _cut_connection(request)
         return resp
-    tail = encoder.finish()
+    tail = await encoder.finish()
     try:
         if tail:
             await resp.write(tail)
@@ -195,10 +190,9 @@ async def _stream_sse(
     request: web.Request, ctx: ServerContext, job: SpeechJob, first: RequestOutput, outputs, arrived: float
 ) -> web.StreamResponse:
     sample_rate = ctx.profile.sample_rate
-    encoder = job.fmt.stream(sample_rate)
+    encoder = EncodedStream(job.fmt, sample_rate)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    pending = encoder.start()  # a container header rides with the first audio delta
     last: RequestOutput | None = None
     sent_audio = False
     try:
@@ -211,9 +205,9 @@ async def _stream_sse(
                         if not sent_audio:
                             ctx.metrics.ttfa.labels(ENDPOINT).observe(time.monotonic() - arrived)
                             sent_audio = True
-                        data = pending + encoder.encode(out.audio)
-                        pending = b""
-                        await resp.write(_sse({"type": "speech.audio.delta", "audio": b64(data)}))
+                        data = await encoder.encode(out.audio)
+                        if data:
+                            await resp.write(_sse({"type": "speech.audio.delta", "audio": b64(data)}))
                         ctx.metrics.audio_seconds.inc(out.audio.size / sample_rate)
                     last = out
         except (EngineOverloaded, EngineUnavailable) as e:
@@ -223,7 +217,7 @@ async def _stream_sse(
             err = rejection_error(last and last.error, None, SPEECH_FIELDS, "input")
             await resp.write(_sse({"type": "error", **err.body()}))
         else:
-            tail = pending + encoder.finish()
+            tail = await encoder.finish()
             if tail:
                 await resp.write(_sse({"type": "speech.audio.delta", "audio": b64(tail)}))
             await resp.write(_sse({"type": "speech.audio.done", "usage": _usage(job, last)}))
@@ -236,7 +230,7 @@ async def _stream_sse(
 async def _whole_file(
     request: web.Request, ctx: ServerContext, job: SpeechJob, first: RequestOutput, outputs
 ) -> web.Response:
-    chunks: list[bytes] = []
+    chunks: list[np.ndarray] = []
     last: RequestOutput | None = None
     async with aclosing(until_finished(first, outputs)) as steps:
         async for out in steps:
@@ -244,14 +238,15 @@ async def _whole_file(
                 # Nobody will read this; 499 (nginx's "client closed request") is for the logs.
                 return web.Response(status=499)
             if out.audio is not None and out.audio.size:
-                chunks.append(pcm16_bytes(out.audio))
+                chunks.append(out.audio)
             last = out
     assert last is not None
     if last.finish_reason == "error":
         raise rejection_error(last.error, None, SPEECH_FIELDS, "input")
-    pcm = b"".join(chunks)
-    ctx.metrics.audio_seconds.inc(len(pcm) / 2 / ctx.profile.sample_rate)
+    samples = np.concatenate(chunks) if chunks else np.zeros(0, np.int16)
+    source_rate = ctx.profile.sample_rate
+    ctx.metrics.audio_seconds.inc(samples.size / source_rate)
     return web.Response(
-        body=job.fmt.whole_file(pcm, ctx.profile.sample_rate),
-        headers={"Content-Type": job.fmt.content_type, "X-Sample-Rate": str(ctx.profile.sample_rate)},
+        body=await whole_file(job.fmt, samples, source_rate),
+        headers={"Content-Type": job.fmt.content_type, "X-Sample-Rate": str(job.fmt.rate(source_rate))},
     )

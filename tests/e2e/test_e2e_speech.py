@@ -177,7 +177,7 @@ BAD_BODIES = [
     (json.dumps({"input": "   "}), "input", "invalid_value"),
     (json.dumps({"input": "a" * 4097}), "input", "invalid_value"),
     (json.dumps({"input": "hi", "voice": "nobody"}), "voice", "invalid_value"),
-    (json.dumps({"input": "hi", "response_format": "mp3"}), "response_format", "unsupported_value"),
+    (json.dumps({"input": "hi", "response_format": "ogg"}), "response_format", "unsupported_value"),
     (json.dumps({"input": "hi", "speed": 1.5}), "speed", "unsupported_value"),
     (json.dumps({"input": "hi", "temperature": -1}), "temperature", "invalid_value"),
     (json.dumps({"input": "hi", "max_new_tokens": 0}), "max_new_tokens", "invalid_value"),

@@ -11,6 +11,8 @@ import aiohttp
 import openai
 import pytest
 
+from streaming.encoders import resolve_format
+from tests.streaming.decode import decode, streamed_slack
 from tests.support.fake_engine import FakeEngine, chunk_marks, make_tokenizer, serve
 
 SPS = 240  # samples per fake step
@@ -126,6 +128,50 @@ async def test_sse_wav_puts_the_header_in_the_first_delta():
         assert data[:4] == b"RIFF" and len(data) == 44 + 2 * s.engine.audio_samples_per_request()
 
 
+FORMATS = ["mp3", "opus", "aac", "flac", "wav", "pcm", "pcm_16000", "ulaw_8000", "alaw_8000", "mp3_44100_128"]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+async def test_every_response_format_streams_and_decodes(name):
+    """The openai client's own call for each format; an independent decoder (FFmpeg) reads the
+    body back to the request's duration (a streamed MP3 / AAC adds its encoder delay)."""
+    fmt = resolve_format(name)
+    async with serve(FakeEngine(samples_per_step=2400)) as s:
+        async with client_for(s).audio.speech.with_streaming_response.create(
+            model="x", voice="tara", input="Hi.", response_format=name
+        ) as resp:
+            assert resp.headers["content-type"] == fmt.content_type
+            rate = int(resp.headers["x-sample-rate"])
+            assert rate == fmt.rate(24000)
+            data = await resp.read()
+        samples, decoded_rate = decode(data, fmt)
+        seconds = s.engine.audio_samples_per_request() / 24000
+        assert seconds * decoded_rate <= len(samples) <= seconds * decoded_rate + streamed_slack(fmt, decoded_rate)
+        assert s.engine.aborted == []
+
+
+async def test_default_format_is_mp3_and_a_whole_mp3_is_exact():
+    async with serve(FakeEngine(samples_per_step=2400)) as s:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(s.url("/v1/audio/speech"), json={"input": "Hi.", "stream": False}) as resp:
+                assert resp.status == 200 and resp.headers["content-type"] == "audio/mpeg"
+                data = await resp.read()
+        samples, rate = decode(data, resolve_format("mp3"))
+        assert len(samples) == s.engine.audio_samples_per_request()  # the Xing/LAME header trims
+
+
+async def test_sse_carries_an_encoded_stream():
+    async with serve(FakeEngine(samples_per_step=2400)) as s:
+        async with aiohttp.ClientSession() as http:
+            body = {"input": "Hi.", "response_format": "opus", "stream_format": "sse"}
+            async with http.post(s.url("/v1/audio/speech"), json=body) as resp:
+                events = [json.loads(line[6:]) for line in (await resp.text()).splitlines() if line.startswith("data: ")]
+        data = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+        samples, rate = decode(data, resolve_format("opus"))
+        assert len(samples) == s.engine.audio_samples_per_request() * 2  # Ogg Opus trims exactly; 48 kHz out
+        assert events[-1]["type"] == "speech.audio.done"
+
+
 ERROR_CASES = [
     ({"voice": "tara"}, "input"),
     ({"input": "   ", "voice": "tara"}, "input"),
@@ -133,7 +179,9 @@ ERROR_CASES = [
     ({"input": "x" * 101, "voice": "tara"}, "input"),
     ({"input": "Hi", "voice": "alloy"}, "voice"),
     ({"input": "Hi", "voice": {"name": "tara"}}, "voice"),
-    ({"input": "Hi", "response_format": "mp3"}, "response_format"),
+    ({"input": "Hi", "response_format": "ogg"}, "response_format"),
+    ({"input": "Hi", "response_format": "mp3_44100_999"}, "response_format"),
+    ({"input": "Hi", "response_format": "pcm_12345"}, "response_format"),
     ({"input": "Hi", "speed": 1.5}, "speed"),
     ({"input": "Hi", "speed": 9}, "speed"),
     ({"input": "Hi", "speed": "fast"}, "speed"),
@@ -259,7 +307,7 @@ async def test_dead_engine_is_503_and_health_goes_red():
             async with http.get(s.url("/health")) as resp:
                 assert resp.status == 503 and (await resp.json())["status"] == "unavailable"
             async with http.get(s.url("/metrics")) as resp:
-                assert "omnistream_engine_healthy 0.0" in await resp.text()
+                assert 'omnistream_engine_healthy{engine="0"} 0.0' in await resp.text()
 
 
 @pytest.mark.parametrize("handler_cancellation", [True, False])
