@@ -28,6 +28,7 @@ from aiohttp import web
 from server.admission import ADMISSION, Admission, client_of
 from server.context import CTX, ServerContext
 from server.engine_api import EngineClientProtocol, EngineOverloaded, EngineUnavailable
+from server.engine_pool import EnginePool, session_affinity
 from server.errors import (
     APIError,
     engine_unavailable,
@@ -101,7 +102,7 @@ def _presented_key(request: web.Request) -> str | None:
 
 
 def build_app(
-    engine: EngineClientProtocol, tokenizer: TextTokenizer, profile: SpeechProfile, settings: ServerSettings
+    engine: EngineClientProtocol | EnginePool, tokenizer: TextTokenizer, profile: SpeechProfile, settings: ServerSettings
 ) -> web.Application:
     if profile.speaks and profile.add_bos and tokenizer.bos_token_id is None:
         raise ValueError("the speech profile adds BOS but the tokenizer has no BOS token")
@@ -109,7 +110,7 @@ def build_app(
         raise ValueError(
             f"the engine's codec produces {engine.info.sample_rate} Hz but the speech profile says {profile.sample_rate} Hz"
         )
-    ctx = ServerContext(engine=engine, tokenizer=tokenizer, profile=profile, settings=settings, metrics=Metrics())
+    ctx = ServerContext(engine=EnginePool.of(engine), tokenizer=tokenizer, profile=profile, settings=settings, metrics=Metrics())
     admission = Admission(settings)
 
     @web.middleware
@@ -204,6 +205,9 @@ def build_app(
             ctx.metrics.rejected.labels(_endpoint(request)).inc()
             raise refusal
         try:
+            if route in SESSION_ROUTES:
+                with session_affinity():  # a session's requests stay on one engine (server.engine_pool)
+                    return await handler(request)
             return await handler(request)
         finally:
             leave()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from server.engine_api import EngineClientProtocol
+from server.engine_pool import EnginePool
 from server.metrics import Metrics
 from server.settings import ServerSettings
 from server.tokenizer import TextTokenizer
@@ -17,7 +17,7 @@ from streaming.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class ServerContext:
-    engine: EngineClientProtocol
+    engine: EnginePool  # one or more engines (data parallel), each request routed to one
     tokenizer: TextTokenizer
     profile: SpeechProfile
     settings: ServerSettings

@@ -1,7 +1,7 @@
 """The front end's asyncio client of the engine process.
 
-It spawns `python -m runner.engine.process` (no multiprocessing pickling: arguments travel as
-JSON), binds a PUSH socket for requests and a PULL socket for outputs on ipc:// paths in a
+It spawns `python -m MODULE ARGS_JSON` (the engine backend's module, `runner.engine.process` for
+the native engine: no multiprocessing pickling, arguments travel as JSON), binds a PUSH socket for requests and a PULL socket for outputs on ipc:// paths in a
 private temp dir, waits for the engine's Ready, then routes every step's outputs to per-request
 bounded queues.
 
@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Mapping
 
 import msgspec
 import zmq
@@ -32,6 +32,7 @@ import zmq.asyncio
 
 from runner.engine.args import EngineProcArgs
 from server.engine_api import EngineOverloaded, EngineUnavailable
+from server.settings import ENGINE_MODULES
 from streaming import ipc
 from streaming.sampling_params import InvalidRequest
 
@@ -51,8 +52,13 @@ class _Stream:
 
 class EngineClient:
     def __init__(self, args: EngineProcArgs, *, queue_bound: int = 512, max_pending: int = 1024,
-                 startup_timeout: float = 600.0, restart: bool = True):
+                 startup_timeout: float = 600.0, restart: bool = True, module: str = ENGINE_MODULES["native"],
+                 env: Mapping[str, str] | None = None, device: str = "", name: str = "engine"):
         self._base_args = args
+        self.module = module  # the engine backend, fixed for this client's life (restarts included)
+        self._env = dict(env or {})  # e.g. CUDA_VISIBLE_DEVICES of a data-parallel engine
+        self.device = device or args.runner.device  # shown per engine in /health and /metrics
+        self.name = name  # in log lines: which engine of a data-parallel group
         self.queue_bound = queue_bound
         self.max_pending = max_pending
         self.startup_timeout = startup_timeout
@@ -83,10 +89,10 @@ class EngineClient:
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(out_addr)
         args = msgspec.structs.replace(self._base_args, input_addr=in_addr, output_addr=out_addr)
-        env = dict(os.environ)
+        env = dict(os.environ, **self._env)
         env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")])
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "runner.engine.process", msgspec.json.encode(args).decode()],
+            [sys.executable, "-m", self.module, msgspec.json.encode(args).decode()],
             env=env,
             stdin=subprocess.DEVNULL,
         )
@@ -164,7 +170,7 @@ class EngineClient:
                         w.set_result(msg)
             elif isinstance(msg, ipc.EngineDead):
                 self.dead_reason = msg.reason
-                log.error("engine reported death: %s", msg.reason)
+                log.error("%s reported death: %s", self.name, msg.reason)
 
     def _route(self, out: ipc.RequestOutput) -> None:
         st = self._streams.get(out.request_id)
@@ -193,7 +199,7 @@ class EngineClient:
 
     def _on_death(self, reason: str) -> None:
         self._alive = False
-        log.error("engine died: %s", reason)
+        log.error("%s died: %s", self.name, reason)
         for st in self._streams.values():
             if not st.finished:
                 st.finished = True
@@ -215,9 +221,9 @@ class EngineClient:
         self.restarts += 1
         try:
             await self.start()
-            log.warning("engine restarted (%d)", self.restarts)
+            log.warning("%s restarted (%d)", self.name, self.restarts)
         except EngineUnavailable as e:
-            log.error("engine restart failed: %s", e)
+            log.error("%s restart failed: %s", self.name, e)
             if not self._closing:
                 asyncio.get_running_loop().call_later(delay, lambda: asyncio.ensure_future(self._restart()))
 

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import ipaddress
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
 from urllib.parse import urlparse
 
+import msgspec
+import torch
 from aiohttp import web
 
 from runner.config import (
@@ -24,7 +28,7 @@ from runner.config import (
 from runner.engine.args import EngineProcArgs
 from server.engine_api import EngineUnavailable
 from server.gc_tuning import settle_heap
-from server.settings import ModelSource, ServerSettings
+from server.settings import ENGINE_MODULES, ModelSource, ServerSettings
 from streaming.knobs import from_arguments
 from streaming.profile import ModelProfile, ProfileError, read_profile
 
@@ -72,6 +76,8 @@ async def run_server(args: argparse.Namespace) -> None:
     from runner.models.default_model import ensure_default_model
     from server.app import build_app, server_options
     from server.engine_client import EngineClient
+    from server.engine_layout import placements
+    from server.engine_pool import EnginePool
     from server.routes.zmq_gateway import ZmqGateway
     from server.tokenizer import TextTokenizer
     from server.tts.voices import SpeechProfile
@@ -91,8 +97,18 @@ async def run_server(args: argparse.Namespace) -> None:
     profile = SpeechProfile(model_profile.speech if model_profile.speaks else None)
     log.info("model %s: family %s, %s", model_path, model_profile.family, _speech_line(model_profile))
     log_level = (args.log_level or env.log_level).upper()
-    engine = EngineClient(engine_args_from(args, model_path, model_profile, log_level),
-                          queue_bound=settings.output_queue_size)
+    base = engine_args_from(args, model_path, model_profile, log_level)
+    layout = placements(base.runner.device, settings.data_parallel_size, settings.device_list,
+                        cuda_count=torch.cuda.device_count() if len(settings.device_list) + settings.data_parallel_size > 1 else 0,
+                        visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    module = ENGINE_MODULES[settings.engine]  # the backend, picked once
+    engine = EnginePool([
+        EngineClient(msgspec.structs.replace(base, runner=dataclasses.replace(base.runner, device=p.device)),
+                     queue_bound=settings.output_queue_size, module=module, env=p.env, device=p.label,
+                     name=f"engine {i} ({p.label})" if len(layout) > 1 else "engine")
+        for i, p in enumerate(layout)])
+    if len(layout) > 1:
+        log.info("%d %s engines: %s", len(layout), settings.engine, ", ".join(p.label for p in layout))
     await engine.start()
     gateway = None
     runner = None

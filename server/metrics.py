@@ -13,6 +13,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from server.engine_pool import EngineStatus
 from server.gc_tuning import GC_PAUSES
 from streaming.ipc import EngineStats
 
@@ -34,22 +35,33 @@ _ENGINE_FIELDS = {
 
 
 class _EngineCollector:
-    """Exposes the last EngineStats snapshot (taken when /metrics is scraped)."""
+    """Exposes each engine's last status and EngineStats snapshot (taken when /metrics is
+    scraped), labelled `engine` (its index in the pool)."""
 
     def __init__(self) -> None:
-        self.snapshot: EngineStats | None = None
-        self.healthy = False
+        self.engines: list[tuple[EngineStatus, EngineStats | None]] = []
 
     def collect(self) -> Iterator[Metric]:
-        up = GaugeMetricFamily("omnistream_engine_healthy", "1 when the engine answers, else 0")
-        up.add_metric([], 1.0 if self.healthy else 0.0)
-        yield up
-        if self.snapshot is None:
-            return
-        for field, (name, help_text, is_counter) in _ENGINE_FIELDS.items():
-            family = CounterMetricFamily(name, help_text) if is_counter else GaugeMetricFamily(name, help_text)
-            family.add_metric([], float(getattr(self.snapshot, field)))
-            yield family
+        up = GaugeMetricFamily("omnistream_engine_healthy", "1 when the engine answers, else 0", labels=["engine"])
+        info = GaugeMetricFamily("omnistream_engine_info", "The engine's device and process id (value 1)",
+                                 labels=["engine", "device", "pid"])
+        in_flight = GaugeMetricFamily("omnistream_engine_in_flight_requests", "Requests routed to the engine whose "
+                                      "streams are open", labels=["engine"])
+        restarts = CounterMetricFamily("omnistream_engine_restarts", "Times the engine process was restarted",
+                                       labels=["engine"])
+        fields = {f: (CounterMetricFamily if is_counter else GaugeMetricFamily)(name, help_text, labels=["engine"])
+                  for f, (name, help_text, is_counter) in _ENGINE_FIELDS.items()}
+        for status, stats in self.engines:
+            label = str(status.engine)
+            up.add_metric([label], 1.0 if stats is not None else 0.0)
+            info.add_metric([label, status.device, str(status.pid or "")], 1.0)
+            in_flight.add_metric([label], float(status.in_flight))
+            restarts.add_metric([label], float(status.restarts))
+            if stats is not None:
+                for f, family in fields.items():
+                    family.add_metric([label], float(getattr(stats, f)))
+        yield from (up, info, in_flight, restarts)
+        yield from (family for family in fields.values() if family.samples)
 
 
 class Metrics:
@@ -82,9 +94,9 @@ class Metrics:
         r.register(self._engine)
         r.register(GC_PAUSES)  # process-wide; observed once serve installs its gc callback
 
-    def set_engine(self, stats: EngineStats | None, healthy: bool) -> None:
-        self._engine.snapshot = stats
-        self._engine.healthy = healthy
+    def set_engines(self, engines: list[tuple[EngineStatus, EngineStats | None]]) -> None:
+        """Each engine's status and counters (None: it did not answer) for the next render."""
+        self._engine.engines = engines
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

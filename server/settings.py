@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from streaming.knobs import knob
 from streaming.sampling_params import InvalidRequest, SamplingParams
 
+# `serve --engine` -> the module the engine process runs (`python -m MODULE ARGS_JSON`). Both take
+# the same EngineProcArgs JSON and speak the same ZeroMQ IPC (streaming/ipc.py).
+ENGINE_MODULES = {"native": "runner.engine.process", "vllm": "runner.vllm_engine.process"}
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -38,6 +42,14 @@ class ServerSettings:
                                               "is closed or silent this long (no heartbeat reply)")
     # Name shown in /v1/models and responses; None -> the engine's model name.
     served_model_name: str | None = knob(None, "model name shown in /v1/models and responses (default: the folder's name)")
+    # Which engine process serves the model (see ENGINE_MODULES); picked once at start-up.
+    engine: str = knob("native", "engine backend: native (this project's engine) or vllm (needs omnistream[vllm])")
+    # Data parallel: N engine processes behind this one front end, each request routed to the
+    # one with the fewest requests in flight (server/engine_pool.py). On CUDA engine i gets
+    # GPU i unless --devices lists them.
+    data_parallel_size: int = knob(1, "engine processes behind this front end (on CUDA: one per GPU, 0..N-1)")
+    devices: str | None = knob(None, "comma-separated devices, one engine each (e.g. cuda:0,cuda:1; overrides "
+                                     "--device and sets the data-parallel size)")
     max_input_chars: int = knob(4096, "longest text of one speech request")
     max_ws_message_bytes: int = 64 * 1024
     # Checked on the raw bytes before any parser recurses (streaming.schema.check_depth).
@@ -92,6 +104,11 @@ class ServerSettings:
         need(0 <= self.port <= 65535, "port", "must be in [0, 65535]")
         need(self.api_key is None or len(self.api_key) > 0, "api_key", "must be None or non-empty")
         need(self.max_input_chars > 0, "max_input_chars", "must be > 0")
+        need(self.engine in ENGINE_MODULES, "engine", f"must be one of {', '.join(ENGINE_MODULES)}")
+        need(self.data_parallel_size >= 1, "data_parallel_size", "must be >= 1")
+        need(self.devices is None or all(self.device_list), "devices", "must be a comma-separated list of devices")
+        need(self.devices is None or self.data_parallel_size in (1, len(self.device_list)), "data_parallel_size",
+             f"must be 1 or the number of --devices ({self.devices})")
         need(self.zmq_max_message_bytes >= 1024, "zmq_max_message_bytes", "must be >= 1024")
         need(self.zmq_client_timeout_s >= 0.1, "zmq_client_timeout_s", "must be >= 0.1")
         need(self.max_ws_message_bytes >= 1024, "max_ws_message_bytes", "must be >= 1024")
@@ -124,6 +141,11 @@ class ServerSettings:
                 self.speech_sampling.validate(vocab_size=2**31)
             except InvalidRequest as e:
                 raise ValueError(f"ServerSettings.speech_sampling: {e}") from None
+
+    @property
+    def device_list(self) -> list[str]:
+        """--devices split (empty when not given)."""
+        return [d.strip() for d in self.devices.split(",")] if self.devices is not None else []
 
     @property
     def ws_hard_message_bytes(self) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import msgspec
@@ -10,7 +9,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from server.context import ServerContext, get_ctx
-from server.engine_api import EngineUnavailable
+from server.engine_pool import sum_stats
 from server.errors import not_found
 
 _STARTED = int(time.time())
@@ -57,30 +56,31 @@ async def list_voices(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """ok (200) while every engine is up, degraded (200: still serving) while some are,
+    unavailable (503) while none is; `engines` lists each (pid, device, requests in flight)."""
     ctx = get_ctx(request)
-    if ctx.engine.healthy:
-        return web.json_response({"status": "ok", "model": ctx.model_name})
-    return web.json_response({"status": "unavailable", "model": ctx.model_name}, status=503)
+    engines = ctx.engine.statuses()
+    up = sum(e.healthy for e in engines)
+    status = "ok" if up == len(engines) else "degraded" if up else "unavailable"
+    body = {"status": status, "model": ctx.model_name, "engines": msgspec.to_builtins(engines)}
+    return web.json_response(body, status=200 if up else 503)
 
 
 async def engine_stats(request: web.Request) -> web.Response:
-    """The engine's scheduler/KV counters as JSON (operators and tests: a disconnect must
-    leave no active request and every KV block free)."""
+    """The engines' scheduler/KV counters as JSON, summed, and each engine's under `engines`
+    (operators and tests: a disconnect must leave no active request and every KV block free)."""
     ctx = get_ctx(request)
-    try:
-        stats = await asyncio.wait_for(ctx.engine.stats(), _STATS_TIMEOUT_S)
-    except (EngineUnavailable, asyncio.TimeoutError) as e:
-        return web.json_response({"status": "unavailable", "error": str(e) or type(e).__name__}, status=503)
-    return web.json_response(msgspec.to_builtins(stats))
+    per_engine = await ctx.engine.engine_stats(_STATS_TIMEOUT_S)
+    answered = [stats for _, stats in per_engine if stats is not None]
+    if not answered:
+        return web.json_response({"status": "unavailable", "error": "no engine answered"}, status=503)
+    body = msgspec.to_builtins(sum_stats(answered))
+    body["engines"] = [{**msgspec.to_builtins(status), "stats": msgspec.to_builtins(stats)}
+                       for status, stats in per_engine]
+    return web.json_response(body)
 
 
 async def metrics(request: web.Request) -> web.Response:
     ctx = get_ctx(request)
-    stats = None
-    if ctx.engine.healthy:
-        try:
-            stats = await asyncio.wait_for(ctx.engine.stats(), _STATS_TIMEOUT_S)
-        except (EngineUnavailable, asyncio.TimeoutError):
-            stats = None
-    ctx.metrics.set_engine(stats, healthy=stats is not None)
+    ctx.metrics.set_engines(await ctx.engine.engine_stats(_STATS_TIMEOUT_S))
     return web.Response(body=ctx.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})

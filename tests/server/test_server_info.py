@@ -62,6 +62,6 @@ async def test_info_endpoints_and_metrics():
         assert 'omnistream_http_requests_total{endpoint="/v1/audio/speech",status="200"} 1.0' in text
         assert 'omnistream_http_requests_total{endpoint="/v1/models/{model}",status="404"} 1.0' in text
         assert 'omnistream_time_to_first_audio_seconds_count{endpoint="/v1/audio/speech"} 1.0' in text
-        assert "omnistream_engine_requests_total 1.0" in text
-        assert "omnistream_engine_healthy 1.0" in text
+        assert 'omnistream_engine_requests_total{engine="0"} 1.0' in text
+        assert 'omnistream_engine_healthy{engine="0"} 1.0' in text
         assert 'omnistream_active_streams{endpoint="/v1/audio/speech"} 0.0' in text

@@ -43,6 +43,11 @@ BOS = "<|begin_of_text|>"
 
 
 class FakeEngine:
+    # what an engine pool shows per engine (server.engine_pool.PoolMember): no process here
+    device = "fake"
+    pid: int | None = None
+    restarts = 0
+
     def __init__(
         self,
         *,
