@@ -19,6 +19,8 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # Sesame CSM: the engine's view is its backbone (runner/families/csm.py builds the model)
+    "CsmForConditionalGeneration": "csm",
 }
 
 _DTYPES = {
@@ -62,7 +64,7 @@ class ModelConfig:
     """Architecture of a Llama-family decoder, read from a Hugging Face config.json."""
 
     path: str
-    decoder: str  # the decoder variant: "llama" | "qwen2" | "qwen3" (runner/models registry key)
+    decoder: str  # the decoder variant: "llama" | "qwen2" | "qwen3" | "csm" (SUPPORTED_ARCHITECTURES)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -97,6 +99,9 @@ class ModelConfig:
                 f"model.architectures: {archs!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
 
+        if decoder == "csm":
+            raw = _csm_backbone_view(raw)
+
         def need(key: str):
             if key not in raw:
                 raise ConfigError(f"model config: missing field {key!r}")
@@ -129,6 +134,20 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos_ids),
             bos_token_id=raw.get("bos_token_id"),
         )
+
+
+CSM_ROPE_THETA = 500000.0  # transformers CsmConfig / CsmDepthDecoderConfig default_theta
+
+
+def _csm_backbone_view(raw: dict) -> dict:
+    """CSM's config.json as the engine schedules it: the backbone's shape (the top-level fields),
+    prompts of text ids (text_vocab_size) and the end-of-audio position as its end id. The
+    frame layout and the depth decoder are runner/models/csm_config.py's."""
+    view = dict(raw, vocab_size=raw.get("text_vocab_size", 128256),
+                eos_token_id=raw.get("audio_eos_token_id", 128003))
+    if not view.get("rope_parameters") and "rope_theta" not in view and not view.get("rope_scaling"):
+        view["rope_theta"] = CSM_ROPE_THETA
+    return view
 
 
 def _parse_rope(raw: dict) -> RopeConfig:

@@ -35,6 +35,9 @@ class AddRequest(msgspec.Struct, tag="add", forbid_unknown_fields=True):
     # Hidden states of every computed position at these layers (HF indexing; see Request).
     hidden_state_layers: list[int] = []
     audio: bool = False  # route sampled tokens through the codec stage and return PCM
+    # Multi-codebook models: the codes of the prompt's audio positions (a voice's reference
+    # clip), one row of K codes per audio position, in order.
+    prompt_frames: list[list[int]] | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -61,6 +64,8 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
 
     request_id: str
     new_token_ids: list[int] = []
+    # Multi-codebook models: the frames of the new positions, [len(new_token_ids), K] int64 codes
+    frames: np.ndarray | None = None
     hidden: np.ndarray | None = None  # [n_new_positions, n_layers, hidden]; bf16 as raw uint16
     hidden_positions: tuple[int, int] = (0, 0)  # [first, last+1) positions of the hidden rows
     audio: np.ndarray | None = None  # int16 PCM samples of this step
@@ -103,6 +108,7 @@ class Ready(msgspec.Struct, tag="ready"):
     max_num_seqs: int
     sample_rate: int = 0  # 0 when no codec stage is loaded
     dtype: str = ""
+    codes_per_frame: int = 1  # codes a step yields per request (a multi-codebook model: K)
 
 
 class EngineDead(msgspec.Struct, tag="dead"):

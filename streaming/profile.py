@@ -18,10 +18,13 @@ silently fall back to a default). `codec.path` is relative to the model folder o
 other `codec` keys are the codec stage's settings (runner/codecs), checked when it is built.
 
 Families: `orpheus` (a Llama emitting SNAC codes one token at a time: a frame of one code per
-step) and `text` (a plain language model: no speech, no codec). A folder without the file is
-`orpheus` when its vocabulary holds Orpheus's audio tokens or a codec is given on the command
-line, else `text`: a plain Llama / Qwen folder serves completions, never a speech profile it
-does not have.
+step), `csm` (Sesame CSM: a frame of K codebooks per step, Mimi codec; its prompt is transformers'
+chat template, `[speaker]text` between begin- and end-of-text, voices are speaker ids) and `text`
+(a plain language model: no speech, no codec). A folder without the file is `csm` when
+config.json names `CsmForConditionalGeneration` (its codec is the folder's own `codec_model`
+unless `codec.path` or --codec names a Mimi folder); else `orpheus` when its vocabulary holds
+Orpheus's audio tokens or a codec is given on the command line; else `text`: a plain Llama /
+Qwen folder serves completions, never a speech profile it does not have.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from streaming.sampling_params import (
 )
 
 PROFILE_FILE = "omnistream.json"
-FAMILIES = ("orpheus", "text")
+FAMILIES = ("orpheus", "csm", "text")
 
 # Orpheus-3B's layout: the defaults of the `orpheus` family, stated here once.
 ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
@@ -50,6 +53,22 @@ ORPHEUS_AUDIO_TOKEN_OFFSET = 128266  # audio token = offset + slot * codebook_si
 ORPHEUS_CODEBOOK_SIZE = 4096
 ORPHEUS_TOKENS_PER_FRAME = 7  # codebook slots per SNAC frame (runner/codecs/orpheus_tokens.py: its levels)
 ORPHEUS_SAMPLE_RATE = 24000
+
+
+# Sesame CSM-1B's layout (Llama-3 tokenizer; transformers' CsmProcessor chat template)
+CSM_ARCHITECTURE = "CsmForConditionalGeneration"
+CSM_BEGIN_OF_TEXT = 128000
+CSM_END_OF_TEXT = 128001
+CSM_VOICES = ("0", "1")  # speaker ids
+CSM_SAMPLE_RATE = 24000
+
+
+def csm_speech() -> SpeechSpec:
+    # Sesame's generator samples every codebook at temperature 0.9 among the top 50 codes;
+    # max_tokens counts frames (12.5 a second): 90 s of speech
+    return SpeechSpec(voices=CSM_VOICES, default_voice="0", text_template="[{voice}]{text}", prefix_token_ids=(),
+                      suffix_token_ids=(CSM_END_OF_TEXT,), add_bos=True, sample_rate=CSM_SAMPLE_RATE,
+                      sampling=SamplingParams(temperature=0.9, top_k=50, max_tokens=1125))
 
 
 def orpheus_sampling(end_token_id: int = ORPHEUS_END_OF_SPEECH) -> SamplingParams:
@@ -132,7 +151,11 @@ def read_profile(model_dir: str | Path, codec_path: str | None = None) -> ModelP
     folder = Path(model_dir)
     path = folder / PROFILE_FILE
     if not path.is_file():
-        family = "orpheus" if codec_path is not None or _holds_orpheus_tokens(folder) else "text"
+        arch = _architectures(folder)
+        if CSM_ARCHITECTURE in arch:
+            family = "csm"
+        else:
+            family = "orpheus" if codec_path is not None or _holds_orpheus_tokens(folder) else "text"
         raw = _ProfileFile(family=family)
     else:
         try:
@@ -144,26 +167,41 @@ def read_profile(model_dir: str | Path, codec_path: str | None = None) -> ModelP
     if raw.family == "text":
         return ModelProfile(family="text", speech=None, codec=None)
     try:
-        speech = _speech(raw)
+        speech = _speech(raw, csm_speech() if raw.family == "csm" else SpeechSpec())
         speech.check()
     except (ProfileError, InvalidRequest) as e:
         raise ProfileError(f"{path}: {e}") from None
+    if raw.family == "csm":
+        return ModelProfile(family="csm", speech=speech, codec=_csm_codec(folder, raw.codec, codec_path))
     return ModelProfile(family=raw.family, speech=speech, codec=_codec(folder, raw.codec, codec_path))
+
+
+def _config(folder: Path) -> dict:
+    cfg = folder / "config.json"
+    try:
+        raw = json.loads(cfg.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"{cfg}: missing (a model folder needs config.json, *.safetensors and tokenizer.json)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProfileError(f"{cfg}: not a JSON object ({e})") from None
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{cfg}: not a JSON object")
+    return raw
+
+
+def _architectures(folder: Path) -> list:
+    arch = _config(folder).get("architectures") or []
+    return arch if isinstance(arch, list) else []
 
 
 def _holds_orpheus_tokens(folder: Path) -> bool:
     """Whether config.json's vocabulary reaches past Orpheus-3B's audio tokens and end token."""
-    cfg = folder / "config.json"
-    try:
-        vocab = json.loads(cfg.read_text()).get("vocab_size", 0)
-    except FileNotFoundError:
-        raise ProfileError(f"{cfg}: missing (a model folder needs config.json, *.safetensors and tokenizer.json)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-        raise ProfileError(f"{cfg}: not a JSON object ({e})") from None
+    vocab = _config(folder).get("vocab_size", 0)
     return isinstance(vocab, int) and vocab >= ORPHEUS_AUDIO_TOKEN_OFFSET + ORPHEUS_TOKENS_PER_FRAME * ORPHEUS_CODEBOOK_SIZE
 
 
-def _speech(raw: _ProfileFile) -> SpeechSpec:
+def _speech(raw: _ProfileFile, defaults: SpeechSpec) -> SpeechSpec:
+    """The file's speech keys over the family's defaults."""
     kw: dict = {}
     for name in ("text_template", "add_bos", "sample_rate"):
         if (value := getattr(raw, name)) is not None:
@@ -177,7 +215,19 @@ def _speech(raw: _ProfileFile) -> SpeechSpec:
         kw["default_voice"] = raw.voices[0]
     if raw.sampling is not None:
         kw["sampling"] = decode_sampling_params(raw.sampling)
-    return SpeechSpec(**kw)
+    return msgspec.structs.replace(defaults, **kw)
+
+
+def _csm_codec(folder: Path, section: dict | None, codec_path: str | None) -> dict:
+    """CSM's codec section (runner/codecs/mimi_stage.py MimiCodecConfig): its path is the model
+    folder itself (the checkpoint's `codec_model`) unless a Mimi folder is named."""
+    section = dict(section or {})
+    path = codec_path or section.get("path")
+    p = folder if path is None else Path(path)
+    if not p.is_absolute() and (folder / p).exists():
+        p = folder / p
+    section["path"] = str(p)
+    return section
 
 
 def _codec(folder: Path, section: dict | None, codec_path: str | None) -> dict | None:

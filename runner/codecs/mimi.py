@@ -27,13 +27,18 @@ measured on the tiny test codec, max |difference| ~1e-6 of a unit-scale signal (
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import MimiModel
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import MimiConfig, MimiModel
 from transformers.models.mimi.modeling_mimi import (
     MimiConv1d,
     MimiConvTranspose1d,
@@ -72,6 +77,33 @@ def load_mimi(source: str | Path | MimiModel, device: torch.device, dtype: torch
     if not cfg.sliding_window or cfg.sliding_window < 1:
         raise CodecError(f"MimiConfig.sliding_window: streaming decode needs a window >= 1, got {cfg.sliding_window!r}")
     return model.to(device=device, dtype=dtype).eval()
+
+
+_CSM_CODEC = "codec_model."  # CsmForConditionalGeneration's codec tensors
+
+
+def load_csm_codec(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32) -> MimiModel:
+    """The Mimi codec at `path`: a MimiModel folder, or a CSM folder (CsmForConditionalGeneration
+    keeps its codec as `codec_config` and the `codec_model.*` tensors of its safetensors)."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CodecError(f"Mimi codec path: no config.json in {str(path)!r}")
+    raw = json.loads(cfg_file.read_text())
+    if "codec_config" not in raw:
+        return load_mimi(path, device, dtype)
+    state = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            state.update({k.removeprefix(_CSM_CODEC): st.get_tensor(k) for k in st.keys() if k.startswith(_CSM_CODEC)})
+    if not state:
+        raise CodecError(f"codec in {str(path)!r}: the checkpoint holds no {_CSM_CODEC}* tensors")
+    # Through a Mimi folder, so transformers' loader maps the checkpoint's names onto its modules
+    # (it renames several) and checks them, as it does for a Mimi checkpoint.
+    with tempfile.TemporaryDirectory() as tmp:
+        MimiConfig(**raw["codec_config"]).save_pretrained(tmp)
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        return load_mimi(tmp, device, dtype)
 
 
 @dataclass

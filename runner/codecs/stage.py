@@ -51,6 +51,7 @@ class CodecStage:
         """tuning: RunnerConfig.tuning ("auto": the device's SNAC tiles, "none": the safe
         generic ones), looked up once here."""
         self.cfg = cfg
+        self.sample_rate = cfg.sample_rate
         # graphs for the window lengths of an unbounded stream (a stream's last window is eager)
         lengths = tuple(sorted({j.window_frames for j in plan_offline(cfg.policy, 64 * cfg.policy.max_window_frames)[:-1]}))
         self.decoder = SnacWindowDecoder(load_snac(cfg, device, dtype), cfg.samples_per_frame, cfg.kernels,

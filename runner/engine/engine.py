@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 import torch
 
 from runner.config import EngineConfig
@@ -18,14 +19,14 @@ from runner.engine.kv_cache import BlockManager, num_kv_blocks
 from runner.engine.model_runner import MAX_TOKEN_ROW_QUERY, ModelRunner
 from runner.engine.output_copier import AsyncOutput, StepResult
 from runner.engine.phase_timer import PhaseTimer
-from runner.engine.request import FinishReason, Request
+from runner.engine.frame_runner import FrameRunner
+from runner.engine.request import FinishReason, FrameLog, Request
 from runner.engine.scheduler import Scheduler, SchedulerOutput
 from runner.families.base import CodecStageLike, ModelFamily
 from runner.families.text import TextFamily
 from runner.layers import make_backends
 from runner.layers import pick_sampling_backend as pick_backend
 from runner.layers.attention import kv_bytes_per_token
-from runner.models.loader import load_model
 from streaming.ipc import EngineStats, RequestOutput
 from streaming.profile import ModelProfile
 from streaming.sampling_params import InvalidRequest, SamplingParams
@@ -51,21 +52,26 @@ class Engine:
         (family.build_codec), None for an engine that serves no audio."""
         self.cfg = cfg
         self.device = cfg.runner.torch_device
+        self.family = family or TextFamily(ModelProfile(family="text", speech=None))
         if model is None:
             attn, ops = make_backends(cfg.runner)
-            model = load_model(cfg.model, self.device, cfg.runner.torch_dtype, attn=attn, ops=ops)
+            model = self.family.load_model(cfg, attn, ops)
         self.model = model
         self.num_blocks = num_kv_blocks(cfg, kv_bytes_per_token(cfg.model, cfg.runner.torch_dtype))
         self.blocks = BlockManager(self.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, frozenset(cfg.model.eos_token_ids))
-        self.family = family or TextFamily(ModelProfile(family="text", speech=None))
         self.codec = codec
+        # a multi-codebook family yields a frame of K codes per row per step (FrameRunner)
+        self.frames = self.family.codes_per_frame > 1
         constraint = None
         self._audio_stop_ids: tuple[int, ...] = ()
         if codec is not None:
             constraint = self.family.logits_constraint(pick_backend(self.device, cfg.runner.sampler_backend))
             self._audio_stop_ids = self.family.stop_token_ids()
-        self.runner = ModelRunner(cfg, self.model, self.num_blocks, constraint, lambda r: r.audio)
+        if self.frames:
+            self.runner = FrameRunner(cfg, self.model, self.num_blocks, self.family.code_limit(codec))
+        else:
+            self.runner = ModelRunner(cfg, self.model, self.num_blocks, constraint, lambda r: r.audio)
         self.requests: dict[str, Request] = {}
         self._pending: _Pending | None = None
         self._finished_out: list[RequestOutput] = []  # outputs produced outside a step (aborts)
@@ -86,9 +92,11 @@ class Engine:
         sampling: SamplingParams | None = None,
         hidden_state_layers: tuple[int, ...] | list[int] = (),
         audio: bool = False,
+        prompt_frames: list[list[int]] | np.ndarray | None = None,
     ) -> None:
         """Validate and queue a request. Raises InvalidRequest naming the field; the engine and
-        the other requests are unaffected."""
+        the other requests are unaffected. prompt_frames: a multi-codebook model's codes of the
+        prompt's audio positions ([n, K], ModelFamily.prompt_frames)."""
         sampling = sampling or SamplingParams()
         m, s = self.cfg.model, self.cfg.scheduler
         if not isinstance(request_id, str) or not request_id:
@@ -117,7 +125,14 @@ class Engine:
             missing = [t for t in self._audio_stop_ids if t not in sampling.stop_token_ids]
             if missing:
                 sampling = msgspec.structs.replace(sampling, stop_token_ids=[*sampling.stop_token_ids, *missing])
-        req = Request(request_id, list(prompt_token_ids), sampling, layers, audio)
+        frames = None
+        if self.frames:
+            _refuse_token_only(sampling, layers)
+            rows = self.family.prompt_frames(prompt_token_ids, None if prompt_frames is None else np.asarray(prompt_frames))
+            frames = FrameLog(rows)
+        else:
+            self.family.prompt_frames(prompt_token_ids, None if prompt_frames is None else np.asarray(prompt_frames))
+        req = Request(request_id, list(prompt_token_ids), sampling, layers, audio, frames=frames)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.num_requests_total += 1
@@ -200,16 +215,20 @@ class Engine:
 
     def _emit(self, p: _Pending) -> list[RequestOutput]:
         res: StepResult = p.out.get()
-        accepted = self.scheduler.update_from_output(p.sched, res.sampled)
+        accepted = self.scheduler.update_from_output(p.sched, res.sampled, res.frames)
         self.num_generated_total += len(accepted)
         by_req: dict[int, RequestOutput] = {}
-        audio: list[tuple[int, int]] = []  # (codec key, token), handed over in one call
+        audio: list[tuple[int, object]] = []  # (codec key, token or frame), handed over in one call
         closed: list[int] = []
         for req, tok in accepted:
             if req.audio:
                 # Tokens of an audio request travel with its next audio chunk or its finish
                 # (_codec_step): a message per token would be ~40x the traffic for no reader.
-                audio.append((id(req), tok))
+                if self.frames:  # the frame just appended; the ending frame is not audio
+                    if not (req.is_finished and tok in self._audio_stop_ids):
+                        audio.append((id(req), req.frames.rows(req.frames.num_rows - 1, req.frames.num_rows)[0]))
+                else:
+                    audio.append((id(req), tok))
                 if req.is_finished:
                     closed.append(id(req))
                 continue
@@ -239,7 +258,8 @@ class Engine:
             req = self._audio_open.get(key)
             if req is None:
                 continue
-            o = self._output(req, req.output_token_ids[req.num_output_tokens_sent :], finished=False)
+            o = self._output(req, req.output_token_ids[req.num_output_tokens_sent :], finished=False,
+                             first=req.num_output_tokens_sent)
             req.num_output_tokens_sent = req.num_output_tokens
             if r.pcm is not None and len(r.pcm):
                 o.audio = r.pcm
@@ -269,6 +289,8 @@ class Engine:
                 a.append(o)
                 continue
             t.new_token_ids = t.new_token_ids + o.new_token_ids
+            if o.frames is not None:
+                t.frames = o.frames if t.frames is None else np.concatenate([t.frames, o.frames])
             t.audio = o.audio
             t.finished, t.finish_reason, t.error = o.finished, o.finish_reason, o.error
         return a
@@ -278,10 +300,16 @@ class Engine:
         if self.requests.get(req.request_id) is req:
             del self.requests[req.request_id]
 
-    def _output(self, req: Request, toks: list[int], finished: bool) -> RequestOutput:
+    def _output(self, req: Request, toks: list[int], finished: bool, first: int | None = None) -> RequestOutput:
+        """first: index among the request's outputs of toks[0] (default: the last len(toks))."""
+        frames = None
+        if req.frames is not None and toks:
+            end = req.num_prompt_tokens + (req.num_output_tokens if first is None else first + len(toks))
+            frames = req.frames.rows(end - len(toks), end).copy()
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=toks,
+            frames=frames,
             finished=finished,
             finish_reason=req.finish_reason.value if finished and req.finish_reason else None,
             error=(req.finish_message or None) if finished else None,
@@ -312,8 +340,14 @@ class Engine:
         while self.has_unfinished:
             self.step()
 
+    def _warm_sampling_params(self, max_tokens: int) -> SamplingParams:
+        """A speech request's sampling as the server runs it (codes take no penalties)."""
+        if self.frames:
+            return SamplingParams(temperature=0.9, top_k=50, max_tokens=max_tokens, seed=0)
+        return SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=max_tokens, seed=0)
+
     def _warm_up_audio(self) -> None:
-        sp = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=7 * 26, seed=0)
+        sp = self._warm_sampling_params(26 if self.frames else 7 * 26)
         vocab = self.cfg.model.vocab_size
         self.add_request("__warmup__", [i % vocab for i in range(1, 33)], sp, audio=True)
         self._run_to_end()
@@ -332,13 +366,13 @@ class Engine:
         vocab = self.cfg.model.vocab_size
         text = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=2, ignore_eos=True, seed=0)
         audio = self.codec is not None  # decodes as the server runs them: speech, or text
-        decode = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=28, seed=0) if audio \
-            else SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        decode = self._warm_sampling_params(28) if audio else SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
         def prompt(n: int, salt: int) -> list[int]:
             return [(salt + 7 * i) % vocab for i in range(min(n, longest))]
 
-        self.add_request("__warmup_prefill__", prompt(2 * MAX_TOKEN_ROW_QUERY + 100, 1), text, hidden_state_layers=(-1,))
+        self.add_request("__warmup_prefill__", prompt(2 * MAX_TOKEN_ROW_QUERY + 100, 1), text,
+                         hidden_state_layers=() if self.frames else (-1,))
         self._run_to_end()
         n_decodes = min(8, self.cfg.scheduler.max_num_seqs - 1)
         if n_decodes < 1:
@@ -380,3 +414,17 @@ class Engine:
                 got[o.request_id].extend(o.new_token_ids)
         return [got[r] for r in ids]
 
+
+
+def _refuse_token_only(sampling: SamplingParams, layers: tuple[int, ...]) -> None:
+    """What a multi-codebook model's requests cannot ask for (codes have no token history to
+    penalise, no per-id bias, and the backbone's hidden states are not captured)."""
+    if layers:
+        raise InvalidRequest("hidden_state_layers", "not supported by multi-codebook models")
+    for name, off in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
+        if getattr(sampling, name) != off:
+            raise InvalidRequest(f"sampling.{name}", "not supported by multi-codebook models (codes have no history)")
+    if sampling.logit_bias:
+        raise InvalidRequest("sampling.logit_bias", "not supported by multi-codebook models")
+    if sampling.min_tokens:
+        raise InvalidRequest("sampling.min_tokens", "not supported by multi-codebook models")

@@ -59,7 +59,11 @@ class BlockManager:
                 tokens = req.all_token_ids
             i = len(hashes)
             parent = hashes[-1] if hashes else 0
-            hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+            block = tuple(tokens[i * bs : (i + 1) * bs])
+            if req.frames is not None:  # frame positions differ by their codes, not their ids
+                hashes.append(hash((parent, block, req.frames.rows(i * bs, (i + 1) * bs).tobytes())))
+            else:
+                hashes.append(hash((parent, block)))
         return hashes
 
     def match_prefix(self, req: Request) -> int:

@@ -63,6 +63,7 @@ class ModelRunner:
         self.dtype = cfg.runner.torch_dtype
         self.block_size = cfg.cache.block_size
         self.max_blocks_per_seq = -(-cfg.scheduler.max_model_len // self.block_size)
+        self.num_blocks = num_blocks
         # one extra block at index num_blocks: the scratch block padded graph rows write into
         self.kv_caches = allocate_kv_cache(cfg.model, num_blocks + 1, self.block_size, self.device, self.dtype)
         S = cfg.scheduler.max_num_seqs
@@ -88,6 +89,14 @@ class ModelRunner:
         # short prefill chunks through the decode kernel, one row per token (AttentionMetadata)
         self.token_rows = bool(model.attn.supports_token_rows)
         self.graphs: DecodeGraphs | None = None
+        self._build_graphs()
+        # GPU timeline (bench): (start, end) CUDA events per step when enabled
+        self.record_timeline = False
+        self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._t0: torch.cuda.Event | None = None
+
+    def _build_graphs(self) -> None:
+        cfg, model, S, num_blocks = self.cfg, self.model, self.cfg.scheduler.max_num_seqs, self.num_blocks
         if self.device.type == "cuda" and cfg.runner.cuda_graphs:
             # rows: with token rows, every step whose chunks are short enough (up to the token
             # budget: a burst of arrivals fills it with prompts), as an eager step of that size
@@ -98,10 +107,6 @@ class ModelRunner:
                                        self.slots.last_token, max_decode_rows=S,
                                        hidden_rows=S if cfg.runner.hidden_state_graphs else 0)
             self.graphs.capture()
-        # GPU timeline (bench): (start, end) CUDA events per step when enabled
-        self.record_timeline = False
-        self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._t0: torch.cuda.Event | None = None
 
     def _to_dev(self, arr: np.ndarray) -> torch.Tensor:
         if self.staging is not None:
@@ -175,12 +180,19 @@ class ModelRunner:
         return final_h, {layer: layers[layer] for layer in inp.capture}
 
     def _forward_eager(self, inp: StepInputs, q_lens: np.ndarray, token_rows: bool) -> tuple[torch.Tensor, dict]:
-        T, B = inp.num_tokens, inp.num_seqs
-        seq_lens = inp.split(inp.pack)[3]
-        input_ids, pos_d, slot_d, seq_d, qsl_d = inp.split(self._to_dev(inp.pack))
+        input_ids, pos_d, meta = self._eager_inputs(inp, q_lens, token_rows)
         if inp.dev_rows:
             rs = self._to_dev(np.asarray([inp.dev_rows, inp.dev_slots], dtype=np.int64))
             input_ids[rs[0]] = self.slots.last_token[rs[1]]
+        return self.model(input_ids, pos_d, self.kv_caches, meta, inp.capture)
+
+    def _eager_inputs(self, inp: StepInputs, q_lens: np.ndarray, token_rows: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's ids [T] and positions [T] on the device (ids of in-flight rows not filled
+        in) and its attention metadata, for an eager forward."""
+        T, B = inp.num_tokens, inp.num_seqs
+        seq_lens = inp.split(inp.pack)[3]
+        input_ids, pos_d, slot_d, seq_d, qsl_d = inp.split(self._to_dev(inp.pack))
         nd = inp.num_decodes if T > B else 0  # the scheduler puts one-token rows first
         tok_lens = tok_tables = None
         if token_rows:
@@ -199,7 +211,7 @@ class ModelRunner:
             token_block_tables=tok_tables,
             pure_decode=T == B,
         )
-        return self.model(input_ids, pos_d, self.kv_caches, meta, inp.capture)
+        return input_ids, pos_d, meta
 
     def _gather_hidden(self, inp: StepInputs, captured: dict) -> torch.Tensor | None:
         """[R, n_capture, H]: the captured layers' rows of the requests that want hidden states."""

@@ -1,5 +1,6 @@
-"""A step's outputs on their way to the host: sampled ids (one per sampling row) and the hidden
-rows of requests that asked for them.
+"""A step's outputs on their way to the host: sampled ids (one per sampling row), with a
+multi-codebook model their frames (K codes per sampling row), and the hidden rows of requests
+that asked for them.
 
 `OutputCopier.copy` starts the device -> host copies and returns an `AsyncOutput` at once;
 `AsyncOutput.get()` waits for that copy only. CPU and CUDA differ only in the copier, picked
@@ -20,6 +21,7 @@ HiddenSpan = tuple[object, int, int, int, list[int]]
 @dataclass
 class StepResult:
     sampled: list[int]  # one per sampling entry, in order
+    frames: np.ndarray | None  # [n, K] int64 codes per sampling entry (multi-codebook models), else None
     hidden: dict[int, tuple[int, np.ndarray]]  # id(req) -> (first position, [n, n_layers, H])
 
 
@@ -27,8 +29,10 @@ class AsyncOutput:
     """Handle to a step's outputs being copied to the host; `get()` waits only for this copy."""
 
     def __init__(self, sampled: torch.Tensor, hidden: torch.Tensor | None, spans: list[HiddenSpan],
-                 event: torch.cuda.Event | None, ring_row: tuple[list, int] | None = None):
+                 event: torch.cuda.Event | None, ring_row: tuple[list, int] | None = None,
+                 frames: torch.Tensor | None = None):
         self._sampled, self._hidden, self._spans, self._event = sampled, hidden, spans, event
+        self._frames = frames
         self._ring_row = ring_row  # (owners, index): the copier's pinned row holding the ids
 
     def get(self) -> StepResult:
@@ -46,14 +50,16 @@ class AsyncOutput:
             arr = h.numpy()
             for req, row0, n, first_pos, layer_idx in self._spans:
                 hidden[id(req)] = (first_pos, arr[row0 : row0 + n][:, layer_idx, :])
-        return StepResult(sampled, hidden)
+        frames = self._frames.numpy().copy() if self._frames is not None else None  # the ring row is reused
+        return StepResult(sampled, frames, hidden)
 
 
 class OutputCopier:
     """CPU: results are already on the host."""
 
-    def copy(self, sampled: torch.Tensor, hidden: torch.Tensor | None, spans: list[HiddenSpan]) -> AsyncOutput:
-        return AsyncOutput(sampled, hidden, spans, None)
+    def copy(self, sampled: torch.Tensor, hidden: torch.Tensor | None, spans: list[HiddenSpan],
+             frames: torch.Tensor | None = None) -> AsyncOutput:
+        return AsyncOutput(sampled, hidden, spans, None, frames=frames)
 
 
 class CudaOutputCopier(OutputCopier):
@@ -67,13 +73,17 @@ class CudaOutputCopier(OutputCopier):
 
     RING = 4
 
-    def __init__(self, device: torch.device, max_rows: int):
+    def __init__(self, device: torch.device, max_rows: int, frame_width: int = 0):
         self.stream = torch.cuda.Stream(device)
         self._ring = torch.empty(self.RING, max(max_rows, 1), dtype=torch.int64, pin_memory=True)
+        # frames of a multi-codebook model (frame_width = K codes), same ring discipline
+        self._frame_ring = (torch.empty(self.RING, max(max_rows, 1), frame_width, dtype=torch.int64, pin_memory=True)
+                            if frame_width else None)
         self._owner: list[object] = [None] * self.RING  # the AsyncOutput each row belongs to
         self._next = 0
 
-    def copy(self, sampled: torch.Tensor, hidden: torch.Tensor | None, spans: list[HiddenSpan]) -> AsyncOutput:
+    def copy(self, sampled: torch.Tensor, hidden: torch.Tensor | None, spans: list[HiddenSpan],
+             frames: torch.Tensor | None = None) -> AsyncOutput:
         main = torch.cuda.current_stream()
         self.stream.wait_stream(main)
         i, self._next = self._next, (self._next + 1) % self.RING
@@ -81,6 +91,11 @@ class CudaOutputCopier(OutputCopier):
             s_host = self._ring[i, : sampled.shape[0]]
             s_host.copy_(sampled, non_blocking=True)
             sampled.record_stream(self.stream)
+            f_host = None
+            if frames is not None:
+                f_host = self._frame_ring[i, : frames.shape[0]]
+                f_host.copy_(frames, non_blocking=True)
+                frames.record_stream(self.stream)
             h_host = None
             if hidden is not None:
                 h_host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
@@ -88,10 +103,11 @@ class CudaOutputCopier(OutputCopier):
                 hidden.record_stream(self.stream)
             event = torch.cuda.Event()
             event.record(self.stream)
-        out = AsyncOutput(s_host, h_host, spans, event, (self._owner, i))
+        out = AsyncOutput(s_host, h_host, spans, event, (self._owner, i), frames=f_host)
         self._owner[i] = out
         return out
 
 
-def output_copier_for(device: torch.device, max_rows: int) -> OutputCopier:
-    return CudaOutputCopier(device, max_rows) if device.type == "cuda" else OutputCopier()
+def output_copier_for(device: torch.device, max_rows: int, frame_width: int = 0) -> OutputCopier:
+    """frame_width: codes per frame of a multi-codebook model (0: tokens only)."""
+    return CudaOutputCopier(device, max_rows, frame_width) if device.type == "cuda" else OutputCopier()

@@ -31,7 +31,6 @@ from runner.engine.compile_log import install
 from runner.engine.engine import Engine
 from runner.families import family_for
 from runner.layers import make_backends
-from runner.models.llama import build_random_model
 from streaming import ipc
 from streaming.gc_pause import freeze_startup_heap, log_slow_gc
 from streaming.sampling_params import InvalidRequest
@@ -48,12 +47,12 @@ def build_engine(args: EngineProcArgs):
     dev, proc = cfg.runner.torch_device, args.process
     if dev.type == "cpu":
         torch.set_num_threads(proc.cpu_threads or max(1, min(4, (os.cpu_count() or 2) // 2)))
-    family = family_for(args.profile)
+    family = family_for(args.profile, args.model_path)
     codec = family.build_codec(dev, parse_dtype(proc.codec_dtype, dev), cfg.runner.tuning)
     model = None
     if proc.random_weights:  # benchmarks: config.json gives the shape, no safetensors read
         attn, ops = make_backends(cfg.runner)
-        model = build_random_model(cfg.model, dev, cfg.runner.torch_dtype, attn=attn, ops=ops)
+        model = family.load_model(cfg, attn, ops, random_weights=True)
     return Engine(cfg, model=model, family=family, codec=codec)
 
 
@@ -106,7 +105,8 @@ class EngineLoop:
             if msg.audio and len(self._added) < 100_000:
                 self._added[msg.request_id] = time.perf_counter()
             try:
-                eng.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.hidden_state_layers, msg.audio)
+                eng.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.hidden_state_layers, msg.audio,
+                                prompt_frames=msg.prompt_frames)
             except InvalidRequest as e:
                 out = ipc.RequestOutput(msg.request_id, finished=True, finish_reason="error", error=str(e), error_field=e.field)
                 self.outbound.put(ipc.encode_outputs([out]))
@@ -172,8 +172,9 @@ class EngineLoop:
             num_layers=m.num_layers,
             max_model_len=eng.cfg.scheduler.max_model_len,
             max_num_seqs=eng.cfg.scheduler.max_num_seqs,
-            sample_rate=eng.codec.cfg.sample_rate if eng.codec is not None else 0,
+            sample_rate=eng.codec.sample_rate if eng.codec is not None else 0,
             dtype=str(eng.cfg.runner.torch_dtype).removeprefix("torch."),
+            codes_per_frame=eng.family.codes_per_frame,
         )
         self.outbound.put(ipc.encode_outbound(ready))
         try:

@@ -20,6 +20,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from streaming.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
@@ -39,6 +41,36 @@ class Status(enum.Enum):
     FINISHED = 3
 
 
+class FrameLog:
+    """The codes of every position of a multi-codebook request: one row of K codes per position,
+    the prompt's first (rows of text positions are never read: zeros), then one per accepted
+    output frame. The model embeds a frame position from its row; the prefix cache hashes the
+    rows with the ids (two voice prompts differ only in their frames)."""
+
+    def __init__(self, prompt_frames: np.ndarray):
+        n, k = prompt_frames.shape
+        self._rows = np.empty((max(2 * n, 64), k), dtype=np.int64)
+        self._rows[:n] = prompt_frames
+        self.num_rows = n
+
+    @property
+    def width(self) -> int:
+        return self._rows.shape[1]
+
+    def append(self, frame: np.ndarray) -> None:
+        if self.num_rows == len(self._rows):
+            grown = np.empty((2 * len(self._rows), self.width), dtype=np.int64)
+            grown[: self.num_rows] = self._rows[: self.num_rows]
+            self._rows = grown
+        self._rows[self.num_rows] = frame
+        self.num_rows += 1
+
+    def rows(self, start: int, end: int) -> np.ndarray:
+        """[end - start, K] view of positions start .. end - 1 (all known)."""
+        assert end <= self.num_rows, (start, end, self.num_rows)
+        return self._rows[start:end]
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -48,6 +80,9 @@ class Request:
     # 0 = embeddings, i = input of layer i, num_layers = final output after the norm).
     hidden_state_layers: tuple[int, ...] = ()
     audio: bool = False  # sampled tokens go through the codec stage
+    # Multi-codebook families: the codes of every position (the token ids then only say which
+    # positions are frames); None for one-token-per-step families.
+    frames: FrameLog | None = None
     arrival: int = field(default_factory=lambda: next(_seq_counter))
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, for the admission hold
 

@@ -21,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from runner.config import ADMISSION_HOLD_MIN_RUNNING, SchedulerConfig
 from runner.engine.kv_cache import BlockManager
 from runner.engine.request import FinishReason, Request, Status
@@ -197,8 +199,10 @@ class Scheduler:
 
     # ---- outputs ---------------------------------------------------------------------------
 
-    def update_from_output(self, sched: SchedulerOutput, sampled: list[int]) -> list[tuple[Request, int]]:
-        """Apply sampled ids (one per sampling entry of `sched`, in order). Returns (request,
+    def update_from_output(self, sched: SchedulerOutput, sampled: list[int],
+                           frames: np.ndarray | None = None) -> list[tuple[Request, int]]:
+        """Apply sampled ids (one per sampling entry of `sched`, in order; with a multi-codebook
+        model also `frames` [n, K], each row appended to its request's FrameLog). Returns (request,
         accepted token) for every request whose token was accepted, including those that
         finished with it. Runs over every row of every step, so the request's counters are
         read directly instead of through its properties."""
@@ -216,6 +220,8 @@ class Scheduler:
             req.num_inflight -= 1
             outs = req.output_token_ids
             outs.append(tok)
+            if frames is not None:
+                req.frames.append(frames[k - 1])
             p = req.sampling
             n_out = len(outs)
             # The sampler masks stop/EOS ids while n_out <= min_tokens; the check here is the rule.

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from runner.families.base import ModelFamily
+from runner.families.csm import CsmFamily
 from runner.families.orpheus import OrpheusFamily
 from runner.families.text import TextFamily
 from streaming.profile import ModelProfile
 
 FAMILIES: dict[str, type[ModelFamily]] = {
+    CsmFamily.name: CsmFamily,
     OrpheusFamily.name: OrpheusFamily,
     TextFamily.name: TextFamily,
 }
 
 
-def family_for(profile: ModelProfile) -> ModelFamily:
-    return FAMILIES[profile.family](profile)
+def family_for(profile: ModelProfile, model_path: str = "") -> ModelFamily:
+    """The family of a model folder (model_path: read by families whose shape is in it, CSM)."""
+    return FAMILIES[profile.family](profile, model_path)
 
 
-__all__ = ["FAMILIES", "ModelFamily", "OrpheusFamily", "TextFamily", "family_for"]
+__all__ = ["FAMILIES", "CsmFamily", "ModelFamily", "OrpheusFamily", "TextFamily", "family_for"]

@@ -11,9 +11,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar, Protocol
 
+import numpy as np
 import torch
 
+from runner.config import EngineConfig
+from runner.layers.base import AttentionBackend, OpsBackend
+from runner.models.llama import build_random_model
+from runner.models.loader import load_model
 from streaming.profile import ModelProfile
+from streaming.sampling_params import InvalidRequest
 
 
 class LogitsConstraint(Protocol):
@@ -40,7 +46,9 @@ class CodecStageLike(Protocol):
     sample_rate: int
 
     def open(self, key: object, seed: int | None = None) -> None: ...
-    def push_many(self, items: list[tuple[object, int]]) -> None: ...
+    def push_many(self, items: list[tuple[object, object]]) -> None:
+        """(key, code) pairs: a token id (one code per step) or a frame of K codes."""
+        ...
     def close(self, key: object) -> None: ...
     def abort(self, key: object) -> None: ...
     def step(self, wait: bool = False) -> dict: ...
@@ -51,10 +59,35 @@ class ModelFamily(ABC):
     """One family of models, built from the folder's profile (streaming/profile.py)."""
 
     name: ClassVar[str]
-    codes_per_frame: ClassVar[int] = 1  # codes a row yields per step
 
-    def __init__(self, profile: ModelProfile):
+    def __init__(self, profile: ModelProfile, model_path: str = ""):
         self.profile = profile
+        self.model_path = model_path
+        # codes a row yields per step: 1 (a token) for one-token-per-step families; a
+        # multi-codebook family K (the engine then runs runner/engine/frame_runner.py)
+        self.codes_per_frame = 1
+
+    def load_model(self, cfg: EngineConfig, attn: AttentionBackend, ops: OpsBackend,
+                   random_weights: bool = False) -> torch.nn.Module:
+        """The model of cfg.model on the runner's device and dtype: from the folder's
+        safetensors, or (benchmarks) random weights of its shape."""
+        r = cfg.runner
+        if random_weights:
+            return build_random_model(cfg.model, r.torch_device, r.torch_dtype, attn=attn, ops=ops)
+        return load_model(cfg.model, r.torch_device, r.torch_dtype, attn=attn, ops=ops)
+
+    def code_limit(self, codec: CodecStageLike | None) -> int | None:
+        """Multi-codebook families: codes at or above this are never sampled (the codec cannot
+        decode them); None: no limit."""
+        return None
+
+    def prompt_frames(self, prompt_token_ids: list[int], frames: np.ndarray | None) -> np.ndarray | None:
+        """The codes of every prompt position ([P, K] int64) for a multi-codebook family, from
+        the frames of its audio positions; None for a family without frames (which refuses
+        frames). Raises InvalidRequest naming `prompt_frames`."""
+        if frames is not None:
+            raise InvalidRequest("prompt_frames", f"the {self.name} family takes no audio frames in a prompt")
+        return None
 
     @property
     def speaks(self) -> bool:

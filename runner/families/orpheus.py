@@ -86,8 +86,8 @@ class OrpheusFamily(ModelFamily):
 
     name = "orpheus"
 
-    def __init__(self, profile: ModelProfile):
-        super().__init__(profile)
+    def __init__(self, profile: ModelProfile, model_path: str = ""):
+        super().__init__(profile, model_path)
         # the codec section parsed (and checked) once; the constraint and the codec stage both
         # read the token layout from it, so its defaults live in CodecConfig alone
         self.codec_config = CodecConfig(**profile.codec) if profile.codec is not None else None

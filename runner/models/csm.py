@@ -12,7 +12,7 @@ A frame is K codes (one per codebook). One frame step, for B rows:
 AttentionMetadata exactly like LlamaForCausalLM (runner/models/llama.py layers and backends);
 the depth decoder keeps its per-frame KV in buffers allocated once (`allocate_depth_kv`).
 Nothing in a step reads a device value on the host, so a decode step can be captured in a CUDA
-graph (not done yet: this module is not wired into the engine).
+graph (runner/engine/frame_graphs.py). The engine runs it through runner/engine/frame_runner.py.
 
 Input embedding, as transformers: a text position embeds its id with `embed_text_tokens`; an
 audio frame is the sum over k of `embed_audio_tokens[code_k + k * V]`; in a prompt the
@@ -45,6 +45,7 @@ class CsmModel(nn.Module):
         self.cfg = cfg
         attn = attn if attn is not None else make_attention(None, torch.get_default_device())
         ops = ops if ops is not None else make_ops(None, torch.get_default_device())
+        self.attn = attn  # the engine reads its capabilities (token rows), as of LlamaForCausalLM
         k, v, h = cfg.num_codebooks, cfg.codebook_size, cfg.backbone.hidden_size
         self.num_codebooks = k
         self.embed_text_tokens = nn.Embedding(cfg.text_vocab_size, h)
@@ -106,7 +107,17 @@ class CsmModel(nn.Module):
         dev = self.lm_head.weight.device
         return ids.to(dev), frames.to(dev), (is_audio | is_eos).to(dev)
 
+    def embed_inputs(self, ids: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        """The engine's rows: ids [T] int64 (text ids; `audio_token_id` / `audio_eos_token_id`
+        at frame positions), frames [T, K] int64 (read at frame positions only) -> [T, H]."""
+        is_frame = (ids == self.cfg.audio_token_id) | (ids == self.cfg.audio_eos_token_id)
+        return torch.where(is_frame[:, None], self.embed_frames(frames), self.embed_text_tokens(ids))
+
     # ---- the frame step ----------------------------------------------------------------------
+
+    def head(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, H] last hidden states -> (the same, codebook-0 logits [B, V] float32)."""
+        return last, F.linear(last, self.lm_head.weight).float()
 
     def backbone_step(self, embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                       meta: AttentionMetadata, last_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,8 +125,7 @@ class CsmModel(nn.Module):
         for LlamaForCausalLM), last_rows [B] int64: the row of each sequence's last new token
         -> (its final hidden state [B, H], codebook-0 logits [B, V] float32)."""
         h = self.backbone(embeds, positions, kv_caches, meta)
-        last = h.index_select(0, last_rows)
-        return last, F.linear(last, self.lm_head.weight).float()
+        return self.head(h.index_select(0, last_rows))
 
     def depth_decode(self, hidden: torch.Tensor, code0: torch.Tensor, sampler: CodebookSampler) -> torch.Tensor:
         """hidden [B, H], code0 [B] -> frames [B, K] int64: codebooks 1..K-1 by the depth

@@ -17,10 +17,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.config import ConfigError, ModelConfig
+from runner.config import CSM_ROPE_THETA, ConfigError, ModelConfig
 
 CSM_ARCHITECTURE = "CsmForConditionalGeneration"
-_CSM_ROPE_THETA = 500000.0  # transformers CsmConfig.default_theta / CsmDepthDecoderConfig.default_theta
 
 
 @dataclass(frozen=True)
@@ -101,9 +100,9 @@ def _decoder_config(raw: dict, field: str, path: str, vocab_size: int) -> ModelC
             raise ConfigError(f"model config: {field}{key} {raw[key]!r} is not supported ({ok!r} only)")
     plain = {k: val for k, val in raw.items() if k not in ("depth_decoder_config", "codec_config")}
     if not plain.get("rope_parameters") and "rope_theta" not in plain and not plain.get("rope_scaling"):
-        plain["rope_parameters"] = {"rope_type": "default", "rope_theta": _CSM_ROPE_THETA}
+        plain["rope_parameters"] = {"rope_type": "default", "rope_theta": CSM_ROPE_THETA}
     elif isinstance(plain.get("rope_parameters"), dict) and "rope_theta" not in plain["rope_parameters"]:
-        plain["rope_parameters"] = {**plain["rope_parameters"], "rope_theta": plain.get("rope_theta", _CSM_ROPE_THETA)}
+        plain["rope_parameters"] = {**plain["rope_parameters"], "rope_theta": plain.get("rope_theta", CSM_ROPE_THETA)}
     plain.update(architectures=["LlamaForCausalLM"], vocab_size=vocab_size, tie_word_embeddings=False,
                  eos_token_id=None)
     try:

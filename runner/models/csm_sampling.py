@@ -48,3 +48,15 @@ class RaceCodebooks:
 
     def __call__(self, logits: Tensor, codebook: int) -> Tensor:
         return self.sampler.sample(logits, replace(self.batch, counters=self._base + codebook))
+
+
+class CodecRange:
+    """Draws only codes the codec can decode: columns >= `limit` (CSM's 2051 ids against Mimi's
+    2048 codes: padding and spare ids) get -inf before `inner` samples."""
+
+    def __init__(self, inner: CodebookSampler, limit: int):
+        self.inner, self.limit = inner, limit
+
+    def __call__(self, logits: Tensor, codebook: int) -> Tensor:
+        logits[:, self.limit :] = float("-inf")
+        return self.inner(logits, codebook)

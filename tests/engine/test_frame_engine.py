@@ -1,0 +1,176 @@
+"""A multi-codebook talker (CSM) through the engine: frames against transformers' generate on a
+tiny random-weight checkpoint loaded through the real path (profile -> family -> loader), batched,
+joining mid-run, async scheduling on and off; seeded sampling alone and in a busy batch; the
+prefix cache keyed on frames; frames through the Mimi codec stage as streamed PCM."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runner.config import EngineConfig
+from runner.engine.engine import Engine
+from runner.families import CsmFamily, family_for
+from streaming.profile import read_profile
+from streaming.sampling_params import InvalidRequest, SamplingParams
+from runner.models.csm_config import CsmModelConfig
+from runner.models.csm_loader import load_csm
+from runner.models.csm_sampling import GreedyCodebooks
+from tests.models.test_csm import PROMPTS, drive, hf_generate
+from tests.support.tiny_models import CSM_AUDIO_EOS_TOKEN_ID, CSM_AUDIO_TOKEN_ID, load_hf_csm, make_tiny_csm
+
+MAX_FRAMES = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_FRAMES)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def csm_dir(tmp_path_factory):
+    return make_tiny_csm(tmp_path_factory.mktemp("csm_engine"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf(csm_dir):
+    return load_hf_csm(csm_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(hf):
+    return [hf_generate(hf, p, MAX_FRAMES).numpy() for p in PROMPTS]
+
+
+def make_engine(path, *, async_scheduling: bool, codec: bool = False, prefix: bool = True, max_num_seqs: int = 8) -> Engine:
+    cfg = EngineConfig.build(path, device="cpu", dtype="float32", max_model_len=128, max_num_batched_tokens=64,
+                             max_num_seqs=max_num_seqs, block_size=4, num_blocks=256, enable_prefix_caching=prefix,
+                             async_scheduling=async_scheduling)
+    family = family_for(read_profile(path), str(path))
+    return Engine(cfg, family=family, codec=family.build_codec(torch.device("cpu"), torch.float32) if codec else None)
+
+
+def run(engine: Engine, prompts, sampling, join_every: int = 0, audio: bool = False) -> dict[str, dict]:
+    """Add prompt i at step i * join_every; collect each request's frames, ids and PCM."""
+    got = {f"r{i}": {"ids": [], "frames": [], "pcm": [], "finish": None} for i in range(len(prompts))}
+    pending, step = list(enumerate(prompts)), 0
+    while pending or engine.has_unfinished:
+        while pending and step >= pending[0][0] * join_every:
+            i, p = pending.pop(0)
+            engine.add_request(f"r{i}", p, sampling[i] if isinstance(sampling, list) else sampling, audio=audio)
+        for o in engine.step():
+            g = got[o.request_id]
+            g["ids"] += o.new_token_ids
+            if o.frames is not None:
+                assert o.frames.shape == (len(o.new_token_ids), engine.family.codes_per_frame)
+                g["frames"].append(o.frames)
+            if o.audio is not None:
+                g["pcm"].append(o.audio)
+            if o.finished:
+                g["finish"] = (o.finish_reason, o.error)
+        step += 1
+    for g in got.values():
+        g["frames"] = np.concatenate(g["frames"]) if g["frames"] else np.zeros((0, engine.family.codes_per_frame), np.int64)
+    return got
+
+
+def test_profile_and_family_are_csm(csm_dir):
+    profile = read_profile(csm_dir)
+    assert profile.family == "csm" and profile.codec["path"] == str(csm_dir)
+    fam = family_for(profile, str(csm_dir))
+    assert isinstance(fam, CsmFamily) and fam.codes_per_frame == 4
+    assert fam.stop_token_ids() == (CSM_AUDIO_EOS_TOKEN_ID,)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("join_every", [0, 3])
+def test_greedy_frames_equal_transformers(csm_dir, reference, async_scheduling, join_every):
+    eng = make_engine(csm_dir, async_scheduling=async_scheduling)
+    got = run(eng, PROMPTS, GREEDY, join_every=join_every)
+    for i, ref in enumerate(reference):
+        g = got[f"r{i}"]
+        np.testing.assert_array_equal(g["frames"], ref)
+        ended = int((ref[-1, :-1] == 0).all())
+        assert g["ids"] == [CSM_AUDIO_TOKEN_ID] * (len(ref) - ended) + [CSM_AUDIO_EOS_TOKEN_ID] * ended
+        assert g["finish"] == ("stop" if ended else "length", None)
+    assert not eng.requests and eng.blocks.num_free_blocks == eng.num_blocks or eng.cfg.cache.enable_prefix_caching
+
+
+def test_seeded_sampling_same_alone_and_in_a_busy_batch(csm_dir):
+    sp = SamplingParams(temperature=0.9, top_k=20, max_tokens=10, seed=11)
+    alone = run(make_engine(csm_dir, async_scheduling=True), [PROMPTS[1]], sp)["r0"]["frames"]
+    others = [SamplingParams(temperature=1.0, top_p=0.8, max_tokens=10, seed=s) for s in (1, 2)]
+    busy = run(make_engine(csm_dir, async_scheduling=True), [PROMPTS[0], PROMPTS[1], PROMPTS[2]],
+               [others[0], sp, others[1]], join_every=2)["r1"]["frames"]
+    np.testing.assert_array_equal(alone, busy)
+    assert len(alone) and len(np.unique(alone[:, 1:])) > 1  # sampled, not a constant
+
+
+def test_prompt_frames_condition_the_output_and_hit_the_prefix_cache(csm_dir):
+    """A voice prompt (text, the clip's frames, audio end, text): the engine's frames equal the
+    standalone model's (tests/models/test_csm.py holds its prompt embedding and frames equal to
+    transformers'); a second request with the same clip reuses the cached blocks, another clip
+    under the same ids does not."""
+    k = 4
+    clip = np.random.default_rng(0).integers(1, 30, size=(5, k))
+    prompt = [1, 5, 6] + [CSM_AUDIO_TOKEN_ID] * 5 + [CSM_AUDIO_EOS_TOKEN_ID, 1, 7, 8, 9]
+    eng = make_engine(csm_dir, async_scheduling=True)
+    eng.add_request("a", prompt, GREEDY, prompt_frames=clip.tolist())
+    frames_a = []
+    while eng.has_unfinished:
+        frames_a += [o.frames for o in eng.step() if o.frames is not None]
+    cfg = CsmModelConfig.from_pretrained(csm_dir)
+    model = load_csm(cfg, "cpu", torch.float32)
+    ref = drive(model, [prompt], MAX_FRAMES, lambda rows: GreedyCodebooks(), audio={0: torch.from_numpy(clip)})[0]
+    np.testing.assert_array_equal(np.concatenate(frames_a), ref.numpy())
+    hits = eng.blocks.hit_tokens_total
+    eng.add_request("b", prompt[:-3] + [20, 21, 22], GREEDY, prompt_frames=clip.tolist())
+    while eng.has_unfinished:
+        eng.step()
+    assert eng.blocks.hit_tokens_total - hits == 8  # the 2 full blocks (of 4) inside the 10 shared positions
+    hits = eng.blocks.hit_tokens_total
+    eng.add_request("c", prompt, GREEDY, prompt_frames=(clip + 1).tolist())
+    while eng.has_unfinished:
+        eng.step()
+    assert eng.blocks.hit_tokens_total - hits == 0  # block 0 (ids 1 5 6 AUDIO) holds a frame: differs
+
+
+def test_bad_requests_name_the_field(csm_dir):
+    eng = make_engine(csm_dir, async_scheduling=False)
+    cases = [
+        (dict(prompt_frames=[[1, 2, 3, 4]]), "prompt_frames"),  # no audio position
+        (dict(prompt_token_ids=[1, CSM_AUDIO_TOKEN_ID], prompt_frames=[[1, 2, 3]]), "prompt_frames"),
+        (dict(prompt_token_ids=[1, CSM_AUDIO_TOKEN_ID], prompt_frames=[[1, 2, 3, 99]]), "prompt_frames"),
+        (dict(sampling=SamplingParams(repetition_penalty=1.2)), "sampling.repetition_penalty"),
+        (dict(hidden_state_layers=[-1]), "hidden_state_layers"),
+    ]
+    for kw, field in cases:
+        args = dict(prompt_token_ids=[1, 5, 6], sampling=GREEDY) | kw
+        with pytest.raises(InvalidRequest) as e:
+            eng.add_request("x", args.pop("prompt_token_ids"), args.pop("sampling"), **args)
+        assert e.value.field == field, (kw, e.value)
+    assert not eng.requests
+
+
+def test_audio_streams_mimi_pcm_equal_to_offline_decode(csm_dir):
+    from runner.codecs.mimi import load_csm_codec
+
+    eng = make_engine(csm_dir, async_scheduling=True, codec=True)
+    sp = SamplingParams(temperature=0.9, top_k=20, max_tokens=9, seed=5)
+    got = run(eng, PROMPTS[:2], sp, join_every=2, audio=True)
+    mimi = load_csm_codec(csm_dir, torch.device("cpu"))
+    for g in got.values():
+        assert g["finish"][1] is None
+        frames = g["frames"]
+        audio_frames = frames[:-1] if g["finish"][0] == "stop" else frames  # the ending frame is not audio
+        assert len(audio_frames) and audio_frames.max() < mimi.config.codebook_size  # CodecRange
+        pcm = np.concatenate(g["pcm"])
+        with torch.no_grad():
+            ref = mimi.decode(torch.from_numpy(audio_frames.T[None].copy())).audio_values[0, 0].numpy()
+        assert len(pcm) == len(ref) == 1920 * len(audio_frames)
+        np.testing.assert_allclose(pcm / 32767.0, np.clip(ref, -1, 1), atol=2 / 32767)
