@@ -122,7 +122,8 @@ class Engine:
         if audio:
             if self.codec is None:
                 raise InvalidRequest("audio", "this engine has no codec stage loaded")
-            missing = [t for t in self._audio_stop_ids if t not in sampling.stop_token_ids]
+            # (a multi-codebook model's end frame is its eos id already: ignore_eos keeps its say)
+            missing = [t for t in self._audio_stop_ids if t not in sampling.stop_token_ids] if not self.frames else []
             if missing:
                 sampling = msgspec.structs.replace(sampling, stop_token_ids=[*sampling.stop_token_ids, *missing])
         frames = None
@@ -224,8 +225,8 @@ class Engine:
             if req.audio:
                 # Tokens of an audio request travel with its next audio chunk or its finish
                 # (_codec_step): a message per token would be ~40x the traffic for no reader.
-                if self.frames:  # the frame just appended; the ending frame is not audio
-                    if not (req.is_finished and tok in self._audio_stop_ids):
+                if self.frames:  # the frame just appended; the frame that ends the audio is not audio
+                    if not (req.is_finished and req.finish_reason is FinishReason.STOP):
                         audio.append((id(req), req.frames.rows(req.frames.num_rows - 1, req.frames.num_rows)[0]))
                 else:
                     audio.append((id(req), tok))

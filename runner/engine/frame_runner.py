@@ -76,9 +76,13 @@ class FrameRunner(ModelRunner):
             self._t0.record()
         st = ExecuteState(inp.sample, None, None, [])
         g = self.frame_graphs
-        bucket = g.bucket_for(inp.num_seqs) if g is not None and inp.pure_decode and inp.sample.reqs else None
+        # every row one position and sampling (a one-token chunk inside a prompt samples nothing)
+        graphable = g is not None and inp.pure_decode and len(inp.sample.reqs) == inp.num_seqs
+        bucket = g.bucket_for(inp.num_seqs) if graphable else None
         if bucket is not None:
-            self._frames_in = g.run(bucket, inp, frames, src, self._sampling_batch(st))
+            tab, sl = self.sampling_table, np.asarray(inp.sample.slots, dtype=np.int64)
+            rows = (tab.floats[sl], tab.top_k[sl], sl, tab.seeds[sl], np.asarray(inp.sample.out_index, dtype=np.int64))
+            self._frames_in = g.run(bucket, inp, frames, src, rows)
         else:
             q_lens = np.diff(inp.split(inp.pack)[4])
             token_rows = self.token_rows and int(q_lens.max()) <= MAX_TOKEN_ROW_QUERY

@@ -92,7 +92,8 @@ def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     return w
 
 
-def _tokenizer(path: Path) -> None:
+def write_tokenizer(path: Path) -> None:
+    """The default's byte-level BPE (ids < TEXT_VOCAB) with SPECIALS at their fixed ids."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -122,7 +123,7 @@ def ensure_default_model(cache_dir: str | Path, seed: int = 0) -> Path:
     cfg = _llama_config()
     (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
     save_file(_weights(cfg, seed), str(tmp / "model.safetensors"))
-    _tokenizer(tmp)
+    write_tokenizer(tmp)
     make_tiny_snac(tmp / "snac", seed=seed)
     profile = {
         "voices": VOICES,

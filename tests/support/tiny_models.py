@@ -178,18 +178,20 @@ CSM_AUDIO_EOS_TOKEN_ID = 91
 
 
 def tiny_csm_config(*, num_codebooks: int = 4, codebook_size: int = 40, hidden: int = 64, layers: int = 2,
-                    depth_hidden: int = 32, depth_layers: int = 2, tie: bool = True):
+                    depth_hidden: int = 32, depth_layers: int = 2, tie: bool = True, text_vocab: int = CSM_TEXT_VOCAB,
+                    audio_token_id: int = CSM_AUDIO_TOKEN_ID, audio_eos_token_id: int = CSM_AUDIO_EOS_TOKEN_ID,
+                    bos_token_id: int = BOS_ID):
     """transformers CsmConfig of a tiny CSM: backbone 64 wide (4 / 2 heads), depth decoder 32
     wide with K + 1 positions, `num_codebooks` codebooks of `codebook_size`, text vocabulary 100
     with 90 = audio frame and 91 = audio end, 1 = BOS; codebook 0 = end of stream as in CSM-1B."""
     from transformers import CsmConfig
 
     return CsmConfig(
-        num_codebooks=num_codebooks, vocab_size=codebook_size, text_vocab_size=CSM_TEXT_VOCAB, hidden_size=hidden,
+        num_codebooks=num_codebooks, vocab_size=codebook_size, text_vocab_size=text_vocab, hidden_size=hidden,
         intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, pad_token_id=CSM_AUDIO_TOKEN_ID, codebook_pad_token_id=codebook_size - 1,
-        codebook_eos_token_id=0, bos_token_id=BOS_ID, audio_token_id=CSM_AUDIO_TOKEN_ID,
-        audio_eos_token_id=CSM_AUDIO_EOS_TOKEN_ID, tie_codebooks_embeddings=tie,
+        max_position_embeddings=256, pad_token_id=audio_token_id, codebook_pad_token_id=codebook_size - 1,
+        codebook_eos_token_id=0, bos_token_id=bos_token_id, audio_token_id=audio_token_id,
+        audio_eos_token_id=audio_eos_token_id, tie_codebooks_embeddings=tie,
         depth_decoder_config=dict(num_codebooks=num_codebooks, backbone_hidden_size=hidden, vocab_size=codebook_size,
                                   hidden_size=depth_hidden, intermediate_size=2 * depth_hidden,
                                   num_hidden_layers=depth_layers, num_attention_heads=4, num_key_value_heads=2,
@@ -226,3 +228,21 @@ def load_hf_csm(path):
     from transformers import CsmForConditionalGeneration
 
     return CsmForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def make_served_csm(path, *, seed: int = 0, max_frames: int = 40) -> Path:
+    """A tiny CSM folder the server runs as it would CSM-1B: the embedded default's byte-level
+    tokenizer (BOS 500, end of text 506; text ids < 512, 508 = audio frame, 509 = audio end) and
+    an omnistream.json stating the prompt ids the tiny tokenizer has instead of Llama-3's."""
+    import json
+
+    from runner.models.default_model import SPECIALS, write_tokenizer
+
+    path = make_tiny_csm(path, seed=seed, text_vocab=512, audio_token_id=508, audio_eos_token_id=509,
+                         bos_token_id=SPECIALS["<|begin_of_text|>"])
+    write_tokenizer(path)
+    (path / "omnistream.json").write_text(json.dumps({
+        "family": "csm", "voices": ["0", "1"], "suffix_token_ids": [SPECIALS["<|eot_id|>"]],
+        "sampling": {"temperature": 0.9, "top_k": 20, "max_tokens": max_frames},
+    }))
+    return path

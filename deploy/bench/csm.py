@@ -1,0 +1,275 @@
+"""CSM-1B-shaped multi-codebook talker on the GPU (random weights, bf16): frame step against its
+bound and against transformers, and real-time streams through the real server. Sections:
+
+  frames    in-process engine, CUDA graphs + async scheduling, every row decoding: ms per frame
+            step at each batch, the host idle gap between steps (wall minus GPU time per step),
+            and the bound: bytes a frame step must read over the copy bandwidth measured in the
+            same run. Bytes per step = backbone weights (its layers, final norm and codebook-0
+            head; the embeddings are a gather of B rows, ~0) + (K - 1) x the depth decoder's
+            body (layers, norm, input projector: one forward per sub-step, counted each time
+            since its 2 x 4 layers and projector (~0.3 GB in bf16) do not stay in the 50 MB L2
+            across the step) + every codebook head once (sub-step k reads head k only) + the
+            live backbone KV (B x context x layers x 2 x kv heads x head dim x 2 bytes).
+  hf        transformers' CsmForConditionalGeneration.generate on the same shapes: ms per frame
+            ((t(n2) - t(n1)) / (n2 - n1) frames, so the prompt's prefill cancels).
+  serving   the real server (`omnistream serve --random-weights`, random Mimi codec) and the
+            serving benchmark: N WebSocket TTS streams (12.5 frames/s each) read in real time,
+            TTFA p50 / p99, underruns; levels started together or spread over --ramp-s.
+
+    python -m deploy.bench.csm --sections frames,hf,serving
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from deploy.bench.common import ROOT, add_out_arg, bench_bandwidth, log, run_header, scratch, write_results
+
+PROMPT = 32  # text tokens of each request's prompt
+FRAME_S = 0.08  # audio per frame (12.5 frames/s)
+
+
+def csm_folder(root: Path) -> Path:
+    """transformers CsmConfig() defaults (CSM-1B's shape) as a model folder; no weights
+    (--random-weights); the embedded default's tokenizer and an omnistream.json for serving."""
+    from transformers import CsmConfig
+
+    from runner.models.default_model import SPECIALS, ensure_default_model
+
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = CsmConfig()
+    cfg.architectures = ["CsmForConditionalGeneration"]
+    raw = cfg.to_dict() | {"bos_token_id": SPECIALS["<|begin_of_text|>"]}
+    (root / "config.json").write_text(json.dumps(raw, indent=1))
+    tiny = ensure_default_model(str(scratch("omnistream-cache")))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / f, root / f)
+    (root / "omnistream.json").write_text(json.dumps({
+        "family": "csm", "voices": ["0", "1"], "suffix_token_ids": [SPECIALS["<|eot_id|>"]],
+        # random weights end at random: every utterance runs its full length
+        "sampling": {"temperature": 0.9, "top_k": 50, "max_tokens": 150, "ignore_eos": True},
+    }))
+    return root
+
+
+def mimi_folder(root: Path) -> Path:
+    """The real Mimi's architecture (MimiConfig() defaults: 32 codebooks of 2048, 24 kHz), random."""
+    from transformers import MimiConfig, MimiModel
+
+    if (root / "config.json").is_file():
+        return root
+    torch.manual_seed(0)
+    MimiModel(MimiConfig()).save_pretrained(root, safe_serialization=True)
+    return root
+
+
+def frame_bytes(model, batch: int, context: int) -> dict:
+    """Bytes one frame step must read (see the module doc)."""
+    k = model.num_codebooks
+
+    def size(prefix: str) -> int:
+        return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith(prefix))
+
+    backbone = size("backbone.") + size("lm_head.")
+    depth_body = size("depth.layers.") + size("depth.norm.") + size("depth.inputs_embeds_projector.")
+    heads = size("depth.codebooks_head")
+    c = model.cfg.backbone
+    kv = batch * context * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+    return {"backbone": backbone, "depth_body_x_subs": (k - 1) * depth_body, "heads": heads, "kv": kv,
+            "total": backbone + (k - 1) * depth_body + heads + kv}
+
+
+def run_frames(batches: list[int], steps: int, bandwidth: float) -> list[dict]:
+    from runner.config import EngineConfig
+    from runner.engine.engine import Engine
+    from runner.families import family_for
+    from runner.layers import make_backends
+    from streaming.profile import read_profile
+    from streaming.sampling_params import SamplingParams
+
+    folder = csm_folder(scratch("csm1b-random"))
+    top = max(batches)
+    ctx = PROMPT + 16 + 2 * steps
+    cfg = EngineConfig.build(folder, device="cuda", dtype="bfloat16", max_num_seqs=top, max_model_len=2048,
+                             max_num_batched_tokens=8192, block_size=16, num_blocks=top * (ctx // 16 + 2) + 64,
+                             max_graph_batch_size=top)
+    family = family_for(read_profile(folder), str(folder))
+    attn, ops = make_backends(cfg.runner)
+    model = family.load_model(cfg, attn, ops, random_weights=True)
+    eng = Engine(cfg, model=model, family=family, codec=None)
+    rows = []
+    for b in batches:
+        sp = SamplingParams(temperature=0.9, top_k=50, max_tokens=16 + 2 * steps, ignore_eos=True, seed=0)
+        for i in range(b):
+            eng.add_request(f"b{b}-{i}", [(7 * i + j) % 400 + 1 for j in range(PROMPT)], sp)
+        while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
+            eng.step()
+        for _ in range(8):
+            eng.step()
+        eng.runner.record_timeline, eng.runner.timeline = True, []
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+        eng.runner.record_timeline = False
+        gpu = statistics.median(s.elapsed_time(e) for s, e in eng.runner.timeline) / 1e3
+        context = PROMPT + 8 + steps // 2  # mean context over the timed steps
+        by = frame_bytes(model, b, context)
+        bound = by["total"] / bandwidth
+        rows.append({"batch": b, "ms_per_frame": 1e3 * wall, "gpu_ms": 1e3 * gpu, "idle_gap_us": 1e6 * max(0.0, wall - gpu),
+                     "bound_ms": 1e3 * bound, "x_bound": wall / bound, "bytes": by,
+                     "frames_per_s": b / wall, "realtime_streams": b * FRAME_S / wall})
+        log(f"frames batch {b}: {1e3 * wall:.2f} ms/frame (GPU {1e3 * gpu:.2f}), bound {1e3 * bound:.2f} ms, "
+            f"x{wall / bound:.2f}")
+        for rid in list(eng.requests):
+            eng.abort_request(rid)
+        while eng.has_unfinished:
+            eng.step()
+    return rows
+
+
+def run_hf(batches: list[int], budget_s: float) -> list[dict]:
+    from transformers import CsmConfig, CsmForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = CsmForConditionalGeneration(CsmConfig()).to("cuda", torch.bfloat16).eval()
+    rows, t_start = [], time.perf_counter()
+    for b in batches:
+        if time.perf_counter() - t_start > budget_s:
+            break
+        ids = torch.randint(1, 400, (b, PROMPT), device="cuda")
+
+        def timed(n: int) -> float:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            with torch.no_grad():
+                model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=True,
+                               depth_decoder_do_sample=True)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t
+
+        timed(2)
+        t1, t2 = timed(2), timed(8)
+        ms = 1e3 * (t2 - t1) / 6
+        rows.append({"batch": b, "ms_per_frame": ms})
+        log(f"transformers batch {b}: {ms:.1f} ms/frame")
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_serving(streams: str, ramps: str, max_frames: int, max_num_seqs: int, out: Path) -> str:
+    folder = csm_folder(scratch("csm1b-random"))
+    mimi = mimi_folder(scratch("mimi-random"))
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    log_path = out / "csm-server.log"
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(folder), "--codec", str(mimi), "--random-weights",
+           "--device", "cuda", "--max-num-seqs", str(max_num_seqs), "--max-concurrent-requests", str(2 * max_num_seqs),
+           "--max-open-sessions", str(2 * max_num_seqs), "--port", str(port), "--zmq-endpoint", "none"]
+    with open(log_path, "wb") as logf:
+        srv = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            import urllib.request
+
+            t0 = time.time()
+            while True:
+                if srv.poll() is not None:
+                    raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.time() - t0 > 400:
+                    raise RuntimeError("server did not come up in 400 s")
+                time.sleep(1)
+            log(f"server up in {time.time() - t0:.0f} s")
+            table = out / "csm-serving.md"
+            subprocess.run([sys.executable, "-m", "server.cli", "bench", "--url", f"http://127.0.0.1:{port}",
+                            "--streams", streams, "--ramp-s", ramps, "--max-tokens", str(max_frames),
+                            "--out", str(table)], cwd=ROOT, check=True)
+            return table.read_text()
+        finally:
+            os.killpg(srv.pid, signal.SIGTERM)
+            try:
+                srv.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(srv.pid, signal.SIGKILL)
+
+
+def render(res: dict) -> str:
+    lines = [f"# CSM-1B shape, random weights, {res['gpu']}, {res['date']}", "", f"`{res['command']}`", ""]
+    if "bandwidth_tb_s" in res:
+        lines += [f"Bound = bytes a frame step reads / copy bandwidth {res['bandwidth_tb_s']:.2f} TB/s (bytes read + "
+                  "written per second by a device copy, measured in this run).", ""]
+    hf = {r["batch"]: r["ms_per_frame"] for r in res.get("hf", [])}
+    if res.get("frames"):
+        lines += ["| batch | ms/frame | GPU ms | idle gap µs | bound ms | x bound | transformers ms/frame | speed-up | real-time streams |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in res["frames"]:
+            h = hf.get(r["batch"])
+            hf_ms = "" if h is None else f"{h:.1f}"
+            speedup = "" if h is None else f"{h / r['ms_per_frame']:.0f}x"
+            lines.append(f"| {r['batch']} | {r['ms_per_frame']:.2f} | {r['gpu_ms']:.2f} | {r['idle_gap_us']:.0f} | "
+                         f"{r['bound_ms']:.2f} | {r['x_bound']:.2f} | {hf_ms} | {speedup} | {r['realtime_streams']:.0f} |")
+        lines.append("")
+    if res.get("serving"):
+        lines += ["## Serving", "", res["serving"]]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", default="frames,hf,serving")
+    ap.add_argument("--batches", default="1,8,32,64,128,256,512")
+    ap.add_argument("--steps", type=int, default=40, help="timed frame steps per batch")
+    ap.add_argument("--hf-batches", default="1,8,32,64")
+    ap.add_argument("--hf-budget-s", type=float, default=90)
+    ap.add_argument("--streams", default="1,512,1000")
+    ap.add_argument("--ramp-s", default="2")
+    ap.add_argument("--max-frames", type=int, default=150, help="frames per utterance (12 s)")
+    ap.add_argument("--max-num-seqs", type=int, default=1024)
+    add_out_arg(ap, "csm")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sections = set(args.sections.split(","))
+    res = run_header()
+    if "frames" in sections:
+        bw = bench_bandwidth()
+        res["bandwidth_tb_s"] = bw / 1e12
+        res["frames"] = run_frames([int(x) for x in args.batches.split(",")], args.steps, bw)
+        write_results(out, res, render(res))
+    if "hf" in sections:
+        res["hf"] = run_hf([int(x) for x in args.hf_batches.split(",")], args.hf_budget_s)
+        write_results(out, res, render(res))
+    if "serving" in sections:
+        res["serving"] = run_serving(args.streams, args.ramp_s, args.max_frames, args.max_num_seqs, out)
+    write_results(out, res, render(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The whole frame step of a multi-codebook talker as one CUDA graph per decode bucket.
+
+A pure decode step of b rows replays one graph that: unpacks the step's inputs (the token
+graphs' one-array layout, runner/utils/graph_inputs.py), takes each row's input frame (from the
+host, or `last_frame[slot]` for a frame still in flight), embeds, runs the backbone over the
+paged cache, the codebook-0 head, the depth decoder's K - 1 sub-steps over its preallocated
+per-frame KV, and samples every codebook with the project's sampler, then records the frames in
+`last_frame`. The host does three copies (inputs, input frames, sampling rows) and one replay;
+nothing between sub-steps touches the host.
+
+Sampling inside a graph cannot take per-step shortcuts (all-greedy argmax, filters skipped when
+no row uses them): the graph's batch turns every stage on, and a row that does not use a stage
+carries its neutral value (top_k 0, top_p 1, min_p 0), which keeps the same ids; padding rows
+are greedy with slot -1 (they write the scratch row). Graph and eager steps give the same frames
+(tests/gpu/test_frame_graphs.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from runner.engine.cuda_graphs import graph_buckets
+from runner.engine.step_inputs import StepInputs
+from runner.kernels.graph_inputs import unpack_graph_inputs
+from runner.layers.attention import AttentionMetadata
+from runner.layers.sampling_batch import NUM_FLOAT_PARAMS, SamplingBatch
+from runner.utils.capture import no_gc_while_capturing
+from runner.utils.graph_inputs import pack_graph_inputs, staged_capacity
+from runner.utils.host_staging import staging_for
+
+if TYPE_CHECKING:
+    from runner.engine.frame_runner import FrameRunner
+
+log = logging.getLogger(__name__)
+
+# neutral values of a padding row: greedy, no filter, no penalty (SamplingBatch float order)
+_PAD_FLOATS = np.array([0.0, 1.0, 0.0, 1.0, 0.0, 0.0], dtype=np.float32)
+
+
+class _GraphBatch:
+    """One bucket's persistent sampling rows: ints [4, b] (top_k, slots, seeds, counters) then
+    floats [6, b] in one byte buffer, so a step's rows are one host -> device copy."""
+
+    def __init__(self, b: int, device: torch.device):
+        self.b = b
+        self.n_int = 4 * 8 * b
+        self.buf = torch.zeros(self.n_int + NUM_FLOAT_PARAMS * 4 * b, dtype=torch.uint8, device=device)
+        ints = self.buf[: self.n_int].view(torch.int64).view(4, b)
+        f = self.buf[self.n_int :].view(torch.float32).view(NUM_FLOAT_PARAMS, b)
+        self.batch = SamplingBatch(
+            temperature=f[0], top_p=f[1], min_p=f[2], repetition_penalty=f[3], frequency_penalty=f[4],
+            presence_penalty=f[5], top_k=ints[0], slots=ints[1], seeds=ints[2], counters=ints[3],
+            bias_rows=None, bias_cols=None, bias_vals=None, all_greedy=False, any_penalty=False,
+            any_top_k=True, any_top_p=True, any_min_p=True, any_greedy=True, any_repetition=False,
+            any_frequency=False, any_presence=False)
+        self.host = np.zeros(self.buf.numel(), dtype=np.uint8)
+
+    def pack(self, floats: np.ndarray, top_k: np.ndarray, slots: np.ndarray, seeds: np.ndarray,
+             counters: np.ndarray) -> np.ndarray:
+        """The host bytes of n <= b rows (the rest padding)."""
+        n, b = len(slots), self.b
+        ints = self.host[: self.n_int].view(np.int64).reshape(4, b)
+        f = self.host[self.n_int :].view(np.float32).reshape(NUM_FLOAT_PARAMS, b)
+        ints[0, :n], ints[1, :n], ints[2, :n], ints[3, :n] = top_k, slots, seeds, counters
+        ints[:, n:] = 0
+        ints[1, n:] = -1
+        f[:, :n] = floats.T
+        f[:, n:] = _PAD_FLOATS[:, None]
+        return self.host
+
+
+class FrameGraphs:
+    def __init__(self, runner: FrameRunner, max_bs: int):
+        self.runner = runner
+        self.model = runner.model
+        self.device = runner.device
+        self.k = runner.num_codebooks
+        self.buckets = graph_buckets(max_bs)
+        nb, bs = runner.num_blocks, runner.block_size
+        self.scratch_slot = nb * bs
+        self.max_blocks = runner.max_blocks_per_seq
+        dev, i64 = self.device, dict(dtype=torch.int64, device=self.device)
+        self.staged = torch.zeros(staged_capacity(max_bs, self.max_blocks), dtype=torch.int32, device=dev)
+        self.frames_in = torch.zeros(max_bs * (self.k + 1), **i64)  # [b, 1 + K]: source slot (-1: host), codes
+        self.input_ids = torch.zeros(max_bs, **i64)
+        self.positions = torch.zeros(max_bs, **i64)
+        self.slot_mapping = torch.full((max_bs,), self.scratch_slot, **i64)
+        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((max_bs, self.max_blocks), nb, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.batches = {b: _GraphBatch(b, dev) for b in self.buckets}
+        self.staging = staging_for(dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.out: dict[int, torch.Tensor] = {}  # bucket -> the graph's frames [b, K]
+        self.pool = None
+
+    def bucket_for(self, b: int) -> int | None:
+        for s in self.buckets:
+            if s >= b:
+                return s
+        return None
+
+    def _forward(self, b: int) -> torch.Tensor:
+        m, k = self.model, self.k
+        unpack_graph_inputs(self.staged, self.runner.slots.last_token, self.input_ids[:b], self.positions[:b],
+                     self.slot_mapping[:b], self.seq_lens[:b], self.block_tables[:b], self.scratch_slot)
+        fin = self.frames_in[: b * (k + 1)].view(b, k + 1)
+        src = fin[:, 0]
+        frames_in = torch.where(src[:, None] >= 0, self.runner.last_frame[src.clamp(min=0)], fin[:, 1:])
+        meta = AttentionMetadata(query_start_loc=self.query_start_loc[: b + 1], seq_lens=self.seq_lens[:b],
+                                 block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b],
+                                 max_query_len=1, max_seq_len=self.max_blocks * self.runner.block_size,
+                                 num_decodes=b, pure_decode=True)
+        h = m.backbone(m.embed_inputs(self.input_ids[:b], frames_in), self.positions[:b], self.runner.kv_caches, meta)
+        hidden, logits0 = m.head(h)
+        batch = self.batches[b].batch
+        sampler = self.runner.codebook_sampler(batch)
+        frames = m.depth_decode(hidden, sampler(logits0, 0), sampler)
+        self.runner.record_frames(frames, batch.slots)
+        return frames
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        with no_gc_while_capturing():
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for b in self.buckets:  # Triton compiles and workspaces grow outside any capture
+                    self._forward(b)
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            for b in sorted(self.buckets, reverse=True):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    self.out[b] = self._forward(b)
+                if self.pool is None:
+                    self.pool = g.pool()
+                self.graphs[b] = g
+            torch.cuda.synchronize(self.device)
+        log.info("captured frame-step CUDA graphs for batch sizes %s", self.buckets)
+
+    def run(self, b: int, inp: StepInputs, frames: np.ndarray, src: np.ndarray, tab_rows: tuple) -> torch.Tensor:
+        """Replay bucket b for a pure decode step of n <= b rows: inputs (pack_step_inputs),
+        their input frames [n, K] and in-flight sources [2, D] (FrameRunner._pack_frames), the
+        sampling rows (SamplingTable arrays) -> the frames [n, K] (a view of the graph's output,
+        valid until the next replay)."""
+        n = inp.num_seqs
+        ids, pos, slot_map, seq_lens, _ = inp.split(inp.pack)
+        staged = pack_graph_inputs(ids, pos, slot_map, seq_lens, np.full(n, -1, dtype=np.int64), inp.tables)
+        self.staging.copy_into(self.staged, staged)
+        fin = np.empty((n, self.k + 1), dtype=np.int64)
+        fin[:, 0] = -1
+        fin[src[0], 0] = src[1]
+        fin[:, 1:] = frames
+        self.staging.copy_into(self.frames_in, fin.reshape(-1))
+        gb = self.batches[b]
+        self.staging.copy_into(gb.buf, gb.pack(*tab_rows))
+        self.graphs[b].replay()
+        return self.out[b][:n]
