@@ -1,4 +1,5 @@
-"""Text-to-speech WebSockets: text streams in, audio streams out while the text still arrives.
+"""The TTS WebSocket session: text streams in, audio streams out while the text still arrives
+(ElevenLabs' shapes: server.routes.elevenlabs_ws; Cartesia's: server.routes.cartesia_ws).
 
 /v1/audio/speech/stream (this project's protocol)
     client: {"type": "session.config", "voice", "response_format": "pcm", "sample_rate",
@@ -12,17 +13,11 @@
             {"type": "session.done"} then close 1000
             {"type": "error", "code", "message", "param"[, "utterance"]}
 
-/v1/text-to-speech/{voice_id}/stream-input (ElevenLabs message shapes)
-    client: {"text": " ", "voice_settings"?, "generation_config"?} then {"text": "...",
-            "flush"?: bool, "try_trigger_generation"?: bool}; {"text": ""} ends the input.
-    server: {"audio": base64 pcm, "isFinal": false, "normalizedAlignment": null,
-            "alignment": null} ... then {"isFinal": true} and close 1000.
-
 Text is cut into segments (server.tts.text_segmenter); each segment is one engine request,
 spoken in order by a `server.tts.speaker.Speaker` (bounded prefetch).
 
 Messages are judged by streaming.schema (strict types, unknown keys refused; `session.config`
-and ElevenLabs' voice_settings.speed exactly as POST /v1/audio/speech judges the same fields;
+exactly as POST /v1/audio/speech judges the same fields;
 text checked as Unicode at the door). A bad field is an error event and the session goes on;
 a message that cannot be read is an error event and then a close: 1007 for invalid Unicode (a
 lone surrogate), 1009 for a message over max_ws_message_bytes or nested deeper than
@@ -37,7 +32,7 @@ Admission counts work, not sockets: a session holds one of the server's work slo
 text is queued or being spoken. Text that needs a slot when none is free is refused with an
 `overloaded` error event (with `retry_after_s`) and the session goes on. A session with no
 message and nothing to speak for its inactivity timeout (`?inactivity_timeout=`, default
-ws_inactivity_timeout_s; ElevenLabs' `{"text": " "}` keeps it open) is closed: an
+ws_inactivity_timeout_s; a ping keeps it open) is closed: an
 `inactivity_timeout` error event, then 1008.
 """
 
@@ -46,10 +41,11 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+import numpy as np
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from server.context import ServerContext, get_ctx
-from server.errors import APIError, invalid_request
+from server.errors import APIError
 from server.sampling import SPEECH_FIELDS, request_limits
 from server.tts.speaker import Refusal, Sink, Speaker, Utterance, Voicing, usage_of
 from server.tts.text_segmenter import TextSegmenter
@@ -69,19 +65,16 @@ from server.ws_common import (
     send_json,
     session_activity,
 )
-from streaming.encoders import b64
+from streaming.encoders import pcm16_bytes
 from streaming.ipc import RequestOutput
 from streaming.schema import (
-    MISSING,
     SPEECH_STREAM_MESSAGES,
     UNSUPPORTED,
-    ElevenLabsMessage,
     InputFlush,
     InputText,
     SchemaError,
     SessionConfig,
     check_speech_options,
-    check_speed,
     check_text,
     convert,
     sampling_params,
@@ -91,12 +84,11 @@ from streaming.schema import (
 log = logging.getLogger(__name__)
 
 SPEECH_WS_ENDPOINT = "/v1/audio/speech/stream"
-ELEVENLABS_ENDPOINT = "/v1/text-to-speech/{voice_id}/stream-input"
 PCM_FORMAT = "pcm_s16le"
 
 
 class TextSession(Sink):
-    """Reading side shared by both protocols: size limit, binary frames, JSON parsing."""
+    """Reading side of a session: size limit, binary frames, JSON parsing."""
 
     endpoint = ""
 
@@ -257,8 +249,8 @@ class SpeechStreamSession(TextSession):
             }
         )
 
-    async def utterance_audio(self, utt: Utterance, pcm: bytes) -> None:
-        await self.ws.send_bytes(pcm)
+    async def utterance_audio(self, utt: Utterance, samples: np.ndarray) -> None:
+        await self.ws.send_bytes(pcm16_bytes(samples))
 
     async def utterance_done(self, utt: Utterance, last: RequestOutput) -> None:
         await self.send_json(
@@ -267,38 +259,6 @@ class SpeechStreamSession(TextSession):
 
     async def speech_finished(self) -> None:
         self.close_from_writer(WSCloseCode.OK, last_event={"type": "session.done"})
-
-
-# ---- /v1/text-to-speech/{voice_id}/stream-input (ElevenLabs shapes) ----------------------------
-
-
-class ElevenLabsSession(TextSession):
-    endpoint = ELEVENLABS_ENDPOINT
-
-    async def on_message(self, obj: dict) -> None:
-        if self.speaker.input_ended:
-            raise BadMessage("invalid_state", "The input has ended; no more text is accepted.", "text")
-        msg = convert(obj, ElevenLabsMessage)
-        if msg.text is None:
-            raise SchemaError("text", "every message needs a string `text`", MISSING)
-        text = self.check_text(msg.text)
-        if msg.voice_settings is not None:
-            check_speed(msg.voice_settings.speed, "voice_settings.speed")
-        if text == "":  # ElevenLabs' end-of-input message
-            await self.speak(self.segmenter.flush())
-            self.speaker.end_input()
-            return
-        # The other voice_settings, generation_config and try_trigger_generation are accepted
-        # and have no effect: segmentation decides when to generate.
-        await self.speak(self.segmenter.push(text))
-        if msg.flush:
-            await self.speak(self.segmenter.flush())
-
-    async def utterance_audio(self, utt: Utterance, pcm: bytes) -> None:
-        await self.send_json({"audio": b64(pcm), "isFinal": False, "normalizedAlignment": None, "alignment": None})
-
-    async def speech_finished(self) -> None:
-        self.close_from_writer(WSCloseCode.OK, last_event={"isFinal": True})
 
 
 # ---- handlers -----------------------------------------------------------------------------------
@@ -311,20 +271,3 @@ async def speech_stream(request: web.Request) -> web.WebSocketResponse:
     await ws.prepare(request)
     voicing = Voicing(ctx.profile.default_voice, ctx.speech_sampling)
     return await guard_session(ws, lambda: SpeechStreamSession(ctx, ws, voicing, activity).run(), SPEECH_WS_ENDPOINT)
-
-
-async def elevenlabs_stream_input(request: web.Request) -> web.WebSocketResponse:
-    ctx = get_ctx(request)
-    # Checked before the upgrade: a bad voice or format is a plain 400 naming the field.
-    voice = ctx.profile.resolve_voice(request.match_info["voice_id"])
-    supported = f"pcm_{ctx.profile.sample_rate}"  # raw s16le at the model's own rate
-    output_format = request.query.get("output_format", supported)
-    if output_format != supported:
-        raise invalid_request(
-            f"output_format: {output_format!r} is not supported; supported: {supported}", param="output_format"
-        )
-    activity = session_activity(request)
-    ws = new_websocket(request)
-    await ws.prepare(request)
-    voicing = Voicing(voice, ctx.speech_sampling)
-    return await guard_session(ws, lambda: ElevenLabsSession(ctx, ws, voicing, activity).run(), ELEVENLABS_ENDPOINT)

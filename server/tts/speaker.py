@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
+import numpy as np
 from server.context import ServerContext
 from server.engine_api import EngineOverloaded, EngineUnavailable
 from server.errors import APIError
 from server.routes.speech import speech_add_request
 from server.sampling import SPEECH_FIELDS, rejection_error
-from streaming.encoders import pcm16_bytes
 from streaming.ipc import AddRequest, RequestOutput
 from streaming.sampling_params import InvalidRequest, SamplingParams
 
@@ -78,7 +78,8 @@ class Sink:
     async def utterance_start(self, utt: Utterance) -> None:
         return None
 
-    async def utterance_audio(self, utt: Utterance, pcm: bytes) -> None:
+    async def utterance_audio(self, utt: Utterance, samples: np.ndarray) -> None:
+        """One chunk of int16 PCM at the model's rate (the sink encodes it for its wire)."""
         return None
 
     async def utterance_done(self, utt: Utterance, last: RequestOutput) -> None:
@@ -283,7 +284,7 @@ class Speaker:
                     self._ctx.metrics.ttfa.labels(self._endpoint).observe(time.monotonic() - utt.queued_at)
                     utt.queued_at = 0.0
                 self._ctx.metrics.audio_seconds.inc(out.audio.size / sample_rate)
-                await self._sink.utterance_audio(utt, pcm16_bytes(out.audio))
+                await self._sink.utterance_audio(utt, out.audio)
             if out.finished:
                 await self._sink.utterance_done(utt, out)
                 return

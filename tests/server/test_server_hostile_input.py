@@ -279,7 +279,7 @@ async def test_a_bug_in_a_session_is_an_error_event_and_1011_not_an_http_respons
 @pytest.mark.parametrize("path,module,cls", [
     ("/v1/generate/stream", "server.routes.generate_ws", "GenerateSession"),
     ("/v1/audio/speech/stream", "server.routes.tts_ws", "SpeechStreamSession"),
-    ("/v1/text-to-speech/tara/stream-input", "server.routes.tts_ws", "ElevenLabsSession"),
+    ("/v1/text-to-speech/tara/stream-input", "server.routes.elevenlabs_ws", "ElevenLabsSocket"),
 ])
 async def test_a_session_whose_construction_fails_is_1011_not_an_http_response(monkeypatch, path, module, cls):
     """The session object is built inside the guard: a failing constructor (after the upgrade)

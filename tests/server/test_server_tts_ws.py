@@ -255,7 +255,9 @@ async def test_elevenlabs_stream_input():
             assert ws.close_code == 1000
     assert messages[-1] == {"isFinal": True}
     chunks = messages[:-1]
-    assert all(m["isFinal"] is False and m["normalizedAlignment"] is None for m in chunks)
+    assert all(m["isFinal"] is False and "contextId" not in m for m in chunks)
+    spoken = "".join(c for m in chunks if m["alignment"] for c in m["alignment"]["chars"])
+    assert spoken == "Hello world. Goodbye"  # every character timed once, the segments' space kept
     pcm = b"".join(base64.b64decode(m["audio"]) for m in chunks)
     marks = chunk_marks(pcm, SPS)
     assert marks == [(0, k) for k in range(1, 6)] + [(1, k) for k in range(1, 6)]
@@ -267,7 +269,12 @@ async def test_elevenlabs_stream_input():
     "path,param",
     [
         ("/v1/text-to-speech/rachel/stream-input", "voice"),
-        ("/v1/text-to-speech/tara/stream-input?output_format=mp3_44100_128", "output_format"),
+        ("/v1/text-to-speech/tara/stream-input?output_format=mp3_44100_999", "output_format"),
+        ("/v1/text-to-speech/tara/stream-input?output_format=ogg", "output_format"),
+        ("/v1/text-to-speech/tara/stream-input?auto_mode=yes", "auto_mode"),
+        ("/v1/text-to-speech/tara/stream-input?apply_text_normalization=maybe", "apply_text_normalization"),
+        ("/v1/text-to-speech/tara/multi-stream-input?inactivity_timeout=0", "inactivity_timeout"),
+        ("/v1/text-to-speech/tara/multi-stream-input?bogus=1", "bogus"),
     ],
 )
 async def test_elevenlabs_bad_voice_or_format_refuses_the_upgrade(path, param):
@@ -280,14 +287,17 @@ async def test_elevenlabs_bad_voice_or_format_refuses_the_upgrade(path, param):
 
 async def test_elevenlabs_bad_message_is_an_error_event():
     async with serve() as s:
-        async with websockets.connect(s.url("/v1/text-to-speech/tara/stream-input", "ws")) as ws:
+        async with websockets.connect(s.url("/v1/text-to-speech/tara/stream-input?output_format=pcm_24000", "ws")) as ws:
             await ws.send(json.dumps({"flush": True}))
             err = await recv_json(ws)
             assert (err["code"], err["param"]) == ("invalid_field", "text")
+            assert err["type"] == "error" and err["error"] == "invalid_field"  # ElevenLabs clients read `error`
             await ws.send(json.dumps({"text": "Ok."}))
             await ws.send(json.dumps({"text": ""}))
             messages = [json.loads(m) async for m in ws]
-            assert messages[-1] == {"isFinal": True} and len(messages) == 6
+            assert messages[-1] == {"isFinal": True}
+            audio = b"".join(base64.b64decode(m["audio"]) for m in messages[:-1])
+            assert len(audio) == s.engine.audio_samples_per_request() * 2
 
 
 async def test_shutdown_closes_open_sessions_with_1001():
