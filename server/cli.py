@@ -9,6 +9,7 @@ import sys
 def _serve_parser(sub) -> None:
     """Every option comes from a config dataclass (its default and help stated there once)."""
     from runner.config import CacheConfig, ProcessConfig, RunnerConfig, SchedulerConfig
+    from runner.vllm_engine.config import VllmConfig
     from server.settings import ModelSource, ServerSettings
     from streaming.knobs import add_arguments
 
@@ -16,7 +17,7 @@ def _serve_parser(sub) -> None:
     add_arguments(p.add_argument_group("model"), ModelSource)
     add_arguments(p.add_argument_group("server"), ServerSettings)
     for title, cls in (("scheduler", SchedulerConfig), ("KV cache", CacheConfig), ("runner", RunnerConfig),
-                       ("engine process", ProcessConfig)):
+                       ("engine process", ProcessConfig), ("vLLM backend", VllmConfig)):
         add_arguments(p.add_argument_group(title), cls)
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, ... (default: OMNISTREAM_LOG_LEVEL or INFO)")
 

@@ -26,6 +26,7 @@ from runner.config import (
     SchedulerConfig,
 )
 from runner.engine.args import EngineProcArgs
+from runner.vllm_engine.config import VllmConfig
 from server.engine_api import EngineUnavailable
 from server.gc_tuning import settle_heap
 from server.settings import ENGINE_MODULES, ModelSource, ServerSettings
@@ -60,6 +61,7 @@ def engine_args_from(args: argparse.Namespace, model_path: str, profile: ModelPr
         scheduler=from_arguments(SchedulerConfig, args),
         runner=from_arguments(RunnerConfig, args),
         process=from_arguments(ProcessConfig, args),
+        vllm=from_arguments(VllmConfig, args),
         log_level=log_level,
     )
 

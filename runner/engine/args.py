@@ -17,9 +17,10 @@ from runner.config import (
     SchedulerConfig,
     split_knobs,
 )
+from runner.vllm_engine.config import VllmConfig
 from streaming.profile import ModelProfile, read_profile
 
-PROCESS_PARTS = {**ENGINE_PARTS, "process": ProcessConfig}
+PROCESS_PARTS = {**ENGINE_PARTS, "process": ProcessConfig, "vllm": VllmConfig}
 
 
 class EngineProcArgs(msgspec.Struct, forbid_unknown_fields=True):
@@ -31,6 +32,7 @@ class EngineProcArgs(msgspec.Struct, forbid_unknown_fields=True):
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     runner: RunnerConfig = msgspec.field(default_factory=RunnerConfig)
     process: ProcessConfig = msgspec.field(default_factory=ProcessConfig)
+    vllm: VllmConfig = msgspec.field(default_factory=VllmConfig)  # read by runner.vllm_engine.process only
     log_level: str = "INFO"
 
 
@@ -48,5 +50,6 @@ def engine_args(model_path: str | Path, *, profile: ModelProfile | None = None, 
         scheduler=SchedulerConfig(**parts["scheduler"]),
         runner=RunnerConfig(**parts["runner"]),
         process=ProcessConfig(**parts["process"]),
+        vllm=VllmConfig(**parts["vllm"]),
         **direct,
     )
