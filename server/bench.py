@@ -58,6 +58,7 @@ class StreamResult:
     underruns: int = 0
     stall_s: float = 0.0
     error: str | None = None
+    error_at: float | None = None  # perf_counter() when the error event arrived (deploy/bench/dp.py)
 
     @property
     def rtf(self) -> float | None:
@@ -159,7 +160,7 @@ async def run_stream(ws: aiohttp.ClientWebSocketResponse, player: Player, text: 
                 if kind == "audio.done":
                     res.utterances += 1
                 elif kind == "error":
-                    res.error = f"{event.get('code')}: {event.get('message')}"
+                    res.error, res.error_at = f"{event.get('code')}: {event.get('message')}", now
                 elif kind == "session.done":
                     break
             else:
