@@ -23,9 +23,11 @@ Client messages (server.tts.elevenlabs_messages.ElevenLabsInput, one shape):
                  {"close_socket": true}: every context speaks what it has, then close 1000
 Server messages:
   {"audio": base64 of the output format, "isFinal": false, "normalizedAlignment", "alignment",
-   "contextId"(multi)}; the alignment is {"chars", "charStartTimesMs", "charDurationsMs"} with
-  times from the start of that message's audio (ElevenLabs' documented meaning; Pipecat adds
-  each message's span to its clock); null when the message starts no character.
+   "contextId"(multi)}; the alignment is {"chars", "charStartTimesMs", "charDurationsMs"}, null
+  when the message starts no character. Its times count from the start of that message's audio
+  (ElevenLabs' documented meaning, which Pipecat reads: it adds each message's span to its own
+  clock), or, with `sync_alignment=true` (which LiveKit's plugin always sends, and reads the
+  times as offsets into the context's audio), from the context's first audio.
   {"isFinal": true, "contextId"(multi)}
   errors: {"type": "error", "error": code, "code": code, "message", "param", "contextId"?} (LiveKit
   and Pipecat read `error` and fail that context; the SDK reads `message`).
@@ -114,6 +116,8 @@ class Context(Sink):
         self.rate = SpeakingRate()
         self.timer: SegmentTimer | None = None
         self.spoken_segments = 0
+        self.spoken_s = 0.0  # audio of the context's finished segments
+        self.context_clock = socket.query.sync_alignment
         self.last_message = time.monotonic()
         self.closing = False
 
@@ -171,10 +175,15 @@ class Context(Sink):
 
     async def utterance_audio(self, utt: Utterance, samples: np.ndarray) -> None:
         assert self.timer is not None
-        base = self.timer.seconds
+        base = self._base()
         chars = self.timer.advance(samples.size)
         data = await self.encoder.encode(samples)
         await self._send_audio(data, chars, base)
+
+    def _base(self) -> float:
+        """Where alignment times count from, in the segment's clock (see the module doc)."""
+        assert self.timer is not None
+        return -self.spoken_s if self.context_clock else self.timer.seconds
 
     async def _send_audio(self, data: bytes, chars: list[CharTime], base: float) -> None:
         if not data and not chars:
@@ -186,8 +195,9 @@ class Context(Sink):
 
     async def utterance_done(self, utt: Utterance, last) -> None:
         if self.timer is not None:
-            base = self.timer.seconds
+            base = self._base()
             await self._send_audio(b"", self.timer.finish(), base)
+            self.spoken_s += self.timer.seconds
             self.timer = None
 
     async def utterance_failed(self, utt: Utterance, code: str, message: str, param: str | None) -> None:
