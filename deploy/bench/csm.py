@@ -12,6 +12,7 @@ bound and against transformers, and real-time streams through the real server. S
             live backbone KV (B x context x layers x 2 x kv heads x head dim x 2 bytes).
   hf        transformers' CsmForConditionalGeneration.generate on the same shapes: ms per frame
             ((t(n2) - t(n1)) / (n2 - n1) frames, so the prompt's prefill cancels).
+  profile   eager frame steps under torch.profiler: the kernels the step's GPU time goes to.
   serving   the real server (`omnistream serve --random-weights`, random Mimi codec) and the
             serving benchmark: N WebSocket TTS streams (12.5 frames/s each) read in real time,
             TTFA p50 / p99, underruns; levels started together or spread over --ramp-s.
@@ -142,6 +143,46 @@ def run_frames(batches: list[int], steps: int, bandwidth: float) -> list[dict]:
     return rows
 
 
+def run_profile(batches: list[int], steps: int = 5) -> str:
+    """Eager frame steps (no graphs) under torch.profiler: the kernels a frame step spends its
+    GPU time in, per batch (top 25 by total CUDA time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from runner.config import EngineConfig
+    from runner.engine.engine import Engine
+    from runner.families import family_for
+    from runner.layers import make_backends
+    from streaming.profile import read_profile
+    from streaming.sampling_params import SamplingParams
+
+    folder = csm_folder(scratch("csm1b-random"))
+    top = max(batches)
+    cfg = EngineConfig.build(folder, device="cuda", dtype="bfloat16", max_num_seqs=top, max_model_len=512,
+                             block_size=16, num_blocks=top * 8 + 64, cuda_graphs=False)
+    family = family_for(read_profile(folder), str(folder))
+    attn, ops = make_backends(cfg.runner)
+    eng = Engine(cfg, model=family.load_model(cfg, attn, ops, random_weights=True), family=family, codec=None)
+    text = []
+    for b in batches:
+        sp = SamplingParams(temperature=0.9, top_k=50, max_tokens=40, ignore_eos=True, seed=0)
+        for i in range(b):
+            eng.add_request(f"p{b}-{i}", [(7 * i + j) % 400 + 1 for j in range(PROMPT)], sp)
+        for _ in range(6):
+            eng.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                eng.step()
+            torch.cuda.synchronize()
+        text.append(f"### eager frame step, batch {b}, {steps} steps\n\n```\n"
+                    + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25) + "\n```\n")
+        for rid in list(eng.requests):
+            eng.abort_request(rid)
+        while eng.has_unfinished:
+            eng.step()
+    return "\n".join(text)
+
+
 def run_hf(batches: list[int], budget_s: float) -> list[dict]:
     from transformers import CsmConfig, CsmForConditionalGeneration
 
@@ -235,6 +276,8 @@ def render(res: dict) -> str:
             lines.append(f"| {r['batch']} | {r['ms_per_frame']:.2f} | {r['gpu_ms']:.2f} | {r['idle_gap_us']:.0f} | "
                          f"{r['bound_ms']:.2f} | {r['x_bound']:.2f} | {hf_ms} | {speedup} | {r['realtime_streams']:.0f} |")
         lines.append("")
+    if res.get("profile"):
+        lines += ["## Kernel profile", "", res["profile"]]
     if res.get("serving"):
         lines += ["## Serving", "", res["serving"]]
     return "\n".join(lines)
@@ -247,6 +290,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40, help="timed frame steps per batch")
     ap.add_argument("--hf-batches", default="1,8,32,64")
     ap.add_argument("--hf-budget-s", type=float, default=90)
+    ap.add_argument("--profile-batches", default="1,64")
     ap.add_argument("--streams", default="1,512,1000")
     ap.add_argument("--ramp-s", default="2")
     ap.add_argument("--max-frames", type=int, default=150, help="frames per utterance (12 s)")
@@ -264,6 +308,9 @@ def main() -> int:
         write_results(out, res, render(res))
     if "hf" in sections:
         res["hf"] = run_hf([int(x) for x in args.hf_batches.split(",")], args.hf_budget_s)
+        write_results(out, res, render(res))
+    if "profile" in sections:
+        res["profile"] = run_profile([int(x) for x in args.profile_batches.split(",")])
         write_results(out, res, render(res))
     if "serving" in sections:
         res["serving"] = run_serving(args.streams, args.ramp_s, args.max_frames, args.max_num_seqs, out)
