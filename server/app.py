@@ -39,7 +39,7 @@ from server.errors import (
     unauthorized,
 )
 from server.metrics import Metrics
-from server.routes import completions, elevenlabs_http, elevenlabs_ws, generate_ws, info, speech, tts_ws
+from server.routes import cartesia_ws, completions, elevenlabs_http, elevenlabs_ws, generate_ws, info, speech, tts_ws
 from server.settings import ServerSettings
 from server.tokenizer import TextTokenizer
 from server.tts.voices import SpeechProfile, no_speech_error
@@ -56,9 +56,10 @@ STATIC_DIR = Path(__file__).parent / "static"
 # HTTP routes that start engine work and so hold a work slot while they run.
 ADMITTED_ROUTES = frozenset({"speech", "completions", *elevenlabs_http.ROUTE_NAMES})
 # WebSocket sessions: bounded by max_open_sessions; they take work slots themselves.
-SESSION_ROUTES = frozenset({"speech_ws", "elevenlabs_ws", "elevenlabs_multi_ws", "generate_ws"})
+SESSION_ROUTES = frozenset({"speech_ws", "elevenlabs_ws", "elevenlabs_multi_ws", "cartesia_ws", "generate_ws"})
 # Routes that need the model's speech profile.
-SPEECH_ROUTES = frozenset({"speech", "speech_ws", "elevenlabs_ws", "elevenlabs_multi_ws", *elevenlabs_http.ROUTE_NAMES})
+SPEECH_ROUTES = frozenset({"speech", "speech_ws", "elevenlabs_ws", "elevenlabs_multi_ws", "cartesia_ws",
+                           *elevenlabs_http.ROUTE_NAMES})
 # ElevenLabs clients may send their key in the first message instead: the session checks it.
 KEY_IN_FIRST_MESSAGE = frozenset({"elevenlabs_ws", "elevenlabs_multi_ws"})
 # Reachable without an API key: probes, scrapers and the demo page (which asks for the key).
@@ -242,6 +243,7 @@ def build_app(
     app.router.add_get(elevenlabs_ws.MULTI_STREAM_INPUT, elevenlabs_ws.multi_stream_input, name="elevenlabs_multi_ws")
     for path, handler, name in elevenlabs_http.ROUTES:
         app.router.add_post(path, handler, name=name)
+    app.router.add_get(cartesia_ws.ENDPOINT, cartesia_ws.tts_websocket, name="cartesia_ws")
     app.router.add_post("/v1/completions", completions.create_completion, name="completions")
     app.router.add_get(generate_ws.ENDPOINT, generate_ws.generate_stream, name="generate_ws")
     app.router.add_get("/v1/models", info.list_models, name="models")

@@ -131,6 +131,20 @@ class _PcmStream:
         return pcm16_bytes(self._resample.drain())
 
 
+class _F32Stream(_PcmStream):
+    """Raw float32 little-endian in [-1, 1) (Cartesia's pcm_f32le)."""
+
+    def encode(self, samples: np.ndarray) -> bytes:
+        return _f32(self._resample(samples))
+
+    def finish(self) -> bytes:
+        return _f32(self._resample.drain())
+
+
+def _f32(samples: np.ndarray) -> bytes:
+    return (samples.astype("<f4") / 32768.0).astype("<f4").tobytes()
+
+
 class _WavStream(_PcmStream):
     """A WAV header with unknown sizes (the length is not known while streaming), then PCM."""
 
@@ -226,7 +240,7 @@ _CODECS: dict[str, _Codec] = {
     "ulaw": _Codec("pcm_mulaw", "mulaw", "audio/basic"),
     "alaw": _Codec("pcm_alaw", "alaw", "audio/x-alaw-basic"),
 }
-_RAW = {"pcm": "audio/pcm", "wav": "audio/wav"}
+_RAW = {"pcm": "audio/pcm", "f32": "audio/pcm", "wav": "audio/wav"}
 # Codecs whose cost per chunk is worth a thread (measured: python -m deploy.bench.encoders).
 _HEAVY = frozenset({"mp3", "opus", "aac", "flac"})
 
@@ -236,7 +250,7 @@ class AudioFormat:
     """One output format: codec, output rate (None: the model's own), bit rate (bits/s)."""
 
     name: str
-    codec: str  # pcm, wav, mp3, opus, aac, flac, ulaw, alaw
+    codec: str  # pcm, f32, wav, mp3, opus, aac, flac, ulaw, alaw
     sample_rate: int | None = None
     bit_rate: int | None = None
 
@@ -257,6 +271,8 @@ class AudioFormat:
         rate = self.rate(source_rate)
         if self.codec == "pcm":
             return _PcmStream(source_rate, rate)
+        if self.codec == "f32":
+            return _F32Stream(source_rate, rate)
         if self.codec == "wav":
             return _WavStream(source_rate, rate)
         return _AvStream(_CODECS[self.codec], source_rate, rate, self.bit_rate)
@@ -265,7 +281,7 @@ class AudioFormat:
         """A complete file of these int16 samples, with exact sizes in its headers."""
         rate = self.rate(source_rate)
         if self.codec in _RAW:
-            pcm = _PcmStream(source_rate, rate)
+            pcm = _F32Stream(source_rate, rate) if self.codec == "f32" else _PcmStream(source_rate, rate)
             data = pcm.encode(samples) + pcm.finish()
             return wav_header(rate, len(data)) + data if self.codec == "wav" else data
         enc = _AvStream(_CODECS[self.codec], source_rate, rate, self.bit_rate, whole=True)
@@ -282,10 +298,11 @@ _OPENAI: dict[str, AudioFormat] = {
     "aac": AudioFormat("aac", "aac", bit_rate=64_000),
     "flac": AudioFormat("flac", "flac"),
 }
-_NAME = re.compile(r"(pcm|wav|flac|ulaw|alaw|mp3|opus|aac)_(\d+)(?:_(\d+))?")
+_NAME = re.compile(r"(pcm|f32|wav|flac|ulaw|alaw|mp3|opus|aac)_(\d+)(?:_(\d+))?")
 # codec -> (rates, kbps choices or None when the codec takes no bit rate, default kbps)
 _RULES: dict[str, tuple[tuple[int, ...], tuple[int, ...] | None, int | None]] = {
     "pcm": (PCM_RATES, None, None),
+    "f32": (PCM_RATES, None, None),
     "wav": (PCM_RATES, None, None),
     "flac": (PCM_RATES, None, None),
     "ulaw": ((8000,), None, None),
@@ -320,7 +337,7 @@ def resolve_format(name: str) -> AudioFormat:
 def format_help() -> str:
     return (
         "supported: " + ", ".join(_OPENAI) + " (the model's rate), pcm_/wav_/flac_<rate> (rate in "
-        + "/".join(map(str, PCM_RATES)) + "), ulaw_8000, alaw_8000, mp3_<rate>_<kbps> (e.g. mp3_44100_128), "
+        + "/".join(map(str, PCM_RATES)) + "), f32_<rate> (float32), ulaw_8000, alaw_8000, mp3_<rate>_<kbps> (e.g. mp3_44100_128), "
         "opus_<rate>_<kbps> (e.g. opus_48000_64), aac_<rate>_<kbps>"
     )
 
