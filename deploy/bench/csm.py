@@ -92,7 +92,7 @@ def frame_bytes(model, batch: int, context: int) -> dict:
             "total": backbone + (k - 1) * depth_body + heads + kv}
 
 
-def run_frames(batches: list[int], steps: int, bandwidth: float) -> list[dict]:
+def run_frames(batches: list[int], steps: int, bandwidth: float, tuning: str = "auto") -> list[dict]:
     from runner.config import EngineConfig
     from runner.engine.engine import Engine
     from runner.families import family_for
@@ -105,7 +105,7 @@ def run_frames(batches: list[int], steps: int, bandwidth: float) -> list[dict]:
     ctx = PROMPT + 16 + 2 * steps
     cfg = EngineConfig.build(folder, device="cuda", dtype="bfloat16", max_num_seqs=top, max_model_len=2048,
                              max_num_batched_tokens=8192, block_size=16, num_blocks=top * (ctx // 16 + 2) + 64,
-                             max_graph_batch_size=top)
+                             max_graph_batch_size=top, tuning=tuning)
     family = family_for(read_profile(folder), str(folder))
     attn, ops = make_backends(cfg.runner)
     model = family.load_model(cfg, attn, ops, random_weights=True)
@@ -131,10 +131,10 @@ def run_frames(batches: list[int], steps: int, bandwidth: float) -> list[dict]:
         context = PROMPT + 8 + steps // 2  # mean context over the timed steps
         by = frame_bytes(model, b, context)
         bound = by["total"] / bandwidth
-        rows.append({"batch": b, "ms_per_frame": 1e3 * wall, "gpu_ms": 1e3 * gpu, "idle_gap_us": 1e6 * max(0.0, wall - gpu),
+        rows.append({"tuning": tuning, "batch": b, "ms_per_frame": 1e3 * wall, "gpu_ms": 1e3 * gpu, "idle_gap_us": 1e6 * max(0.0, wall - gpu),
                      "bound_ms": 1e3 * bound, "x_bound": wall / bound, "bytes": by,
                      "frames_per_s": b / wall, "realtime_streams": b * FRAME_S / wall})
-        log(f"frames batch {b}: {1e3 * wall:.2f} ms/frame (GPU {1e3 * gpu:.2f}), bound {1e3 * bound:.2f} ms, "
+        log(f"frames tuning={tuning} batch {b}: {1e3 * wall:.2f} ms/frame (GPU {1e3 * gpu:.2f}), bound {1e3 * bound:.2f} ms, "
             f"x{wall / bound:.2f}")
         for rid in list(eng.requests):
             eng.abort_request(rid)
@@ -206,7 +206,7 @@ def run_hf(batches: list[int], budget_s: float) -> list[dict]:
         timed(2)
         t1, t2 = timed(2), timed(8)
         ms = 1e3 * (t2 - t1) / 6
-        rows.append({"batch": b, "ms_per_frame": ms})
+        rows.append({"tuning": tuning, "batch": b, "ms_per_frame": ms})
         log(f"transformers batch {b}: {ms:.1f} ms/frame")
     del model
     torch.cuda.empty_cache()
@@ -267,13 +267,13 @@ def render(res: dict) -> str:
                   "written per second by a device copy, measured in this run).", ""]
     hf = {r["batch"]: r["ms_per_frame"] for r in res.get("hf", [])}
     if res.get("frames"):
-        lines += ["| batch | ms/frame | GPU ms | idle gap µs | bound ms | x bound | transformers ms/frame | speed-up | real-time streams |",
-                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += ["| tuning | batch | ms/frame | GPU ms | idle gap µs | bound ms | x bound | transformers ms/frame | speed-up | real-time streams |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in res["frames"]:
             h = hf.get(r["batch"])
             hf_ms = "" if h is None else f"{h:.1f}"
             speedup = "" if h is None else f"{h / r['ms_per_frame']:.0f}x"
-            lines.append(f"| {r['batch']} | {r['ms_per_frame']:.2f} | {r['gpu_ms']:.2f} | {r['idle_gap_us']:.0f} | "
+            lines.append(f"| {r['tuning']} | {r['batch']} | {r['ms_per_frame']:.2f} | {r['gpu_ms']:.2f} | {r['idle_gap_us']:.0f} | "
                          f"{r['bound_ms']:.2f} | {r['x_bound']:.2f} | {hf_ms} | {speedup} | {r['realtime_streams']:.0f} |")
         lines.append("")
     if res.get("profile"):
@@ -287,6 +287,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="frames,hf,serving")
     ap.add_argument("--batches", default="1,8,32,64,128,256,512")
+    ap.add_argument("--tuning", default="auto", help="frames: RunnerConfig.tuning values, one table each (auto,none)")
     ap.add_argument("--steps", type=int, default=40, help="timed frame steps per batch")
     ap.add_argument("--hf-batches", default="1,8,32,64")
     ap.add_argument("--hf-budget-s", type=float, default=90)
@@ -304,7 +305,8 @@ def main() -> int:
     if "frames" in sections:
         bw = bench_bandwidth()
         res["bandwidth_tb_s"] = bw / 1e12
-        res["frames"] = run_frames([int(x) for x in args.batches.split(",")], args.steps, bw)
+        res["frames"] = [row for t in args.tuning.split(",")
+                         for row in run_frames([int(x) for x in args.batches.split(",")], args.steps, bw, t)]
         write_results(out, res, render(res))
     if "hf" in sections:
         res["hf"] = run_hf([int(x) for x in args.hf_batches.split(",")], args.hf_budget_s)

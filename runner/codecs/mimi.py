@@ -36,11 +36,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import MimiConfig, MimiModel
 from transformers.models.mimi.modeling_mimi import (
     MimiConv1d,
+    MimiDecoder,
     MimiConvTranspose1d,
     MimiResnetBlock,
     MimiTransformerModel,
@@ -106,6 +108,16 @@ def load_csm_codec(path: str | Path, device: torch.device, dtype: torch.dtype = 
         return load_mimi(tmp, device, dtype)
 
 
+def _decoder_modules(model: MimiModel) -> tuple[MimiConvTranspose1d | None, MimiTransformerModel, nn.ModuleList]:
+    """(latent upsampling conv or None, decoder transformer, SEANet layers). transformers 5.2x
+    groups them in `model.decoder` (a MimiDecoderModel); earlier 5.x keep the first two on the
+    model and `model.decoder` is the SEANet itself (MimiDecoder)."""
+    dec = model.decoder
+    if isinstance(dec, MimiDecoder):
+        return model.upsample, model.decoder_transformer, dec.layers
+    return dec.upsample, dec.decoder_transformer, dec.decoder_seanet.layers
+
+
 @dataclass
 class _Conv:
     """A stateful causal conv (transposed=False) or transposed conv of the decoder."""
@@ -135,22 +147,22 @@ class MimiStreamingDecoder:
                              f"codebooks, got {self.num_codebooks}")
         self.codebook_size = int(cfg.codebook_size)
         self.sample_rate = int(cfg.sampling_rate)
-        dec = model.decoder
-        self.upsample_stride = int(dec.upsample.conv.stride[0]) if dec.upsample is not None else 1
+        upsample, transformer, seanet = _decoder_modules(model)
+        self.upsample_stride = int(upsample.conv.stride[0]) if upsample is not None else 1
         self.samples_per_frame = self.upsample_stride * math.prod(cfg.upsampling_ratios)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.max_streams = max_streams
         self._window = int(cfg.sliding_window)
         self._pool_shapes: list[tuple[int, ...]] = []  # per-stream state shapes
-        self._upsample = self._conv(dec.upsample, transposed=True) if dec.upsample is not None else None
-        self._transformer: MimiTransformerModel = dec.decoder_transformer
+        self._upsample = self._conv(upsample, transposed=True) if upsample is not None else None
+        self._transformer: MimiTransformerModel = transformer
         tf = cfg
         self._kv_pools = []  # per layer: keys, values (S, window, kv_heads, head_dim)
         for _ in self._transformer.layers:
             self._kv_pools.append((self._add_pool((self._window, tf.num_key_value_heads, tf.head_dim)),
                                    self._add_pool((self._window, tf.num_key_value_heads, tf.head_dim))))
-        self._seanet = [self._layer(m) for m in dec.decoder_seanet.layers]
+        self._seanet = [self._layer(m) for m in seanet]
         self._capacity = 0
         self._pools: list[torch.Tensor] = []
         self._ring_pos = torch.empty(0, self._window, dtype=torch.int64, device=self.device)  # -1: empty
