@@ -28,6 +28,7 @@ from runner.config import (
 from runner.engine.args import EngineProcArgs
 from runner.vllm_engine.config import VllmConfig
 from server.engine_api import EngineUnavailable
+from server.engine_layout import Placement, placements
 from server.gc_tuning import settle_heap
 from server.settings import ENGINE_MODULES, ModelSource, ServerSettings
 from streaming.knobs import from_arguments
@@ -66,6 +67,17 @@ def engine_args_from(args: argparse.Namespace, model_path: str, profile: ModelPr
     )
 
 
+def engine_layout(settings: ServerSettings, base: EngineProcArgs) -> list[tuple[EngineProcArgs, Placement]]:
+    """Each engine process's arguments and placement (server/engine_layout.py): `base` with
+    the engine's device."""
+    several = settings.data_parallel_size > 1 or bool(settings.device_list)
+    layout = placements(base.runner.device, settings.data_parallel_size, settings.device_list,
+                        cuda_count=torch.cuda.device_count() if several else 0,  # no CUDA query for one engine
+                        visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return [(msgspec.structs.replace(base, runner=dataclasses.replace(base.runner, device=p.device)), p)
+            for p in layout]
+
+
 def _speech_line(p: ModelProfile) -> str:
     if p.speaks:
         return f"speech at {p.sample_rate} Hz, voices {', '.join(p.speech.voices)}"
@@ -78,7 +90,6 @@ async def run_server(args: argparse.Namespace) -> None:
     from runner.models.default_model import ensure_default_model
     from server.app import build_app, server_options
     from server.engine_client import EngineClient
-    from server.engine_layout import placements
     from server.engine_pool import EnginePool
     from server.routes.zmq_gateway import ZmqGateway
     from server.tokenizer import TextTokenizer
@@ -100,17 +111,14 @@ async def run_server(args: argparse.Namespace) -> None:
     log.info("model %s: family %s, %s", model_path, model_profile.family, _speech_line(model_profile))
     log_level = (args.log_level or env.log_level).upper()
     base = engine_args_from(args, model_path, model_profile, log_level)
-    layout = placements(base.runner.device, settings.data_parallel_size, settings.device_list,
-                        cuda_count=torch.cuda.device_count() if len(settings.device_list) + settings.data_parallel_size > 1 else 0,
-                        visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    layout = engine_layout(settings, base)
     module = ENGINE_MODULES[settings.engine]  # the backend, picked once
     engine = EnginePool([
-        EngineClient(msgspec.structs.replace(base, runner=dataclasses.replace(base.runner, device=p.device)),
-                     queue_bound=settings.output_queue_size, module=module, env=p.env, device=p.label,
+        EngineClient(engine_args, queue_bound=settings.output_queue_size, module=module, env=p.env, device=p.label,
                      name=f"engine {i} ({p.label})" if len(layout) > 1 else "engine")
-        for i, p in enumerate(layout)])
+        for i, (engine_args, p) in enumerate(layout)])
     if len(layout) > 1:
-        log.info("%d %s engines: %s", len(layout), settings.engine, ", ".join(p.label for p in layout))
+        log.info("%d %s engines: %s", len(layout), settings.engine, ", ".join(p.label for _, p in layout))
     await engine.start()
     gateway = None
     runner = None

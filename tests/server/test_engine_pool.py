@@ -219,3 +219,28 @@ def test_settings_check_the_pool_options():
                       ({"devices": "cuda:0,cuda:1", "data_parallel_size": 3}, "data_parallel_size")):
         with pytest.raises(ValueError, match=f"ServerSettings.{field}"):
             ServerSettings(**kw)
+
+
+def test_serve_options_give_each_engine_its_device_and_the_backend_module():
+    import argparse
+
+    from server.cli import _serve_parser
+    from server.main import engine_args_from, engine_layout
+    from server.settings import ENGINE_MODULES, ServerSettings
+    from streaming.knobs import from_arguments
+    from streaming.profile import ModelProfile
+
+    def layout(*argv: str):
+        ap = argparse.ArgumentParser()
+        _serve_parser(ap.add_subparsers(dest="cmd"))
+        ns = ap.parse_args(["serve", *argv])
+        settings = from_arguments(ServerSettings, ns)
+        return settings, engine_layout(settings, engine_args_from(ns, "/m", ModelProfile(), "INFO"))
+
+    settings, engines = layout("--device", "cpu", "--data-parallel-size", "2", "--max-num-seqs", "7")
+    assert [(args.runner.device, args.scheduler.max_num_seqs, p.env) for args, p in engines] == [("cpu", 7, {})] * 2
+    assert ENGINE_MODULES[settings.engine] == "runner.engine.process"
+    settings, engines = layout("--engine", "vllm")
+    assert ENGINE_MODULES[settings.engine] == "runner.vllm_engine.process" and len(engines) == 1
+    _, engines = layout("--devices", "cpu,cpu")
+    assert [p.label for _, p in engines] == ["cpu", "cpu"]
