@@ -102,12 +102,16 @@ class EnginePool:
     # ---- lifecycle (members that are EngineClients) ------------------------------------------------
 
     async def start(self) -> None:
-        """Start every engine at once; if any fails, stop them all and raise its error."""
-        results = await asyncio.gather(*(e.start() for e in self.engines), return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
+        """Start every engine at once. The first that fails cancels the others' start (an engine
+        still loading would otherwise hold up the error for minutes); all are stopped and its
+        error is raised."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for e in self.engines:
+                    tg.create_task(e.start())
+        except BaseExceptionGroup as group:
             await self.close()
-            raise failed[0]
+            raise group.exceptions[0] from None
 
     async def close(self) -> None:
         await asyncio.gather(*(e.close() for e in self.engines))

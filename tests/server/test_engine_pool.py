@@ -244,3 +244,27 @@ def test_serve_options_give_each_engine_its_device_and_the_backend_module():
     assert ENGINE_MODULES[settings.engine] == "runner.vllm_engine.process" and len(engines) == 1
     _, engines = layout("--devices", "cpu,cpu")
     assert [p.label for _, p in engines] == ["cpu", "cpu"]
+
+
+async def test_one_engine_failing_to_start_stops_them_all_at_once():
+    events: list[str] = []
+
+    class Starting(FakeEngine):
+        def __init__(self, name: str, fails: bool):
+            super().__init__()
+            self.name, self.fails = name, fails
+
+        async def start(self) -> None:
+            if self.fails:
+                raise EngineUnavailable(f"{self.name}: model failed to load")
+            await asyncio.sleep(60)  # still loading
+
+        async def close(self) -> None:
+            events.append(f"close {self.name}")
+
+    pool = EnginePool([Starting("a", False), Starting("b", True)])
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(EngineUnavailable, match="b: model failed to load"):
+        await pool.start()
+    assert asyncio.get_running_loop().time() - t0 < 5
+    assert sorted(events) == ["close a", "close b"]
