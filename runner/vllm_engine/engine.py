@@ -92,6 +92,8 @@ class VllmEngine:
             enforce_eager=v.enforce_eager,
             worker_cls=hooks.WORKER_CLS,
             logits_processors=[hooks.CodeWindowLogitsProcessor] if self.codec is not None else None,
+            # the workers' settings; vLLM hashes additional_config into its compile-cache key, so
+            # a graph compiled for other hidden-state layers is never reused
             additional_config={hooks.CONFIG_KEY: {
                 "hidden_layers": list(parse_layers(v.vllm_hidden_state_layers, num_layers)),
                 "profile": msgspec.to_builtins(a.profile),
@@ -174,6 +176,16 @@ class VllmEngine:
         if msg.audio:
             self.codec.open(req, seed=sampling.seed)
         req.task = asyncio.create_task(self._run(req, prompt, self._vllm_sampling(sampling, req)), name=f"req-{rid}")
+        req.task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        """A request task that failed outside vLLM's own errors is a bug here: fail the
+        engine fast (the front end restarts it) rather than leave its request hanging."""
+        if task.cancelled() or task.exception() is None or self.fatal.done():
+            return
+        e = task.exception()
+        log.error("request task %s crashed", task.get_name(), exc_info=e)
+        self.fatal.set_result(f"{type(e).__name__}: {e}")
 
     def _vllm_sampling(self, sp: SamplingParams, req: _Req):
         from vllm import SamplingParams as VSP
@@ -301,6 +313,7 @@ class VllmEngine:
     async def codec_step(self, wait: bool = False) -> None:
         """Outputs of audio requests with news: PCM, errors, completion; each carries the
         tokens accepted since the request's previous output."""
+        failed = []
         for req, r in self.codec.step(wait).items():
             if self.reqs.get(req.request_id) is not req:
                 continue
@@ -312,13 +325,15 @@ class VllmEngine:
                 o.finished, o.finish_reason, o.error = True, "error", r.error
                 self.codec.abort(req)
                 del self.reqs[req.request_id]
-                await self.llm.abort(req.request_id)
-                req.task.cancel()
+                failed.append(req)
             elif r.done:
                 o.finished, o.finish_reason = True, req.finish_reason or "stop"
                 del self.reqs[req.request_id]
             if o.audio is not None or o.finished:
                 await self.emit(o)
+        for req in failed:  # last: this may be the failed request's own task
+            await self.llm.abort(req.request_id)
+            req.task.cancel()
 
     @property
     def codec_busy(self) -> bool:
