@@ -33,6 +33,13 @@ class MimiCodecConfig:
     # is an error, so the engine must not run more audio requests than this.
     max_streams: int = 1024
     max_batch_rows: int = 256  # streams per decode call; bounds activation memory with max_chunk_frames
+    # A stream decodes when it holds its next chunk of frames: first_chunk_frames (the first
+    # audio goes out after one frame), then each chunk twice the last, up to max_chunk_frames.
+    # Why: a decode call costs about the same host time for 1 or 16 frames (its kernels are
+    # launch-bound), so decoding every frame as it comes would spend the engine loop on the
+    # codec at hundreds of streams; doubling keeps each chunk no longer than the audio already
+    # sent, so a stream that is generated in real time never starves its player.
+    first_chunk_frames: int = 1
     # frames of one stream per decode call: a longer backlog decodes in several calls of the same step()
     max_chunk_frames: int = 16
     # Frames pushed and not decoded yet, per request: past this the request fails (a producer
@@ -40,7 +47,8 @@ class MimiCodecConfig:
     max_pending_frames: int = 4096
 
     def __post_init__(self) -> None:
-        for name in ("sample_rate", "max_streams", "max_batch_rows", "max_chunk_frames", "max_pending_frames"):
+        for name in ("sample_rate", "max_streams", "max_batch_rows", "first_chunk_frames", "max_chunk_frames",
+                     "max_pending_frames"):
             if getattr(self, name) < 1:
                 raise CodecError(f"MimiCodecConfig.{name}: must be >= 1, got {getattr(self, name)}")
         if self.num_codebooks is not None and self.num_codebooks < 1:
@@ -54,6 +62,7 @@ class _Request:
     n_frames: int = 0  # frames accepted so far (the index of the next one)
     ended: bool = False  # close() called: no more frames
     error: str | None = None
+    chunk: int = 1  # frames the next decode waits for (unless the request ended)
 
 
 class MimiCodecStage:
@@ -83,7 +92,7 @@ class MimiCodecStage:
         decoder has no noise."""
         if key in self._reqs:
             raise KeyError(f"codec request {key!r} is already open")
-        self._reqs[key] = _Request(slot=self.decoder.new_stream())
+        self._reqs[key] = _Request(slot=self.decoder.new_stream(), chunk=self.cfg.first_chunk_frames)
 
     def push_many(self, items: list[tuple[object, object]]) -> None:
         """(key, frame) pairs in order within a key; a frame is K codes (a sequence or array of
@@ -144,15 +153,20 @@ class MimiCodecStage:
     # -- decoding ----------------------------------------------------------------------
 
     def step(self, wait: bool = False) -> dict[object, StageResult]:
-        """Decode every pushed frame (at most cfg.max_chunk_frames per request per call, calls
-        repeated until none is left) and return results for keys with news: PCM in order, an
-        error, or completion. Keys reported done are forgotten. Decoding is synchronous, so
-        `wait` (the SNAC stage's "collect everything in flight") has nothing to wait for."""
+        """Decode the pushed frames of every request holding its next chunk (or ended; at most
+        cfg.max_chunk_frames per request per call, calls repeated until its backlog is done) and
+        return results for keys with news: PCM in order, an error, or completion. Keys reported
+        done are forgotten. Decoding is synchronous, so `wait` (the SNAC stage's "collect
+        everything in flight") has nothing to wait for; a request short of its chunk waits for
+        its next frame, whose push marks it again."""
         results: dict[object, StageResult] = {}
         pieces: dict[object, list[np.ndarray]] = defaultdict(list)
         dirty, self._dirty = self._dirty, set()
         live = [(key, self._reqs[key]) for key in dirty if key in self._reqs]
-        todo = [(key, req) for key, req in live if req.error is None and req.pending]
+        todo = [(key, req) for key, req in live
+                if req.error is None and req.pending and (req.ended or len(req.pending) >= req.chunk)]
+        for _, req in todo:
+            req.chunk = min(2 * req.chunk, self.cfg.max_chunk_frames)
         while todo:
             by_len: dict[int, list[tuple[object, _Request]]] = defaultdict(list)
             for key, req in todo:

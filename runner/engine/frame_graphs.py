@@ -1,4 +1,5 @@
-"""The whole frame step of a multi-codebook talker as one CUDA graph per decode bucket.
+"""The whole frame step of a multi-codebook talker as one CUDA graph per decode bucket, and its
+depth half (codebook-0 head, depth decoder, sampling) as another for steps that also prefill.
 
 A pure decode step of b rows replays one graph that: unpacks the step's inputs (the token
 graphs' one-array layout, runner/utils/graph_inputs.py), takes each row's input frame (from the
@@ -6,7 +7,9 @@ host, or `last_frame[slot]` for a frame still in flight), embeds, runs the backb
 paged cache, the codebook-0 head, the depth decoder's K - 1 sub-steps over its preallocated
 per-frame KV, and samples every codebook with the project's sampler, then records the frames in
 `last_frame`. The host does three copies (inputs, input frames, sampling rows) and one replay;
-nothing between sub-steps touches the host.
+nothing between sub-steps touches the host. A step with prompt chunks runs its backbone eagerly
+and replays the depth graph of its sampling rows (`run_depth`): the depth decoder's hundreds of
+small launches would otherwise cost a new request's first frame tens of milliseconds of host time.
 
 Sampling inside a graph cannot take per-step shortcuts (all-greedy argmax, filters skipped when
 no row uses them): the graph's batch turns every stage on, and a row that does not use a stage
@@ -94,8 +97,10 @@ class FrameGraphs:
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.batches = {b: _GraphBatch(b, dev) for b in self.buckets}
         self.staging = staging_for(dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.out: dict[int, torch.Tensor] = {}  # bucket -> the graph's frames [b, K]
+        self.hidden_in = torch.zeros(max_bs, runner.cfg.model.hidden_size, dtype=runner.dtype, device=dev)
+        # (bucket, whole step) -> graph and its frames [b, K]; whole step False: the depth half
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.out: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = None
 
     def bucket_for(self, b: int) -> int | None:
@@ -104,7 +109,10 @@ class FrameGraphs:
                 return s
         return None
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, key: tuple[int, bool]) -> torch.Tensor:
+        b, whole = key
+        if not whole:
+            return self._depth(b, self.hidden_in[:b])
         m, k = self.model, self.k
         unpack_graph_inputs(self.staged, self.runner.slots.last_token, self.input_ids[:b], self.positions[:b],
                      self.slot_mapping[:b], self.seq_lens[:b], self.block_tables[:b], self.scratch_slot)
@@ -116,6 +124,11 @@ class FrameGraphs:
                                  max_query_len=1, max_seq_len=self.max_blocks * self.runner.block_size,
                                  num_decodes=b, pure_decode=True)
         h = m.backbone(m.embed_inputs(self.input_ids[:b], frames_in), self.positions[:b], self.runner.kv_caches, meta)
+        return self._depth(b, h)
+
+    def _depth(self, b: int, h: torch.Tensor) -> torch.Tensor:
+        """[b, H] backbone outputs -> frames [b, K], drawn with bucket b's sampling rows."""
+        m = self.model
         hidden, logits0 = m.head(h)
         batch = self.batches[b].batch
         sampler = self.runner.codebook_sampler(batch)
@@ -128,18 +141,19 @@ class FrameGraphs:
         with no_gc_while_capturing():
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream())
+            keys = [(b, whole) for b in self.buckets for whole in (True, False)]
             with torch.cuda.stream(stream):
-                for b in self.buckets:  # Triton compiles and workspaces grow outside any capture
-                    self._forward(b)
+                for key in keys:  # Triton compiles and workspaces grow outside any capture
+                    self._forward(key)
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize(self.device)
-            for b in sorted(self.buckets, reverse=True):
+            for key in sorted(keys, reverse=True):
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool):
-                    self.out[b] = self._forward(b)
+                    self.out[key] = self._forward(key)
                 if self.pool is None:
                     self.pool = g.pool()
-                self.graphs[b] = g
+                self.graphs[key] = g
             torch.cuda.synchronize(self.device)
         log.info("captured frame-step CUDA graphs for batch sizes %s", self.buckets)
 
@@ -159,5 +173,15 @@ class FrameGraphs:
         self.staging.copy_into(self.frames_in, fin.reshape(-1))
         gb = self.batches[b]
         self.staging.copy_into(gb.buf, gb.pack(*tab_rows))
-        self.graphs[b].replay()
-        return self.out[b][:n]
+        self.graphs[(b, True)].replay()
+        return self.out[(b, True)][:n]
+
+    def run_depth(self, b: int, hidden: torch.Tensor, tab_rows: tuple) -> torch.Tensor:
+        """Replay bucket b's depth graph for n <= b sampling rows: their backbone outputs
+        [n, H] (an eager step's) and sampling rows -> frames [n, K] (valid until the next replay)."""
+        n = hidden.shape[0]
+        self.hidden_in[:n].copy_(hidden)
+        gb = self.batches[b]
+        self.staging.copy_into(gb.buf, gb.pack(*tab_rows))
+        self.graphs[(b, False)].replay()
+        return self.out[(b, False)][:n]

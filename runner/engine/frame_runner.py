@@ -8,7 +8,8 @@ copier it reuses):
                         `last_frame[slot]` on the device); embed and run the backbone. With CUDA
                         graphs a pure decode step replays the whole frame step instead
                         (runner/engine/frame_graphs.py: backbone, codebook-0 head, depth decoder
-                        and every codebook's sampling in one graph).
+                        and every codebook's sampling in one graph); a step with prompt
+                        chunks replays only the depth half's graph after its eager backbone.
   sample_tokens()       codebook-0 logits, the depth decoder's K - 1 batched sub-steps, each
                         codebook drawn on the device by the project's sampler (race noise keyed
                         on frame * K + codebook, so a seeded request's frames do not depend on
@@ -80,9 +81,7 @@ class FrameRunner(ModelRunner):
         graphable = g is not None and inp.pure_decode and len(inp.sample.reqs) == inp.num_seqs
         bucket = g.bucket_for(inp.num_seqs) if graphable else None
         if bucket is not None:
-            tab, sl = self.sampling_table, np.asarray(inp.sample.slots, dtype=np.int64)
-            rows = (tab.floats[sl], tab.top_k[sl], sl, tab.seeds[sl], np.asarray(inp.sample.out_index, dtype=np.int64))
-            self._frames_in = g.run(bucket, inp, frames, src, rows)
+            self._frames_in = g.run(bucket, inp, frames, src, self._table_rows(st))
         else:
             q_lens = np.diff(inp.split(inp.pack)[4])
             token_rows = self.token_rows and int(q_lens.max()) <= MAX_TOKEN_ROW_QUERY
@@ -131,8 +130,12 @@ class FrameRunner(ModelRunner):
         if not n:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return self.copier.copy(empty, None, [], frames=empty.view(0, self.num_codebooks))
+        g = self.frame_graphs
+        bucket = g.bucket_for(n) if g is not None else None
         if self._frames_in is not None:  # the graph ran the whole frame step
             frames, self._frames_in = self._frames_in, None
+        elif bucket is not None:  # an eager backbone (prompt chunks in the step): the depth graph
+            frames = g.run_depth(bucket, st.final_hidden, self._table_rows(st))
         else:
             batch = self._sampling_batch(st)
             sampler = self.codebook_sampler(batch)
@@ -146,6 +149,11 @@ class FrameRunner(ModelRunner):
             self.timeline.append((self._t0, t1))
             self._t0 = None
         return self.copier.copy(ids, None, [], frames=frames)
+
+    def _table_rows(self, st: ExecuteState) -> tuple[np.ndarray, ...]:
+        """The sampling rows of the step as SamplingTable arrays (a graph's batch is filled from them)."""
+        tab, sl = self.sampling_table, np.asarray(st.sample.slots, dtype=np.int64)
+        return tab.floats[sl], tab.top_k[sl], sl, tab.seeds[sl], np.asarray(st.sample.out_index, dtype=np.int64)
 
     def codebook_sampler(self, batch: SamplingBatch) -> CodebookSampler:
         race = RaceCodebooks(self.sampler, batch, self.num_codebooks)
@@ -162,8 +170,12 @@ class FrameRunner(ModelRunner):
 
     @torch.inference_mode()
     def warm_sampling(self) -> None:
-        """Start-up on CUDA: the heads and the depth decoder at every row count (cuBLAS loads a
-        kernel per new GEMM shape, blocking the host mid-serving otherwise)."""
+        """Start-up on CUDA: with graphs, every sampling row count up to the largest bucket
+        replays a captured graph (its GEMM shapes loaded at capture); without, the heads and
+        the depth decoder run once at every row count (cuBLAS loads a kernel per new GEMM shape,
+        blocking the host mid-serving otherwise)."""
+        if self.frame_graphs is not None:
+            return
         S = self.cfg.scheduler.max_num_seqs
         h = torch.zeros(S, self.cfg.model.hidden_size, device=self.device, dtype=self.dtype)
         for m in range(1, S + 1):

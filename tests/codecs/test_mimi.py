@@ -130,7 +130,7 @@ def test_missing_folder_is_a_codec_error(tmp_path: Path) -> None:
 
 
 def test_stage_streams_each_sample_once_equal_to_offline(stage_factory, model: MimiModel) -> None:
-    stage = stage_factory()
+    stage = stage_factory(max_chunk_frames=1)  # every frame decoded as it comes
     assert (stage.sample_rate, stage.num_codebooks, stage.samples_per_frame) == (24000, K, SPF)
     frames = _codes(11, 13)
     stage.open("a")
@@ -148,6 +148,26 @@ def test_stage_streams_each_sample_once_equal_to_offline(stage_factory, model: M
     assert stage.step() == {}  # forgotten
     stage.push_many([("a", frames[0])])  # a late frame of a finished request: ignored
     assert len(stage) == 0 and stage.step() == {}
+
+
+def test_chunks_double_up_to_the_cap_and_the_end_flushes(stage_factory, model: MimiModel) -> None:
+    """Frames wait for their chunk (1, 2, 4, then 4 with max_chunk_frames=4); close() decodes
+    what is left; the PCM is the offline decode's, each sample once."""
+    stage = stage_factory(max_chunk_frames=4)
+    frames = _codes(5, 12)
+    stage.open("a")
+    out: dict = {}
+    done: dict = {}
+    emitted = []
+    for f in frames:
+        stage.push_many([("a", f)])
+        _drain(stage, out, done)
+        emitted.append(sum(p.size for p in out.get("a", [])) // SPF)
+    assert emitted == [1, 1, 3, 3, 3, 3, 7, 7, 7, 7, 11, 11]
+    stage.close("a")
+    _drain(stage, out, done)
+    assert done == {"a": True}
+    _assert_s16_close(_pcm(out["a"]), _offline(model, frames))
 
 
 def test_concurrent_requests_batched_equal_each_alone(stage_factory, model: MimiModel) -> None:

@@ -1,6 +1,8 @@
-"""CSM's frame step on CUDA: the captured graph gives the frames the eager step gives (greedy
-and seeded sampling, rows joining mid-run, async scheduling), and the CUDA engine's greedy frames
-equal transformers' generate in float32."""
+"""CSM's frame step on CUDA: the captured graphs (whole decode steps, and the depth half after an
+eager backbone when prompts join) give the frames the eager step gives (greedy and seeded
+sampling, rows joining mid-run, async scheduling); audio requests stream Mimi PCM. Frames against
+transformers are held on the CPU (tests/engine/test_frame_engine.py): on CUDA, kernels of other
+precision flip near-tied argmaxes of a random tiny model."""
 
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ from runner.engine.engine import Engine
 from runner.families import family_for
 from streaming.profile import read_profile
 from streaming.sampling_params import SamplingParams
-from tests.models.test_csm import PROMPTS, hf_generate
-from tests.support.tiny_models import load_hf_csm, make_tiny_csm
+from tests.models.test_csm import PROMPTS
+from tests.support.tiny_models import make_tiny_csm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -56,19 +58,14 @@ def test_graphs_are_used_and_equal_eager(csm_dir):
     replays = []
     orig = g.runner.frame_graphs.run
     g.runner.frame_graphs.run = lambda *a: replays.append(a[0]) or orig(*a)
+    depth = []
+    orig_depth = g.runner.frame_graphs.run_depth
+    g.runner.frame_graphs.run_depth = lambda *a: depth.append(a[0]) or orig_depth(*a)
     got_g = run(g, PROMPTS, sps)
     got_e = run(engine(csm_dir, graphs=False), PROMPTS, sps)
-    assert len(replays) > 10
+    assert len(replays) > 10 and depth  # whole steps, and depth halves of the steps prompts joined
     for k in got_e:
         np.testing.assert_array_equal(got_g[k], got_e[k])
-
-
-def test_cuda_greedy_frames_equal_transformers_fp32(csm_dir):
-    hf = load_hf_csm(csm_dir)
-    ref = {f"r{i}": hf_generate(hf, p, 12).numpy() for i, p in enumerate(PROMPTS)}
-    got = run(engine(csm_dir, graphs=True, dtype="float32"), PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))
-    for k in ref:
-        np.testing.assert_array_equal(got[k], ref[k])
 
 
 def test_cuda_audio_requests_stream_pcm(csm_dir):
