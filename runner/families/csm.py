@@ -46,9 +46,9 @@ class CsmFamily(ModelFamily):
         r = cfg.runner
         if random_weights:
             model = build_empty_csm(self.config, r.torch_device, r.torch_dtype, attn, ops)
-            gen = torch.Generator(device="cpu").manual_seed(0)
+            gen = torch.Generator(device=r.torch_device).manual_seed(0)
             for p in model.parameters():  # small values: a random deep stack stays finite in bf16
-                p.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
+                p.normal_(0.0, 0.02, generator=gen)
             return model
         return load_csm(self.config, r.torch_device, r.torch_dtype, attn, ops)
 
