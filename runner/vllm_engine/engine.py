@@ -139,6 +139,14 @@ class VllmEngine:
             dtype=str(self.dtype).removeprefix("torch."),
         )
 
+    async def watch(self, period_s: float = 0.5) -> None:
+        """vLLM's engine core can die with no request in flight to hear of it: notice anyway,
+        so the front end restarts this process before the next request fails."""
+        while not self.llm.errored:
+            await asyncio.sleep(period_s)
+        if not self.fatal.done():
+            self.fatal.set_result("vLLM engine core died")
+
     def shutdown(self) -> None:
         if self.llm is not None:
             self.llm.shutdown()

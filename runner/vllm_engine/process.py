@@ -114,7 +114,8 @@ class VllmEngineLoop:
                 await self.outbound.put(ipc.encode_outbound(ipc.EngineDead(f"engine start-up failed: {e}")))
                 return 1
             await self.outbound.put(ipc.encode_outbound(ready))
-            tasks = [asyncio.create_task(self._reader(), name="engine-in")]
+            tasks = [asyncio.create_task(self._reader(), name="engine-in"),
+                     asyncio.create_task(self.engine.watch(), name="vllm-watch")]
             if self.engine.codec is not None and self.engine.codec.asynchronous:
                 tasks.append(asyncio.create_task(self._codec_poll(), name="codec-poll"))
             stop = asyncio.create_task(self.stop.wait())
@@ -153,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     try:
         version = require_vllm()
-    except VllmUnavailable as e:
-        print(f"omnistream: {e}", file=sys.stderr, flush=True)
+    except VllmUnavailable as e:  # the front end prints the reason as its one line
         _report_dead(args.output_addr, str(e))
         return 1
     log.info("vLLM %s", version)

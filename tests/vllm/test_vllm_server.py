@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 from pathlib import Path
 
@@ -33,10 +34,10 @@ GREEDY = {"temperature": 0.0, "max_tokens": 9}
 def server(tmp_path_factory) -> ServerProc:
     srv = start_server(tmp_path_factory.mktemp("vllm-e2e"), "--engine", "vllm", "--enforce-eager",
                        "--max-model-len", "1024", "--kv-memory-gb", "0.05", "--max-num-seqs", "16", timeout=300)
-    tree = descendants(srv.proc.pid)
     try:
         yield srv
     finally:
+        tree = descendants(srv.proc.pid)  # the engine restarted by the last test included
         srv.stop()
         kill_leftovers([p for p in tree if Path(f"/proc/{p}").exists()])
 
@@ -148,3 +149,37 @@ async def test_client_disconnect_aborts_the_vllm_request(server: ServerProc):
         assert after["active_request_ids"] == [] and after["num_running"] == 0, after
         assert after["num_aborted_total"] == before["num_aborted_total"] + 1
         assert after["num_generated_tokens_total"] - before["num_generated_tokens_total"] < 700
+
+
+async def test_vllm_engine_core_death_fails_fast_and_the_engine_comes_back(server: ServerProc):
+    """Last in the module: it restarts the engine. vLLM's engine core killed mid-request: the
+    request ends at once, the front end restarts the engine process, which serves again."""
+    import psutil
+
+    def engine_and_cores() -> tuple[list[int], list[int]]:
+        procs = []
+        for p in descendants(server.proc.pid):
+            with contextlib.suppress(psutil.NoSuchProcess):  # a dying process may vanish meanwhile
+                procs.append((p, " ".join(psutil.Process(p).cmdline())))
+        return [p for p, c in procs if "runner.vllm_engine.process" in c], [p for p, c in procs if "EngineCore" in c]
+
+    engine, cores = engine_and_cores()
+    assert len(engine) == 1 and len(cores) == 1
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT_S)) as http:
+        body = {"input": "Hello there.", "response_format": "pcm", "seed": LONG_SEED, "max_new_tokens": 700}
+        async with http.post(server.base_url + "/v1/audio/speech", json=body) as r:
+            assert r.status == 200
+            got = len(await r.content.readany())
+            kill_leftovers(cores)
+            with pytest.raises(aiohttp.ClientPayloadError):  # cut short, not a clean end
+                got += len(await r.content.read())
+        assert got < frames_of(700, "length") * FRAME_BYTES
+        for _ in range(600):
+            async with http.get(server.base_url + "/health") as h:
+                if h.status == 200 and (await h.json())["status"] == "ok" and engine_and_cores()[0] not in ([], engine):
+                    break  # a new engine process is up
+            await asyncio.sleep(0.2)
+        assert h.status == 200
+        body = {"prompt": ZMQ_PROMPT, **GREEDY}
+        async with http.post(server.base_url + "/v1/completions", json=body) as r:
+            assert r.status == 200 and len((await r.json())["choices"][0]["token_ids"]) == GREEDY["max_tokens"]
