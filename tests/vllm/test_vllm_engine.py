@@ -142,6 +142,7 @@ async def test_abort_mid_run_frees_the_request_and_the_engine_keeps_serving(clie
     (dict(hidden_state_layers=[3]), "hidden_state_layers"),
     (dict(sampling=SamplingParams(top_p=0.0)), "sampling.top_p"),
     (dict(audio=True), "audio"),
+    (dict(prompt_frames=[[1, 2]]), "prompt_frames"),
 ])
 async def test_bad_input_names_the_field(client, kwargs, field):
     req = ipc.AddRequest(**{"request_id": "bad", "prompt_token_ids": [1, 2, 3], **kwargs})
