@@ -35,11 +35,22 @@ from server.errors import (
     internal_error,
     not_found,
     overloaded,
+    request_timeout,
     schema_api_error,
     unauthorized,
 )
 from server.metrics import Metrics
-from server.routes import cartesia_ws, completions, elevenlabs_http, elevenlabs_ws, generate_ws, info, speech, tts_ws
+from server.routes import (
+    cartesia_ws,
+    completions,
+    elevenlabs_http,
+    elevenlabs_ws,
+    generate_ws,
+    info,
+    speech,
+    tts_ws,
+    voices,
+)
 from server.settings import ServerSettings
 from server.tokenizer import TextTokenizer
 from server.tts.voices import SpeechProfile, no_speech_error
@@ -62,6 +73,8 @@ SPEECH_ROUTES = frozenset({"speech", "speech_ws", "elevenlabs_ws", "elevenlabs_m
                            *elevenlabs_http.ROUTE_NAMES})
 # ElevenLabs clients may send their key in the first message instead: the session checks it.
 KEY_IN_FIRST_MESSAGE = frozenset({"elevenlabs_ws", "elevenlabs_multi_ws"})
+# Routes that read their own (multipart) body, bounded in size and time there.
+STREAMED_BODY_ROUTES = frozenset({"voice_create"})
 # Reachable without an API key: probes, scrapers and the demo page (which asks for the key).
 OPEN_PATHS = frozenset({"/", "/health", "/metrics"})
 
@@ -74,15 +87,6 @@ def server_options(settings: ServerSettings) -> dict[str, Any]:
     waiting for a complete request head (nothing sent, or a head trickling in) it closes it.
     Bodies are bounded by the app itself (http_body_timeout_s, a 408)."""
     return {"keepalive_timeout": settings.http_header_timeout_s}
-
-
-def request_timeout(settings: ServerSettings) -> APIError:
-    return APIError(
-        408,
-        f"The request body did not arrive within {settings.http_body_timeout_s:g} s (http_body_timeout_s).",
-        code="request_timeout",
-        headers={"Connection": "close"},
-    )
 
 
 def _endpoint(request: web.Request) -> str:
@@ -186,12 +190,12 @@ def build_app(
     async def read_body_in_time(request: web.Request, handler: Handler) -> web.StreamResponse:
         # The body is read here, before a work slot is taken, so a slow upload holds no slot;
         # handlers' request.read() then returns the cached bytes.
-        if request.body_exists:
+        if request.body_exists and request.match_info.route.name not in STREAMED_BODY_ROUTES:
             try:
                 async with asyncio.timeout(settings.http_body_timeout_s):
                     await request.read()
             except TimeoutError:
-                raise request_timeout(settings) from None
+                raise request_timeout(settings.http_body_timeout_s) from None
         return await handler(request)
 
     @web.middleware
@@ -249,6 +253,8 @@ def build_app(
     app.router.add_get("/v1/models", info.list_models, name="models")
     app.router.add_get("/v1/models/{model}", info.get_model, name="model")
     app.router.add_get("/v1/audio/voices", info.list_voices, name="voices")
+    app.router.add_post(voices.ENDPOINT, voices.create_voice, name="voice_create")
+    app.router.add_delete(voices.ENDPOINT + "/{voice_id}", voices.delete_voice, name="voice_delete")
     app.router.add_get("/health", info.health, name="health")
     app.router.add_get("/metrics", info.metrics, name="metrics")
     app.router.add_get("/v1/engine/stats", info.engine_stats, name="engine_stats")

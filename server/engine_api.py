@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Protocol
 
+import numpy as np
+
 from streaming.ipc import AddRequest, EngineStats, Ready, RequestOutput
 
 
@@ -42,3 +44,7 @@ class EngineClientProtocol(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     async def stats(self) -> EngineStats: ...
+
+    async def encode_audio(self, pcm: bytes) -> np.ndarray:
+        """A reference clip (s16le mono at the codec's rate) -> its codes [frames, K]."""
+        ...

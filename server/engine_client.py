@@ -27,6 +27,7 @@ import time
 from typing import AsyncIterator, Mapping
 
 import msgspec
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -66,6 +67,7 @@ class EngineClient:
         self.info: ipc.Ready | None = None
         self._streams: dict[str, _Stream] = {}
         self._stats_waiters: list[asyncio.Future] = []
+        self._encode_waiters: dict[str, asyncio.Future] = {}  # EncodeAudio request id -> its answer
         self._proc: subprocess.Popen | None = None
         self._ctx = zmq.asyncio.Context()
         self._tmp = tempfile.mkdtemp(prefix="omnistream-")
@@ -168,6 +170,10 @@ class EngineClient:
                 for w in waiters:
                     if not w.done():
                         w.set_result(msg)
+            elif isinstance(msg, ipc.EncodedAudio):
+                w = self._encode_waiters.pop(msg.request_id, None)
+                if w is not None and not w.done():
+                    w.set_result(msg)
             elif isinstance(msg, ipc.EngineDead):
                 self.dead_reason = msg.reason
                 log.error("%s reported death: %s", self.name, msg.reason)
@@ -209,6 +215,10 @@ class EngineClient:
             if not w.done():
                 w.set_exception(EngineUnavailable(reason))
         self._stats_waiters = []
+        for w in self._encode_waiters.values():
+            if not w.done():
+                w.set_exception(EngineUnavailable(reason))
+        self._encode_waiters = {}
 
     async def _restart(self) -> None:
         self._tasks = [t for t in self._tasks if t is not asyncio.current_task()]
@@ -277,6 +287,25 @@ class EngineClient:
         self._stats_waiters.append(fut)
         await self._push.send(ipc.encode_inbound(ipc.GetStats()))
         return await asyncio.wait_for(fut, timeout=10)
+
+    async def encode_audio(self, pcm: bytes, timeout: float = 60.0) -> np.ndarray:
+        """A reference clip (s16le mono at the codec's rate) -> its codes [frames, K] int16,
+        encoded once by the engine's codec. InvalidRequest (field `audio`) when the model takes
+        no reference audio; EngineUnavailable when the engine is down."""
+        if not self._alive:
+            raise EngineUnavailable(self.dead_reason or "engine is not running")
+        rid = f"encode-{next(self._gen)}"
+        fut = asyncio.get_running_loop().create_future()
+        self._encode_waiters[rid] = fut
+        try:
+            await self._push.send(ipc.encode_inbound(ipc.EncodeAudio(rid, pcm)))
+            reply: ipc.EncodedAudio = await asyncio.wait_for(fut, timeout=timeout)
+        finally:
+            self._encode_waiters.pop(rid, None)
+        if reply.error is not None:
+            field, _, message = reply.error.partition(": ")
+            raise InvalidRequest(field, message)
+        return np.asarray(reply.codes, dtype=np.int16).reshape(len(reply.codes), -1)
 
     @property
     def num_in_flight(self) -> int:

@@ -20,6 +20,8 @@ routes new work away from it until it reports healthy again, and is healthy whil
 
 from __future__ import annotations
 
+import numpy as np
+
 import asyncio
 import contextlib
 from contextlib import aclosing
@@ -163,6 +165,11 @@ class EnginePool:
         i = self._owner.get(request_id)
         if i is not None:  # an unknown id has no stream left to free
             await self.engines[i].abort(request_id)
+
+    async def encode_audio(self, pcm: bytes) -> np.ndarray:
+        """A reference clip's codes from the least loaded healthy engine (every engine holds the
+        same codec)."""
+        return await self.engines[self._pick()].encode_audio(pcm)
 
     async def stats(self) -> EngineStats:
         """The healthy engines' counters summed; EngineUnavailable when none answers."""

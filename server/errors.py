@@ -52,6 +52,15 @@ def invalid_request(message: str, param: str | None = None, code: str = "invalid
     return APIError(400, message, param=param, code=code)
 
 
+def request_timeout(body_timeout_s: float) -> APIError:
+    return APIError(
+        408,
+        f"The request body did not arrive within {body_timeout_s:g} s (http_body_timeout_s).",
+        code="request_timeout",
+        headers={"Connection": "close"},
+    )
+
+
 def not_found(message: str, param: str | None = None) -> APIError:
     return APIError(404, message, param=param, code="not_found")
 

@@ -93,6 +93,7 @@ async def run_server(args: argparse.Namespace) -> None:
     from server.engine_pool import EnginePool
     from server.routes.zmq_gateway import ZmqGateway
     from server.tokenizer import TextTokenizer
+    from server.tts.voice_store import VoiceStore
     from server.tts.voices import SpeechProfile
 
     env = Env.read()
@@ -107,7 +108,9 @@ async def run_server(args: argparse.Namespace) -> None:
         log.warning("serving the embedded tiny random-weight model: it speaks noise. Use --model for real weights.")
     tokenizer = TextTokenizer.from_folder(model_path)
     model_profile = read_profile(model_path, source.codec)  # the one read of omnistream.json
-    profile = SpeechProfile(model_profile.speech if model_profile.speaks else None)
+    spec = model_profile.speech if model_profile.speaks else None
+    store = VoiceStore(settings.voices_dir, settings.max_voices) if spec is not None and spec.reference_audio_ids else None
+    profile = SpeechProfile(spec, store)
     log.info("model %s: family %s, %s", model_path, model_profile.family, _speech_line(model_profile))
     log_level = (args.log_level or env.log_level).upper()
     base = engine_args_from(args, model_path, model_profile, log_level)

@@ -68,6 +68,12 @@ class ServerSettings:
     # every slot; 0 turns it off (behind a proxy every client has the proxy's address).
     max_requests_per_client: int = knob(0, "work slots one client address may hold at once (0: no per-client cap)")
     retry_after_s: int = 1
+    # Uploaded reference voices (models that take reference audio, e.g. CSM): kept in this
+    # folder across restarts; without it POST /v1/audio/voices is refused.
+    voices_dir: str | None = knob(None, "folder of uploaded reference voices, kept across restarts (none: uploads off)")
+    max_voices: int = knob(64, "uploaded reference voices kept at once")
+    max_voice_upload_bytes: int = knob(16 << 20, "largest reference clip upload, in bytes")
+    max_voice_seconds: float = knob(30.0, "longest reference clip, in seconds")
     # A connection must deliver a complete request head within this time of connecting or of
     # its previous response (a slow-header client is cut off; idle keep-alive connections
     # close after the same time).
@@ -117,6 +123,9 @@ class ServerSettings:
         need(self.max_open_sessions > 0, "max_open_sessions", "must be > 0")
         need(self.max_requests_per_client >= 0, "max_requests_per_client", "must be >= 0 (0: off)")
         need(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
+        need(self.max_voices >= 1, "max_voices", "must be >= 1")
+        need(self.max_voice_upload_bytes >= 1024, "max_voice_upload_bytes", "must be >= 1024")
+        need(self.max_voice_seconds > 0, "max_voice_seconds", "must be > 0")
         need(self.http_header_timeout_s > 0, "http_header_timeout_s", "must be > 0")
         need(self.http_body_timeout_s > 0, "http_body_timeout_s", "must be > 0")
         need(self.ws_inactivity_timeout_s > 0, "ws_inactivity_timeout_s", "must be > 0")

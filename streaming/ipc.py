@@ -40,6 +40,14 @@ class AddRequest(msgspec.Struct, tag="add", forbid_unknown_fields=True):
     prompt_frames: list[list[int]] | None = None
 
 
+class EncodeAudio(msgspec.Struct, tag="encode", forbid_unknown_fields=True):
+    """A reference clip to encode into the codec's codes once (a voice upload): s16le mono PCM
+    at the codec's sample rate (Ready.sample_rate)."""
+
+    request_id: str
+    pcm: bytes
+
+
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
 
@@ -52,7 +60,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineInbound = Union[AddRequest, AbortRequests, GetStats, Shutdown]
+EngineInbound = Union[AddRequest, EncodeAudio, AbortRequests, GetStats, Shutdown]
 
 
 # ---- engine -> front end -------------------------------------------------------------------
@@ -111,11 +119,19 @@ class Ready(msgspec.Struct, tag="ready"):
     codes_per_frame: int = 1  # codes a step yields per request (a multi-codebook model: K)
 
 
+class EncodedAudio(msgspec.Struct, tag="encoded"):
+    """The answer to EncodeAudio: codes [frames][codebooks], or why the clip cannot be encoded."""
+
+    request_id: str
+    codes: list[list[int]] = []
+    error: str | None = None
+
+
 class EngineDead(msgspec.Struct, tag="dead"):
     reason: str
 
 
-EngineOutbound = Union[StepOutputs, EngineStats, Ready, EngineDead]
+EngineOutbound = Union[StepOutputs, EngineStats, Ready, EncodedAudio, EngineDead]
 
 
 # ---- one encode / decode path ---------------------------------------------------------------

@@ -92,6 +92,10 @@ class SpeechSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     add_bos: bool = True
     sample_rate: int = ORPHEUS_SAMPLE_RATE
     sampling: SamplingParams = msgspec.field(default_factory=orpheus_sampling)
+    # (frame position id, audio end id) of a reference clip inside a prompt, for models that
+    # take uploaded reference voices (CSM: config.json's audio_token_id, audio_eos_token_id);
+    # None: only the built-in voices
+    reference_audio_ids: tuple[int, int] | None = None
 
     def check(self) -> None:
         """Raise ProfileError naming the field."""
@@ -172,6 +176,9 @@ def read_profile(model_dir: str | Path, codec_path: str | None = None) -> ModelP
     except (ProfileError, InvalidRequest) as e:
         raise ProfileError(f"{path}: {e}") from None
     if raw.family == "csm":
+        cfg = _config(folder)
+        speech = msgspec.structs.replace(speech, reference_audio_ids=(int(cfg.get("audio_token_id", 128002)),
+                                                                      int(cfg.get("audio_eos_token_id", 128003))))
         return ModelProfile(family="csm", speech=speech, codec=_csm_codec(folder, raw.codec, codec_path))
     return ModelProfile(family=raw.family, speech=speech, codec=_codec(folder, raw.codec, codec_path))
 

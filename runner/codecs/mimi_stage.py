@@ -150,6 +150,17 @@ class MimiCodecStage:
     def __len__(self) -> int:
         return len(self._reqs)
 
+    # -- encoding (reference clips) -----------------------------------------------------
+
+    @torch.inference_mode()
+    def encode(self, pcm: np.ndarray) -> np.ndarray:
+        """int16 mono PCM at the codec's rate -> its codes [frames, K] int64 (transformers'
+        MimiModel.encode, the first K codebooks: what CSM's prompt frames hold)."""
+        model = self.decoder.model
+        x = torch.from_numpy(pcm.astype(np.float32) / 32768.0).to(self.decoder.device, self.decoder.dtype)
+        codes = model.encode(x[None, None], num_quantizers=self.num_codebooks).audio_codes  # [1, K, F]
+        return codes[0].T.to(torch.int64).cpu().numpy()
+
     # -- decoding ----------------------------------------------------------------------
 
     def step(self, wait: bool = False) -> dict[object, StageResult]:

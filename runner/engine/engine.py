@@ -141,6 +141,14 @@ class Engine:
             self.codec.open(id(req), seed=sampling.seed)
             self._audio_open[id(req)] = req
 
+    def encode_audio(self, pcm: np.ndarray) -> np.ndarray:
+        """A reference clip (int16 mono at the codec's rate) -> its codes [frames, K] (the
+        family's reference format: a voice prompt's frames). InvalidRequest when the model
+        takes no reference audio. Runs between steps; uploads are rare."""
+        if self.codec is None:
+            raise InvalidRequest("audio", "this engine has no codec stage loaded")
+        return self.family.encode_reference(self.codec, pcm)
+
     def abort_request(self, request_id: str) -> bool:
         """Abort a live request: its blocks and slot are free before the next step. Returns
         False when the id is unknown or already finished."""

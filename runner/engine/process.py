@@ -22,6 +22,7 @@ import time
 import traceback
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
@@ -110,6 +111,13 @@ class EngineLoop:
             except InvalidRequest as e:
                 out = ipc.RequestOutput(msg.request_id, finished=True, finish_reason="error", error=str(e), error_field=e.field)
                 self.outbound.put(ipc.encode_outputs([out]))
+        elif isinstance(msg, ipc.EncodeAudio):
+            try:
+                codes = eng.encode_audio(np.frombuffer(msg.pcm, dtype="<i2"))
+                reply = ipc.EncodedAudio(msg.request_id, codes=codes.tolist())
+            except InvalidRequest as e:
+                reply = ipc.EncodedAudio(msg.request_id, error=str(e))
+            self.outbound.put(ipc.encode_outbound(reply))
         elif isinstance(msg, ipc.AbortRequests):
             for rid in msg.request_ids:
                 eng.abort_request(rid)

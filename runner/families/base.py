@@ -81,6 +81,11 @@ class ModelFamily(ABC):
         decode them); None: no limit."""
         return None
 
+    def encode_reference(self, codec: CodecStageLike, pcm: np.ndarray) -> np.ndarray:
+        """A reference clip (int16 mono at the codec's rate) -> the codes a prompt carries
+        ([frames, K]); InvalidRequest for a family that takes no reference audio."""
+        raise InvalidRequest("audio", f"the {self.name} family takes no reference audio (voices are its built-in ones)")
+
     def prompt_frames(self, prompt_token_ids: list[int], frames: np.ndarray | None) -> np.ndarray | None:
         """The codes of every prompt position ([P, K] int64) for a multi-codebook family, from
         the frames of its audio positions; None for a family without frames (which refuses

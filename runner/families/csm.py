@@ -68,6 +68,10 @@ class CsmFamily(ModelFamily):
         assert isinstance(codec, MimiCodecStage)
         return codec.codebook_size if codec.codebook_size < self.config.codebook_size else None
 
+    def encode_reference(self, codec: CodecStageLike, pcm: np.ndarray) -> np.ndarray:
+        assert isinstance(codec, MimiCodecStage)
+        return codec.encode(pcm)
+
     def logits_constraint(self, backend: str) -> LogitsConstraint | None:
         return None  # every codebook's logits are its codes: nothing to mask
 

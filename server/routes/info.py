@@ -48,7 +48,8 @@ async def list_voices(request: web.Request) -> web.Response:
     profile = get_ctx(request).profile
     return web.json_response(
         {
-            "voices": [{"voice_id": v, "name": v} for v in profile.voices],
+            "voices": [{"voice_id": v, "name": v, "type": "builtin"} for v in (profile.spec.voices if profile.spec else ())]
+            + [v.info() for v in (profile.store.list() if profile.store is not None else ())],
             "default_voice": profile.default_voice,
             "sample_rate": profile.sample_rate,
         }

@@ -69,11 +69,12 @@ async def speech_add_request(
     long text is tokenized off the event loop."""
     prompt = await ctx.profile.build_prompt_async(ctx.tokenizer, voice, text)
     limit = ctx.engine.info.max_model_len
-    if len(prompt) >= limit:
+    if len(prompt.ids) >= limit:
         raise invalid_request(
-            f"{param}: the text makes a {len(prompt)}-token prompt; the model takes fewer than {limit}", param=param
+            f"{param}: the text makes a {len(prompt.ids)}-token prompt; the model takes fewer than {limit}", param=param
         )
-    return AddRequest(request_id=f"speech-{uuid.uuid4().hex}", prompt_token_ids=prompt, sampling=sampling, audio=True)
+    return AddRequest(request_id=f"speech-{uuid.uuid4().hex}", prompt_token_ids=prompt.ids, sampling=sampling,
+                      audio=True, prompt_frames=prompt.frames)
 
 
 async def parse_speech_body(ctx: ServerContext, req: SpeechRequest) -> SpeechJob:

@@ -1,15 +1,28 @@
 """The front end's view of the served model's speech: voice resolution and prompt building over
-the profile's SpeechSpec (streaming/profile.py, read once from the model folder). A model
+the profile's SpeechSpec (streaming/profile.py, read once from the model folder) and, for models
+that take reference audio (CSM), the uploaded voices (server/tts/voice_store.py). A model
 without speech (a plain language model, or an Orpheus folder served without a codec) has a
 SpeechProfile with no spec: it lists no voices and every speech request is answered with one
-clear error."""
+clear error.
+
+A reference voice's prompt is the model's conversation format with the clip first, as
+transformers' CSM chat template lays it out: the clip's transcript spoken by the voice's
+speaker, one frame position per clip frame and the audio end, then the text to speak:
+
+    prefix + [bos] template(speaker, transcript) + suffix + [frame] * F + [audio end]
+           + [bos] template(speaker, text) + suffix
+
+Every request in the voice starts with the same ids and frames, so the prefix cache computes
+the clip once."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from server.errors import APIError, invalid_request
 from server.tokenizer import TextTokenizer
+from server.tts.voice_store import ReferenceVoice, VoiceStore
 from streaming.profile import SpeechSpec, read_profile
 from streaming.sampling_params import SamplingParams
 
@@ -19,11 +32,23 @@ def no_speech_error() -> APIError:
                            "use /v1/completions or the generate stream", param="model", code="model_has_no_speech")
 
 
+@dataclass(frozen=True)
+class SpeechPrompt:
+    ids: list[int]
+    frames: list[list[int]] | None = None  # a reference voice's codes, one row per frame position
+
+
 class SpeechProfile:
-    def __init__(self, spec: SpeechSpec | None = SpeechSpec()):
+    def __init__(self, spec: SpeechSpec | None = SpeechSpec(), store: VoiceStore | None = None):
+        """store: uploaded reference voices (only where the spec takes reference audio)."""
         self.spec = spec
         if spec is not None:
             spec.check()
+        self.store = store if spec is not None and spec.reference_audio_ids is not None else None
+
+    @property
+    def takes_reference_voices(self) -> bool:
+        return self.spec is not None and self.spec.reference_audio_ids is not None
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "SpeechProfile":
@@ -42,7 +67,13 @@ class SpeechProfile:
 
     @property
     def voices(self) -> tuple[str, ...]:
-        return self.spec.voices if self.spec is not None else ()
+        """The built-in voices, then the uploaded ones."""
+        if self.spec is None:
+            return ()
+        return self.spec.voices + (tuple(v.name for v in self.store.list()) if self.store is not None else ())
+
+    def reference_voice(self, name: str) -> ReferenceVoice | None:
+        return self.store.get(name) if self.store is not None else None
 
     @property
     def default_voice(self) -> str | None:
@@ -65,20 +96,47 @@ class SpeechProfile:
         s = self._need()
         if voice is None:
             return s.default_voice
-        if voice not in s.voices:
+        if voice not in s.voices and self.reference_voice(voice) is None:
             raise invalid_request(
-                f"voice: unknown voice {voice!r}; available voices: {', '.join(s.voices)}",
+                f"voice: unknown voice {voice!r}; available voices: {', '.join(self.voices)}",
                 param="voice",
             )
         return voice
 
-    def build_prompt(self, tokenizer: TextTokenizer, voice: str, text: str) -> list[int]:
+    def _turn(self, body: list[int]) -> list[int]:
         s = self._need()
-        body = tokenizer.encode(s.text_template.format(voice=voice, text=text), add_bos=s.add_bos)
         return [*s.prefix_token_ids, *body, *s.suffix_token_ids]
 
-    async def build_prompt_async(self, tokenizer: TextTokenizer, voice: str, text: str) -> list[int]:
+    def _reference_ids(self, tokenizer: TextTokenizer, ref: ReferenceVoice | None) -> list[int]:
+        """The voice's reference turn (transcript, frame positions, audio end); [] for a built-in voice."""
+        if ref is None:
+            return []
+        s = self._need()
+        frame_id, end_id = s.reference_audio_ids
+        said = tokenizer.encode(s.text_template.format(voice=ref.speaker, text=ref.transcript), add_bos=s.add_bos)
+        return [*self._turn(said), *([frame_id] * ref.num_frames), end_id]
+
+    @staticmethod
+    def _frames(ref: ReferenceVoice | None) -> list[list[int]] | None:
+        return ref.codes.tolist() if ref is not None else None
+
+    def build_prompt(self, tokenizer: TextTokenizer, voice: str, text: str) -> SpeechPrompt:
+        ref = self.reference_voice(voice)
+        if ref is not None:
+            return self.build_prompt_for(tokenizer, ref, text)
+        s = self._need()
+        return SpeechPrompt(self._turn(tokenizer.encode(s.text_template.format(voice=voice, text=text), add_bos=s.add_bos)))
+
+    def build_prompt_for(self, tokenizer: TextTokenizer, ref: ReferenceVoice, text: str) -> SpeechPrompt:
+        """The prompt of `text` in a reference voice (stored or about to be)."""
+        s = self._need()
+        body = tokenizer.encode(s.text_template.format(voice=ref.speaker, text=text), add_bos=s.add_bos)
+        return SpeechPrompt([*self._reference_ids(tokenizer, ref), *self._turn(body)], self._frames(ref))
+
+    async def build_prompt_async(self, tokenizer: TextTokenizer, voice: str, text: str) -> SpeechPrompt:
         """build_prompt with a long text tokenized off the event loop (TextTokenizer.encode_async)."""
         s = self._need()
-        body = await tokenizer.encode_async(s.text_template.format(voice=voice, text=text), add_bos=s.add_bos)
-        return [*s.prefix_token_ids, *body, *s.suffix_token_ids]
+        ref = self.reference_voice(voice)
+        speaker = ref.speaker if ref is not None else voice
+        body = await tokenizer.encode_async(s.text_template.format(voice=speaker, text=text), add_bos=s.add_bos)
+        return SpeechPrompt([*self._reference_ids(tokenizer, ref), *self._turn(body)], self._frames(ref))

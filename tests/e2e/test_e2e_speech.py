@@ -79,7 +79,7 @@ def test_openai_client_sse_events_match_usage(client: openai.OpenAI, model_dir: 
     assert all(len(d) > 0 and len(d) % FRAME_BYTES == 0 for d in deltas), [len(d) for d in deltas]
 
     usage = events[-1]["usage"]
-    prompt = SpeechProfile.load(model_dir).build_prompt(TextTokenizer.from_folder(model_dir), "tara", text)
+    prompt = SpeechProfile.load(model_dir).build_prompt(TextTokenizer.from_folder(model_dir), "tara", text).ids
     assert usage["input_tokens"] == len(prompt)
     out = usage["output_tokens"]
     assert usage["total_tokens"] == len(prompt) + out

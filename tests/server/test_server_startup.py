@@ -16,7 +16,7 @@ def test_speech_profile_defaults_to_orpheus(tmp_path):
     assert p.voices == ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe") and p.default_voice == "tara"
     assert (p.sampling.temperature, p.sampling.top_p, p.sampling.repetition_penalty, p.sampling.max_tokens) == (0.6, 0.8, 1.1, 1200)
     tok = make_tokenizer()
-    ids = p.build_prompt(tok, "dan", "Hi there.")
+    ids = p.build_prompt(tok, "dan", "Hi there.").ids
     assert ids == [128259, tok.bos_token_id, *tok.encode("dan: Hi there."), 128009, 128260, 128261, 128257]
 
 
@@ -32,7 +32,7 @@ def test_speech_profile_reads_omnistream_json(tmp_path):
     assert p.voices == ("anna", "ben") and p.default_voice == "anna" and not p.add_bos
     assert p.sampling.temperature == 0.9 and p.sampling.max_tokens == 50
     tok = make_tokenizer()
-    assert p.build_prompt(tok, "ben", "yo") == [1, *tok.encode("<ben> yo")]
+    assert p.build_prompt(tok, "ben", "yo").ids == [1, *tok.encode("<ben> yo")]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,147 @@
+"""Reference voices: upload, list (GET /v1/audio/voices, server.routes.info), delete.
+
+POST /v1/audio/voices   multipart/form-data:
+    name        the voice's id in later requests (letters, digits, '_', '-'; unique)
+    transcript  what the clip says (the model hears the clip as this text spoken)
+    file        the clip: WAV or any format FFmpeg reads (PyAV), any rate and channel count
+    speaker     optional: the model's speaker id to voice it as (default: the default voice)
+  -> 201 {"voice_id", "name", "type": "reference", "speaker", "transcript", "frames", "duration_s"}
+DELETE /v1/audio/voices/{voice_id}  -> 204; 404 for an unknown or built-in voice
+
+The clip is decoded and resampled to the codec's rate off the event loop, encoded to codec codes
+once by the engine (ipc.EncodeAudio) and stored (server/tts/voice_store.py); requests in the voice
+carry the stored codes. Bounds: --max-voice-upload-bytes (413), --max-voice-seconds, --max-voices
+(409), and the prompt must leave room under the model's length limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import av
+import numpy as np
+from aiohttp import web
+
+from server.context import get_ctx
+from server.errors import APIError, invalid_request, not_found, request_timeout
+from server.tts.voice_store import ReferenceVoice, VoiceStoreError
+from streaming.sampling_params import InvalidRequest
+
+ENDPOINT = "/v1/audio/voices"
+_TEXT_FIELD_BYTES = 8192  # name, speaker and transcript parts
+
+
+def decode_clip(data: bytes, sample_rate: int, max_seconds: float) -> np.ndarray:
+    """Any container / codec FFmpeg reads -> int16 mono at `sample_rate`. ValueError naming
+    `file` when it holds no decodable audio or runs past max_seconds."""
+    try:
+        with av.open(io.BytesIO(data), "r") as container:
+            if not container.streams.audio:
+                raise ValueError("file: holds no audio stream")
+            resampler = av.AudioResampler(format="s16", layout="mono", rate=sample_rate)
+            chunks, n, limit = [], 0, int(max_seconds * sample_rate)
+            for frame in container.decode(audio=0):
+                for out in resampler.resample(frame):
+                    chunks.append(out.to_ndarray().reshape(-1))
+                    n += chunks[-1].size
+                if n > limit:
+                    raise ValueError(f"file: the clip is longer than {max_seconds:g} s")
+            for out in resampler.resample(None):
+                chunks.append(out.to_ndarray().reshape(-1))
+    except av.FFmpegError as e:
+        raise ValueError(f"file: not a readable audio file ({e})") from None
+    pcm = np.concatenate(chunks) if chunks else np.zeros(0, np.int16)
+    if pcm.size == 0:
+        raise ValueError("file: the clip holds no samples")
+    if pcm.size > int(max_seconds * sample_rate):
+        raise ValueError(f"file: the clip is longer than {max_seconds:g} s")
+    return pcm.astype(np.int16, copy=False)
+
+
+async def _read_form(request: web.Request, max_bytes: int) -> dict[str, bytes]:
+    if not request.content_type.startswith("multipart/"):
+        raise invalid_request("body: must be multipart/form-data with name, transcript and file", param="body")
+    fields: dict[str, bytes] = {}
+    reader = await request.multipart()
+    while (part := await reader.next()) is not None:
+        name = part.name or ""
+        if name not in ("name", "transcript", "speaker", "file"):
+            raise invalid_request(f"{name or 'part'}: unknown form field (name, transcript, speaker, file)", param=name)
+        limit = max_bytes if name == "file" else _TEXT_FIELD_BYTES
+        buf = bytearray()
+        while chunk := await part.read_chunk(64 * 1024):
+            buf += chunk
+            if len(buf) > limit:
+                raise APIError(413, f"{name}: larger than {limit} bytes", param=name, code="too_large")
+        fields[name] = bytes(buf)
+    return fields
+
+
+def _text(fields: dict[str, bytes], name: str, required: bool = True) -> str | None:
+    raw = fields.get(name)
+    if raw is None:
+        if required:
+            raise invalid_request(f"{name}: missing form field", param=name)
+        return None
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise invalid_request(f"{name}: not UTF-8 text", param=name) from None
+    if required and not text:
+        raise invalid_request(f"{name}: must not be empty", param=name)
+    return text
+
+
+async def create_voice(request: web.Request) -> web.Response:
+    ctx = get_ctx(request)
+    profile, s = ctx.profile, ctx.settings
+    if not profile.takes_reference_voices:
+        raise invalid_request("voice uploads: this model takes no reference audio (its voices are built in)",
+                              param="file", code="unsupported")
+    try:
+        async with asyncio.timeout(s.http_body_timeout_s):
+            fields = await _read_form(request, s.max_voice_upload_bytes)
+    except TimeoutError:
+        raise request_timeout(s.http_body_timeout_s) from None
+    name, transcript = _text(fields, "name"), _text(fields, "transcript")
+    speaker = _text(fields, "speaker", required=False) or profile.default_voice
+    if speaker not in profile.spec.voices:
+        raise invalid_request(f"speaker: {speaker!r} is not one of the model's speakers {list(profile.spec.voices)}",
+                              param="speaker")
+    if "file" not in fields:
+        raise invalid_request("file: missing form field (the reference clip)", param="file")
+    store = profile.store
+    try:
+        store.check_new(name, profile.spec.voices)
+    except VoiceStoreError as e:
+        raise APIError(e.status, str(e), param=e.field, code="invalid_value" if e.status == 400 else "conflict") from None
+    try:
+        pcm = await asyncio.to_thread(decode_clip, fields["file"], profile.sample_rate, s.max_voice_seconds)
+    except ValueError as e:
+        raise invalid_request(str(e), param="file") from None
+    try:
+        codes = await ctx.engine.encode_audio(pcm.tobytes())
+    except InvalidRequest as e:
+        raise invalid_request(str(e), param="file") from None
+    voice = ReferenceVoice(name, speaker, transcript, codes, pcm.size / profile.sample_rate)
+    # the voice's prompt (clip + a one-word text) must leave room to speak under the length limit
+    room = ctx.engine.info.max_model_len - len(profile.build_prompt_for(ctx.tokenizer, voice, "x").ids)
+    if room < 64:
+        raise invalid_request(f"file: the clip and transcript take too much of the model's {ctx.engine.info.max_model_len} "
+                              "positions (shorten them)", param="file")
+    try:
+        store.add(voice, profile.spec.voices)
+    except VoiceStoreError as e:  # a concurrent upload took the name or the last place
+        raise APIError(e.status, str(e), param=e.field, code="conflict") from None
+    return web.json_response(voice.info(), status=201)
+
+
+async def delete_voice(request: web.Request) -> web.Response:
+    ctx = get_ctx(request)
+    name = request.match_info["voice_id"]
+    store = ctx.profile.store
+    if store is None or not store.delete(name):
+        raise not_found(f"voice_id: no uploaded voice {name!r}" + (" (built-in voices cannot be deleted)"
+                                                                   if name in ctx.profile.voices else ""), "voice_id")
+    return web.Response(status=204)
