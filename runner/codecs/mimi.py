@@ -163,12 +163,42 @@ class MimiStreamingDecoder:
             self._kv_pools.append((self._add_pool((self._window, tf.num_key_value_heads, tf.head_dim)),
                                    self._add_pool((self._window, tf.num_key_value_heads, tf.head_dim))))
         self._seanet = [self._layer(m) for m in seanet]
+        self._init_quantizer()
         self._capacity = 0
         self._pools: list[torch.Tensor] = []
         self._ring_pos = torch.empty(0, self._window, dtype=torch.int64, device=self.device)  # -1: empty
         self._latent_pos = torch.empty(0, dtype=torch.int64, device=self.device)  # latent steps decoded
         self._free: list[int] = []
+        self.scratch_slot = -1  # reserve_all(): the slot padding rows of a graph decode into
+        self.graphs = None  # runner/codecs/mimi_graphs.py MimiGraphs, attached by the codec stage on CUDA
         self._grow(min(initial_streams, max_streams))
+
+    # -- codes -> latents ------------------------------------------------------------------
+
+    def _init_quantizer(self) -> None:
+        """The codebooks as one table [K * C, D] (transformers' codebooks recompute
+        embed_sum / usage at every decode, and decode codebook by codebook: ~5 launches per
+        codebook per call), the semantic and acoustic groups' output projections beside it."""
+        q = self.model.quantizer
+        k, n_sem = self.num_codebooks, q.num_semantic_quantizers
+        layers = [*q.semantic_residual_vector_quantizer.layers, *q.acoustic_residual_vector_quantizer.layers][:k]
+        with torch.no_grad():
+            self._codebooks = torch.cat([layer.codebook.embed for layer in layers]).to(self.dtype)  # [K * C, D]
+        self._code_offsets = (torch.arange(k, device=self.device) * self.codebook_size)[None, :, None]  # (1, K, 1)
+        self._n_semantic = n_sem
+        self._semantic_proj = q.semantic_residual_vector_quantizer.output_proj
+        self._acoustic_proj = q.acoustic_residual_vector_quantizer.output_proj
+
+    def _latents(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes (B, K, m) -> the quantizer's output (B, hidden, m), as quantizer.decode."""
+        emb = F.embedding(codes + self._code_offsets, self._codebooks)  # (B, K, m, D)
+        n = self._n_semantic
+        x = emb[:, :n].sum(dim=1).transpose(1, 2)  # (B, D, m)
+        x = self._semantic_proj(x) if self._semantic_proj is not None else x
+        if codes.shape[1] > n:
+            a = emb[:, n:].sum(dim=1).transpose(1, 2)
+            x = x + (self._acoustic_proj(a) if self._acoustic_proj is not None else a)
+        return x
 
     # -- state layout --------------------------------------------------------------------
 
@@ -220,7 +250,20 @@ class MimiStreamingDecoder:
     @property
     def num_free(self) -> int:
         """Slots a new stream can still take (growing the pools if needed)."""
-        return len(self._free) + self.max_streams - self._capacity
+        return len(self._free) + max(0, self.max_streams - self._capacity)
+
+    def reserve_all(self) -> None:
+        """Every stream's state and one scratch slot allocated now, so the pools never move
+        (CUDA graphs hold their addresses)."""
+        self._grow(self.max_streams + 1)
+        self.scratch_slot = self.max_streams
+        self._free.remove(self.scratch_slot)
+
+    def reset_scratch(self) -> None:
+        for p in self._pools:
+            p[self.scratch_slot].zero_()
+        self._ring_pos[self.scratch_slot] = -1
+        self._latent_pos[self.scratch_slot] = 0
 
     def new_stream(self) -> int:
         """A fresh slot, its state zero (the start of an utterance)."""
@@ -242,10 +285,18 @@ class MimiStreamingDecoder:
 
     @torch.inference_mode()
     def decode(self, slots: list[int], codes: torch.Tensor) -> torch.Tensor:
-        """codes (B, K, m) long of the streams in `slots` -> float PCM (B, m * samples_per_frame)."""
-        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        """codes (B, K, m) long of the streams in `slots` -> float PCM (B, m * samples_per_frame)
+        (a graph replay where one is captured for the shape: valid until the next decode)."""
+        codes = codes.to(self.device)
+        bucket = self.graphs.bucket_for(len(slots), codes.shape[2]) if self.graphs is not None else None
+        if bucket is not None:
+            return self.graphs.run(bucket, slots, codes)
+        return self._decode_into(torch.tensor(slots, dtype=torch.int64, device=self.device), codes)
+
+    def _decode_into(self, idx: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """The decode of streams idx (B,) int64 on the device: the eager path and every graph's body."""
         states = [p.index_select(0, idx) for p in self._pools]  # this batch's state, written back below
-        x = self.model.quantizer.decode(codes.to(self.device)).to(self.dtype)  # (B, hidden, m)
+        x = self._latents(codes)  # (B, hidden, m)
         if self._upsample is not None:
             x = self._run_conv(self._upsample, x, states)
         x = self._run_transformer(idx, x.transpose(1, 2), states).transpose(1, 2)

@@ -21,6 +21,7 @@ import torch
 from runner.codecs.config import CodecError
 from runner.codecs.decoder import float_to_s16
 from runner.codecs.mimi import MimiStreamingDecoder, load_mimi
+from runner.codecs.mimi_graphs import MimiGraphs
 from runner.codecs.stage import StageResult
 
 
@@ -45,6 +46,9 @@ class MimiCodecConfig:
     # Frames pushed and not decoded yet, per request: past this the request fails (a producer
     # that outruns step() must not grow memory without bound).
     max_pending_frames: int = 4096
+    # On CUDA, decode calls replay graphs captured per (rows up to max_batch_rows, chunk length
+    # of the doubling schedule); the decoder's state is then allocated for max_streams up front.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("sample_rate", "max_streams", "max_batch_rows", "first_chunk_frames", "max_chunk_frames",
@@ -75,6 +79,15 @@ class MimiCodecStage:
         self.cfg = cfg
         self.decoder = MimiStreamingDecoder(load_mimi(model if model is not None else cfg.path, device, dtype),
                                             cfg.num_codebooks, max_streams=cfg.max_streams)
+        if device.type == "cuda" and cfg.cuda_graphs:
+            self.decoder.reserve_all()
+            rows = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if b < cfg.max_batch_rows] + [cfg.max_batch_rows]
+            lengths, m = [], cfg.first_chunk_frames
+            while m < cfg.max_chunk_frames:
+                lengths.append(m)
+                m *= 2
+            self.decoder.graphs = MimiGraphs(self.decoder, rows, [*lengths, cfg.max_chunk_frames])
+            self.decoder.graphs.capture()
         if self.decoder.sample_rate != cfg.sample_rate:
             raise CodecError(f"MimiCodecConfig.sample_rate: the codec runs at {self.decoder.sample_rate} Hz, "
                              f"got {cfg.sample_rate}")
