@@ -108,7 +108,7 @@ def load_csm_codec(path: str | Path, device: torch.device, dtype: torch.dtype = 
         return load_mimi(tmp, device, dtype)
 
 
-def _decoder_modules(model: MimiModel) -> tuple[MimiConvTranspose1d | None, MimiTransformerModel, nn.ModuleList]:
+def decoder_modules(model: MimiModel) -> tuple[MimiConvTranspose1d | None, MimiTransformerModel, nn.ModuleList]:
     """(latent upsampling conv or None, decoder transformer, SEANet layers). transformers 5.2x
     groups them in `model.decoder` (a MimiDecoderModel); earlier 5.x keep the first two on the
     model and `model.decoder` is the SEANet itself (MimiDecoder)."""
@@ -147,7 +147,7 @@ class MimiStreamingDecoder:
                              f"codebooks, got {self.num_codebooks}")
         self.codebook_size = int(cfg.codebook_size)
         self.sample_rate = int(cfg.sampling_rate)
-        upsample, transformer, seanet = _decoder_modules(model)
+        upsample, transformer, seanet = decoder_modules(model)
         self.upsample_stride = int(upsample.conv.stride[0]) if upsample is not None else 1
         self.samples_per_frame = self.upsample_stride * math.prod(cfg.upsampling_ratios)
         p = next(model.parameters())

@@ -161,7 +161,9 @@ def make_tiny_mimi(path, *, seed: int = 0, **overrides) -> Path:
     for name, p in model.named_parameters():
         if name.endswith("layer_scale.scale"):
             p.fill_(0.5)
-    last = model.decoder.decoder_seanet.layers[-1].conv
+    from runner.codecs.mimi import decoder_modules
+
+    last = decoder_modules(model)[2][-1].conv
     codes = torch.randint(0, model.config.codebook_size, (1, model.config.num_quantizers, 8), generator=gen)
     std = model.decode(codes).audio_values.std()
     last.weight.mul_(0.3 / std)
