@@ -54,6 +54,7 @@ class Step:
     finished: bool
     finish_reason: str | None
     usage: dict | None
+    frames: np.ndarray | None = None  # multi-codebook models: [len(token_ids), K] int64 codes
 
 
 _OVERFLOW = object()  # queued for a consumer that fell too far behind
@@ -75,6 +76,7 @@ def _step(reply: StepReply | ErrorReply | PongReply, frames: list) -> Step:
         finished=reply.finished,
         finish_reason=reply.finish_reason,
         usage=reply.usage,
+        frames=unpack_tensor(reply.frames, frames),
     )
 
 

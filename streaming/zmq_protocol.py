@@ -74,6 +74,8 @@ class StepReply(msgspec.Struct, omit_defaults=True, tag_field="type", tag="step"
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     usage: dict | None = None  # prompt_tokens, completion_tokens, cached_tokens (+ error)
+    # multi-codebook models (CSM): the codes of the new positions, [len(token_ids), K] int64
+    frames: TensorRef | None = None
 
 
 class ErrorReply(msgspec.Struct, tag_field="type", tag="error"):

@@ -51,6 +51,8 @@ class FrameRunner(ModelRunner):
         self.copier = output_copier_for(self.device, S, k)
         # every slot's latest frame (row S: the scratch row padding rows write)
         self.last_frame = torch.zeros(S + 1, k, dtype=torch.int64, device=self.device)
+        # whether each slot's request feeds the codec (its codes are kept below code_limit); row S: padding
+        self.slot_audio = torch.zeros(S + 1, dtype=torch.bool, device=self.device)
         model.allocate_depth_kv(S)
         self._frames_in: torch.Tensor | None = None  # the frame step's output when a graph ran it
         self.frame_graphs = None
@@ -114,11 +116,16 @@ class FrameRunner(ModelRunner):
     def _admit(self, admitted: list[Request]) -> None:
         """Sampling parameters and seeds of the requests starting in their slot (codes have no
         penalties, so no token history is kept)."""
+        fresh = []
         for req in admitted:
             if self.slot_owner[req.slot] is not req:
                 self.slot_owner[req.slot] = req
                 p = req.sampling
                 self.sampling_table.set(req.slot, p, p.seed if p.seed is not None else self._seed_rng.getrandbits(63))
+                fresh.append(req)
+        if fresh and self.code_limit is not None:
+            rows = self._to_dev(np.asarray([[r.slot for r in fresh], [r.audio for r in fresh]], dtype=np.int64))
+            self.slot_audio[rows[0]] = rows[1].bool()
 
     # ---- phase 2 ---------------------------------------------------------------------------
 
@@ -157,7 +164,10 @@ class FrameRunner(ModelRunner):
 
     def codebook_sampler(self, batch: SamplingBatch) -> CodebookSampler:
         race = RaceCodebooks(self.sampler, batch, self.num_codebooks)
-        return race if self.code_limit is None else CodecRange(race, self.code_limit)
+        if self.code_limit is None:
+            return race
+        rows = self.slot_audio[torch.where(batch.slots >= 0, batch.slots, self.slot_audio.shape[0] - 1)]
+        return CodecRange(race, self.code_limit, rows, self.model.cfg.codebook_size)
 
     def frame_ids(self, frames: torch.Tensor) -> torch.Tensor:
         """[B, K] -> [B] the position id the scheduler sees: the end id for the ending frame."""

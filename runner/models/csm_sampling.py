@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from runner.layers.sampler import Sampler
@@ -51,12 +52,15 @@ class RaceCodebooks:
 
 
 class CodecRange:
-    """Draws only codes the codec can decode: columns >= `limit` (CSM's 2051 ids against Mimi's
-    2048 codes: padding and spare ids) get -inf before `inner` samples."""
+    """Draws only codes the codec can decode for the rows that feed it: columns >= `limit`
+    (CSM's 2051 ids against Mimi's 2048 codes: padding and spare ids) get -inf on rows where
+    `rows` [B] bool is set (audio requests); other rows keep the model's distribution."""
 
-    def __init__(self, inner: CodebookSampler, limit: int):
-        self.inner, self.limit = inner, limit
+    def __init__(self, inner: CodebookSampler, limit: int, rows: Tensor, vocab: int):
+        self.inner = inner
+        over = torch.arange(vocab, device=rows.device) >= limit
+        self.mask = rows[:, None] & over[None, :]  # [B, V], built once per frame step
 
     def __call__(self, logits: Tensor, codebook: int) -> Tensor:
-        logits[:, self.limit :] = float("-inf")
+        logits.masked_fill_(self.mask, float("-inf"))
         return self.inner(logits, codebook)

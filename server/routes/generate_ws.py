@@ -4,7 +4,7 @@ client: {"type": "generate" (optional), "prompt_token_ids": [...] | "prompt": "t
          "sampling": {SamplingParams fields}, "hidden_state_layers": [...]}
         {"type": "cancel"}   (aborts the running request; it ends with finish_reason "abort")
         {"type": "ping"}     (a keepalive, answered {"type": "pong"})
-server: per step {"type": "step", "token_ids": [...], "hidden": {"dtype", "shape",
+server: per step {"type": "step", "token_ids": [...], ["frames": [[K codes] per token],] "hidden": {"dtype", "shape",
         "positions"} | null}, followed by one binary frame of raw little-endian rows
         [n, layers, hidden] when "hidden" is not null ("bfloat16" = raw bf16 bit patterns);
         then {"type": "done", "finish_reason", "usage": {...}}.
@@ -201,7 +201,10 @@ class GenerateSession:
         hidden = None
         if out.hidden is not None:
             hidden = {**array_header(out.hidden, model_dtype), "positions": list(out.hidden_positions)}
-        await send_json(self.ws, {"type": "step", "token_ids": list(out.new_token_ids), "hidden": hidden})
+        step = {"type": "step", "token_ids": list(out.new_token_ids), "hidden": hidden}
+        if out.frames is not None:  # multi-codebook models: the positions' codes, [n, K]
+            step["frames"] = out.frames.tolist()
+        await send_json(self.ws, step)
         if out.hidden is not None:
             await self.ws.send_bytes(array_bytes(out.hidden))
 

@@ -256,7 +256,7 @@ class ZmqGateway:
         header = StepReply(
             rid, out.new_token_ids, pack_tensor(out.hidden, frames),
             list(out.hidden_positions) if out.hidden is not None else [],
-            pack_tensor(out.audio, frames), out.finished, out.finish_reason, usage,
+            pack_tensor(out.audio, frames), out.finished, out.finish_reason, usage, pack_tensor(out.frames, frames),
         )
         if out.error and out.finished:
             header.finish_reason = out.finish_reason or "error"

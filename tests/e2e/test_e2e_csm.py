@@ -1,16 +1,21 @@
 """A multi-codebook talker (a tiny random CSM with its Mimi codec) served by the real server:
 the OpenAI client and a WebSocket session get Mimi PCM (whole 80 ms frames, 1920 samples each),
-seeded requests repeat exactly, and the same request decoded offline from its frames gives the
-streamed PCM."""
+seeded requests repeat exactly; the ZeroMQ client and the generate WebSocket stream each step's
+frames, greedy frames equal to transformers' generate on the same folder."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+import numpy as np
 import openai
 import pytest
 import websockets
+
+from streaming.zmq_client import ZmqClient
+from tests.models.test_csm import hf_generate
+from tests.support.tiny_models import load_hf_csm
 
 from tests.e2e.helpers import WAIT_S
 from tests.support.server_proc import ServerProc, start_server
@@ -23,9 +28,13 @@ MAX_FRAMES = 40
 
 
 @pytest.fixture(scope="module")
-def csm_server(tmp_path_factory) -> ServerProc:
-    root = tmp_path_factory.mktemp("csm-server")
-    srv = start_server(root / "srv", "--model", str(make_served_csm(root / "csm", seed=1, max_frames=MAX_FRAMES)))
+def csm_folder(tmp_path_factory):
+    return make_served_csm(tmp_path_factory.mktemp("csm") / "csm", seed=1, max_frames=MAX_FRAMES)
+
+
+@pytest.fixture(scope="module")
+def csm_server(tmp_path_factory, csm_folder) -> ServerProc:
+    srv = start_server(tmp_path_factory.mktemp("csm-server") / "srv", "--model", str(csm_folder))
     try:
         yield srv
     finally:
@@ -70,3 +79,26 @@ async def test_ws_session_streams_csm_audio(csm_server: ServerProc):
                 break
     assert len(done) == 2  # one utterance per sentence
     assert audio and len(audio) % MIMI_FRAME_BYTES == 0
+
+
+PROMPT = [500, 91, 48, 93, 72, 101, 108, 108, 111, 46, 506]  # BOS "[0]Hello." end-of-text (ids < 512)
+
+
+async def test_zmq_and_generate_ws_stream_frames_equal_transformers(csm_server: ServerProc, csm_folder):
+    ref = hf_generate(load_hf_csm(csm_folder), PROMPT, 10).numpy()
+    with ZmqClient(csm_server.zmq_endpoint, timeout_s=WAIT_S) as c:
+        steps = list(c.generate(prompt_token_ids=PROMPT, sampling={"temperature": 0.0, "max_tokens": 10}))
+    assert all(s.frames is not None and s.frames.shape == (len(s.token_ids), 4) for s in steps if s.token_ids)
+    np.testing.assert_array_equal(np.concatenate([s.frames for s in steps if s.token_ids]), ref)
+    url = csm_server.base_url.replace("http", "ws") + "/v1/generate/stream"
+    async with websockets.connect(url) as ws:
+        await ws.send(json.dumps({"type": "generate", "prompt_token_ids": PROMPT,
+                                  "sampling": {"temperature": 0.0, "max_tokens": 10}}))
+        frames = []
+        while True:
+            event = json.loads(await asyncio.wait_for(ws.recv(), WAIT_S))
+            assert event["type"] in ("step", "done"), event
+            if event["type"] == "done":
+                break
+            frames += event["frames"]
+    np.testing.assert_array_equal(np.array(frames), ref)
