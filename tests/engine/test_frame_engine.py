@@ -17,19 +17,11 @@ from streaming.sampling_params import InvalidRequest, SamplingParams
 from runner.models.csm_config import CsmModelConfig
 from runner.models.csm_loader import load_csm
 from runner.models.csm_sampling import GreedyCodebooks
-from tests.models.test_csm import PROMPTS, drive, hf_generate
+from tests.models.test_csm import PROMPTS, drive, hf_generate, one_thread  # noqa: F401 (autouse fixture)
 from tests.support.tiny_models import CSM_AUDIO_EOS_TOKEN_ID, CSM_AUDIO_TOKEN_ID, load_hf_csm, make_tiny_csm
 
 MAX_FRAMES = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_FRAMES)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
