@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 import torch
+from vllm.distributed.parallel_state import get_pp_group
 from vllm.model_executor.models.interfaces import supports_eagle3
 from vllm.platforms import current_platform
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -35,6 +36,7 @@ from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import reserve_aux_intermediate_tensor_slots
 
 from runner.families import family_for
 from streaming.profile import ModelProfile
@@ -105,7 +107,10 @@ class OmniModelRunner(_PlatformRunner):
         # output, which the runner has anyway
         self._omni_aux = tuple(sorted(l for l in kept if l < num_layers))
         self._omni_aux_index = {l: i for i, l in enumerate(self._omni_aux)}
-        if self._omni_aux:
+        # Earlier pipeline stages hand their auxiliary rows on inside the intermediate tensors
+        # (the model's layer setting does that); only the last stage's forward returns
+        # (hidden, aux), and the runner unpacks it when this flag is on.
+        if self._omni_aux and get_pp_group().is_last_rank:
             self.use_aux_hidden_state_outputs = True
 
     def _setup_eagle3_aux_hidden_state_outputs(self) -> None:
@@ -115,6 +120,15 @@ class OmniModelRunner(_PlatformRunner):
             raise RuntimeError(f"{type(self.get_model()).__name__} cannot return inner layers' hidden states in vLLM "
                                f"(no EAGLE-3 interface): start with --vllm-hidden-state-layers none (or {self._omni_num_layers})")
         self.model.set_aux_hidden_state_layers(self._omni_aux)
+        pp = get_pp_group()
+        if pp.world_size > 2:
+            # a middle stage would have to relay the rows of the stages before it, which
+            # vLLM's V1 runner does not do
+            raise RuntimeError("hidden states of inner layers need --pipeline-parallel-size <= 2 on vLLM's V1 runner: "
+                               f"start with --vllm-hidden-state-layers none (or {self._omni_num_layers})")
+        # the last stage receives the first stage's rows inside the intermediate tensors: give
+        # its receive buffers their slots (vLLM's own helper, written for its V2 runner)
+        reserve_aux_intermediate_tensor_slots(self.model)
 
     def sample_tokens(self, grammar_output):
         state = self.execute_model_state

@@ -1,6 +1,8 @@
-"""The vLLM backend with tensor parallel 2 (two CPU ranks) and vLLM's compiled graph (no
---enforce-eager): greedy tokens equal transformers, hidden rows of inner layers (EAGLE-3
-auxiliary outputs of the compiled graph) within fp32 tolerance, each position once."""
+"""The vLLM backend over two CPU ranks, tensor parallel 2 and pipeline parallel 2, with vLLM's
+compiled graph (no --enforce-eager): greedy tokens equal transformers, hidden rows of inner
+layers (EAGLE-3 auxiliary outputs of the compiled graph; across the pipeline, handed from the
+first stage to the last inside the intermediate tensors) within fp32 tolerance, each position
+once."""
 
 from __future__ import annotations
 
@@ -19,18 +21,19 @@ from tests.vllm.test_vllm_engine import collect, hf_greedy, prompt_of, rows_of  
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 # two ranks on two cores: one core each, none held back for the front end
-TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+TWO_RANKS_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(vllm_llama):
+@pytest_asyncio.fixture(scope="module", loop_scope="module",
+                        params=["tensor_parallel_size", "pipeline_parallel_size"])
+async def client(request, vllm_llama):
     args = engine_args(vllm_llama, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, kv_memory_gb=0.02,
-                       tensor_parallel_size=2, log_level="WARNING")
-    async with vllm_engine_client(args, env=TP2_ENV) as c:
+                       log_level="WARNING", **{request.param: 2})
+    async with vllm_engine_client(args, env=TWO_RANKS_ENV) as c:
         yield c
 
 
-async def test_tensor_parallel_compiled_tokens_and_hidden_rows(client, vllm_llama):
+async def test_two_ranks_compiled_tokens_and_hidden_rows(client, vllm_llama):
     hf = load_hf(vllm_llama)
     prompt = prompt_of(40, 2)
     toks, outs = await collect(client, "tp", prompt, layers=(0, 1, 2))
