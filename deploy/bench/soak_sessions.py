@@ -217,7 +217,8 @@ class SoakClients:
 
     async def kind_eleven(self, o: Outcome) -> None:
         audio = 0
-        async with self.http.ws_connect(self.server.ws_url + "/v1/text-to-speech/tara/stream-input", max_msg_size=0) as ws:
+        async with self.http.ws_connect(self.server.ws_url + "/v1/text-to-speech/tara/stream-input?output_format=pcm_24000",
+                                         max_msg_size=0) as ws:
             await ws.send_json({"text": " "})
             await ws.send_json({"text": "Hello from the soak. "})
             await ws.send_json({"text": ""})
