@@ -225,10 +225,14 @@ class SpeechRequest(SpeechOptions):
 
 
 class SessionConfig(SpeechOptions, tag_field="type", tag="session.config"):
-    """WS /v1/audio/speech/stream `session.config`."""
+    """WS /v1/audio/speech/stream `session.config`. `task_type`, `language` and `stream_audio`
+    are vllm-omni's names, judged so a vllm-omni client learns which of its values apply."""
 
     response_format: str | None = None  # only "pcm"
     sample_rate: int | None = None  # only the model's
+    task_type: str | None = None  # vllm-omni: CustomVoice (named voices) | VoiceDesign | Base
+    language: str | None = None  # vllm-omni: "Auto" or a language name
+    stream_audio: bool | None = None  # vllm-omni: true = PCM frames while they are produced
 
 
 class InputText(msgspec.Struct, tag_field="type", tag="input.text", forbid_unknown_fields=True):
@@ -243,11 +247,16 @@ class SessionClose(msgspec.Struct, tag_field="type", tag="session.close", forbid
     pass
 
 
+class InputDone(msgspec.Struct, tag_field="type", tag="input.done", forbid_unknown_fields=True):
+    """vllm-omni's end of input: speak what is buffered, then `session.done` (as session.close)."""
+
+
 SPEECH_STREAM_MESSAGES: Mapping[str, type[msgspec.Struct]] = {
     "session.config": SessionConfig,
     "input.text": InputText,
     "input.flush": InputFlush,
     "session.close": SessionClose,
+    "input.done": InputDone,
 }
 
 

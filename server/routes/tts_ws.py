@@ -3,15 +3,27 @@
 
 /v1/audio/speech/stream (this project's protocol)
     client: {"type": "session.config", "voice", "response_format": "pcm", "sample_rate",
-             <sampling fields as on /v1/audio/speech>}
+             <sampling fields as on /v1/audio/speech>, "task_type", "language", "stream_audio"}
             {"type": "input.text", "text": "..."}   {"type": "input.flush"}
-            {"type": "session.close"}   {"type": "ping"} (a keepalive, answered {"type": "pong"})
+            {"type": "session.close"} or {"type": "input.done"}
+            {"type": "ping"} (a keepalive, answered {"type": "pong"})
     server: {"type": "session.created", "session": {...}}
-            {"type": "audio.start", "utterance": k, "format": "pcm_s16le", "sample_rate", "text"}
+            {"type": "audio.start", "utterance": k, "sentence_index": k, "sentence_text",
+             "format": "pcm_s16le", "sample_rate", "text"}
             binary frames of s16le PCM
-            {"type": "audio.done", "utterance": k, "finish_reason", "usage": {...}}
-            {"type": "session.done"} then close 1000
+            {"type": "audio.done", "utterance": k, "sentence_index": k, "finish_reason", "usage": {...}}
+            {"type": "session.done", "total_sentences": n} then close 1000
             {"type": "error", "code", "message", "param"[, "utterance"]}
+
+vllm-omni's names are accepted too, so a client written for vllm-omni's /v1/audio/speech/stream
+switches by changing its URL: `input.done` ends the input as `session.close` does (vllm-omni
+speaks the buffered text, sends `session.done` and ends the session); `sentence_index` /
+`sentence_text` repeat `utterance` / `text` (one index per segment, counted across flushes over
+the whole session, as vllm-omni counts sentences); `total_sentences` is how many segments were
+spoken or failed. In `session.config`, `task_type` "CustomVoice" (named voices) and
+`stream_audio` true are what this server does; `language` "Auto" lets the model read the text as
+it is; any other value is an `unsupported_value` error naming the field (`instructions` likewise,
+as on POST /v1/audio/speech).
 
 Text is cut into segments (server.tts.text_segmenter); each segment is one engine request,
 spoken in order by a `server.tts.speaker.Speaker` (bounded prefetch).
@@ -70,8 +82,10 @@ from streaming.ipc import RequestOutput
 from streaming.schema import (
     SPEECH_STREAM_MESSAGES,
     UNSUPPORTED,
+    InputDone,
     InputFlush,
     InputText,
+    INVALID_VALUE,
     SchemaError,
     SessionConfig,
     check_speech_options,
@@ -85,6 +99,10 @@ log = logging.getLogger(__name__)
 
 SPEECH_WS_ENDPOINT = "/v1/audio/speech/stream"
 PCM_FORMAT = "pcm_s16le"
+# vllm-omni's session.config values: what this server does, and the ones it knows but cannot do.
+TASK_TYPES = ("CustomVoice",)  # a named voice; VoiceDesign (described voice) and Base (clone) are not served
+VLLM_OMNI_TASK_TYPES = ("CustomVoice", "VoiceDesign", "Base")
+AUTO_LANGUAGE = "auto"  # the model reads the text as it is; it takes no language hint
 
 
 class TextSession(Sink):
@@ -185,6 +203,7 @@ class TextSession(Sink):
 
 class SpeechStreamSession(TextSession):
     endpoint = SPEECH_WS_ENDPOINT
+    sentences = 0  # segments spoken or failed: vllm-omni's total_sentences
 
     def _session_info(self) -> dict:
         return {"voice": self.voicing.voice, "format": PCM_FORMAT, "sample_rate": self.ctx.profile.sample_rate}
@@ -215,7 +234,7 @@ class SpeechStreamSession(TextSession):
         elif isinstance(msg, SessionConfig):
             self.voicing = self._configure(msg)
             await self.send_json({"type": "session.updated", "session": self._session_info()})
-        elif not self.speaker.input_ended:  # session.close
+        elif not self.speaker.input_ended:  # session.close or vllm-omni's input.done
             await self.speak(self.segmenter.flush())
             self.speaker.end_input()
 
@@ -225,6 +244,7 @@ class SpeechStreamSession(TextSession):
         name = voice_name(msg.voice)
         voice = ctx.profile.resolve_voice(name) if name is not None else self.voicing.voice
         check_speech_options(msg)
+        check_vllm_omni_options(msg)
         if msg.response_format not in (None, "pcm"):
             raise SchemaError(
                 "response_format",
@@ -243,6 +263,8 @@ class SpeechStreamSession(TextSession):
             {
                 "type": "audio.start",
                 "utterance": utt.index,
+                "sentence_index": utt.index,
+                "sentence_text": utt.text,
                 "format": PCM_FORMAT,
                 "sample_rate": self.ctx.profile.sample_rate,
                 "text": utt.text,
@@ -253,12 +275,47 @@ class SpeechStreamSession(TextSession):
         await self.ws.send_bytes(pcm16_bytes(samples))
 
     async def utterance_done(self, utt: Utterance, last: RequestOutput) -> None:
+        self.sentences += 1
         await self.send_json(
-            {"type": "audio.done", "utterance": utt.index, "finish_reason": last.finish_reason, "usage": usage_of(utt, last)}
+            {
+                "type": "audio.done",
+                "utterance": utt.index,
+                "sentence_index": utt.index,
+                "finish_reason": last.finish_reason,
+                "usage": usage_of(utt, last),
+            }
         )
 
+    async def utterance_failed(self, utt: Utterance, code: str, message: str, param: str | None) -> None:
+        self.sentences += 1
+        await super().utterance_failed(utt, code, message, param)
+
     async def speech_finished(self) -> None:
-        self.close_from_writer(WSCloseCode.OK, last_event={"type": "session.done"})
+        self.close_from_writer(WSCloseCode.OK, last_event={"type": "session.done", "total_sentences": self.sentences})
+
+
+def check_vllm_omni_options(msg: SessionConfig) -> None:
+    """vllm-omni's session.config fields: a value this server cannot honour names its field."""
+    if msg.task_type is not None and msg.task_type not in TASK_TYPES:
+        if msg.task_type in VLLM_OMNI_TASK_TYPES:
+            raise SchemaError(
+                "task_type",
+                f"{msg.task_type!r} is not served: this server speaks named voices only (task_type 'CustomVoice')",
+                UNSUPPORTED,
+            )
+        raise SchemaError("task_type", f"must be one of {', '.join(VLLM_OMNI_TASK_TYPES)}, got {msg.task_type!r}", INVALID_VALUE)
+    if msg.language is not None and msg.language.lower() != AUTO_LANGUAGE:
+        raise SchemaError(
+            "language",
+            f"this model takes no language hint (it reads the text as written); omit it or send 'Auto', got {msg.language!r}",
+            UNSUPPORTED,
+        )
+    if msg.stream_audio is False:
+        raise SchemaError(
+            "stream_audio",
+            "audio is always streamed as PCM frames while it is produced; omit stream_audio or send true",
+            UNSUPPORTED,
+        )
 
 
 # ---- handlers -----------------------------------------------------------------------------------

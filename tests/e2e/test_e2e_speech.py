@@ -145,8 +145,9 @@ async def test_ws_session_audio_starts_before_text_is_complete(server: ServerPro
         await ws.send(json.dumps({"type": "input.text", "text": "Hello there, how are"}))
         await ws.send(json.dumps({"type": "input.text", "text": " you today? "}))
         start = await recv_event(ws)
-        assert start == {"type": "audio.start", "utterance": 0, "format": "pcm_s16le", "sample_rate": SAMPLE_RATE,
-                         "text": "Hello there, how are you today?"}
+        assert start == {"type": "audio.start", "utterance": 0, "sentence_index": 0,
+                         "sentence_text": "Hello there, how are you today?", "format": "pcm_s16le",
+                         "sample_rate": SAMPLE_RATE, "text": "Hello there, how are you today?"}
         first = await asyncio.wait_for(ws.recv(), WAIT_S)
         # Audio of the first sentence is here; the rest of the text has not been sent yet.
         assert isinstance(first, bytes) and len(first) > 0 and len(first) % FRAME_BYTES == 0
@@ -155,7 +156,7 @@ async def test_ws_session_audio_starts_before_text_is_complete(server: ServerPro
         await ws.send(json.dumps({"type": "input.flush"}))
         events, audio, done = await read_utterances_continuing(ws, first)
         await ws.send(json.dumps({"type": "session.close"}))
-        assert (await recv_event(ws)) == {"type": "session.done"}
+        assert (await recv_event(ws)) == {"type": "session.done", "total_sentences": 2}
         with pytest.raises(ConnectionClosed):
             await asyncio.wait_for(ws.recv(), WAIT_S)
         assert ws.close_code == 1000
@@ -240,7 +241,7 @@ async def test_ws_bad_messages_are_error_events_and_other_sessions_carry_on(serv
         await healthy.send(json.dumps({"type": "input.text", "text": "And this is the second one."}))
         await healthy.send(json.dumps({"type": "session.close"}))
         events, audio, done = await read_utterances(healthy, 2)
-        assert (await recv_event(healthy)) == {"type": "session.done"}
+        assert (await recv_event(healthy)) == {"type": "session.done", "total_sentences": 2}
         assert [e["text"] for e in events if e["type"] == "audio.start"] == [
             "Hello there, how are you today?", "And this is the second one."]
         for d in done:

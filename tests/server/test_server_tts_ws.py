@@ -49,7 +49,8 @@ async def test_tts_session_streams_audio_before_the_text_is_complete():
 
             await ws.send(json.dumps({"type": "input.text", "text": "Hello there. This is"}))
             start = await recv_json(ws)
-            assert start == {"type": "audio.start", "utterance": 0, "format": "pcm_s16le", "sample_rate": 24000, "text": "Hello there."}
+            assert start == {"type": "audio.start", "utterance": 0, "sentence_index": 0, "sentence_text": "Hello there.",
+                             "format": "pcm_s16le", "sample_rate": 24000, "text": "Hello there."}
             first_audio = await asyncio.wait_for(ws.recv(), 2.0)
             assert isinstance(first_audio, bytes) and len(first_audio) == SPS * 2  # before the last text chunk
 
@@ -440,7 +441,7 @@ async def test_a_session_the_server_ends_closes_cleanly_while_the_client_still_s
     if protocol == "speech":
         path = "/v1/audio/speech/stream"
         messages = [{"type": "session.close"}, {"type": "session.close"}, {"type": "session.config"}, {"type": "ping"}]
-        final = {"type": "session.done"}
+        final = {"type": "session.done", "total_sentences": 0}
     else:
         path = "/v1/text-to-speech/tara/stream-input"
         messages = [{"text": ""}, {"text": "more"}, {"text": " "}, {"text": "and more"}]

@@ -129,7 +129,7 @@ async def test_websocket_speech_session(server: ServerProc):
         assert done["type"] == "audio.done" and done["finish_reason"] in ("stop", "length"), done
         assert len(audio) == frames_of(done["usage"]["output_tokens"], done["finish_reason"]) * FRAME_BYTES > 0
         await ws.send(json.dumps({"type": "session.close"}))
-        assert (await recv_event(ws)) == {"type": "session.done"}
+        assert (await recv_event(ws)) == {"type": "session.done", "total_sentences": 1}
 
 
 async def test_client_disconnect_aborts_the_vllm_request(server: ServerProc):
