@@ -25,6 +25,7 @@ Server messages:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -208,9 +209,11 @@ class CartesiaSocket:
         except ConnectionError:  # reset, or aiohttp's "Connection lost"
             pass
         finally:
-            for c in list(self.contexts.values()):
-                await c.cancel()
+            # Every context is stopped before the first await: this finally may itself be
+            # cancelled (a server with handler_cancellation), which would skip the rest.
+            stopped = [task for c in self.contexts.values() for task in c.speaker.stop()]
             self.ctx.metrics.active_streams.labels(ENDPOINT).dec()
+            await asyncio.gather(*stopped, return_exceptions=True)
 
     async def _on_text(self, data: str) -> None:
         context_id = None

@@ -271,8 +271,11 @@ class ElevenLabsSocket:
         finally:
             if sweeper is not None:
                 sweeper.cancel()
-            await asyncio.gather(*(c.cancel() for c in self.contexts.values()), return_exceptions=True)
+            # Every context is stopped before the first await: this finally may itself be
+            # cancelled (a server with handler_cancellation), which would skip the rest.
+            stopped = [task for c in self.contexts.values() for task in c.speaker.stop()]
             self.ctx.metrics.active_streams.labels(self.endpoint).dec()
+            await asyncio.gather(*stopped, return_exceptions=True)
 
     async def _on_text(self, data: str) -> None:
         context_id: str | None = None

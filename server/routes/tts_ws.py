@@ -50,6 +50,7 @@ ws_inactivity_timeout_s; a ping keeps it open) is closed: an
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import replace
 
@@ -136,8 +137,9 @@ class TextSession(Sink):
         except ConnectionError:  # reset, or aiohttp's "Connection lost"
             pass
         finally:
-            await self.speaker.cancel()
+            stopped = self.speaker.stop()  # before any await: this finally may itself be cancelled
             self.ctx.metrics.active_streams.labels(self.endpoint).dec()
+            await asyncio.gather(*stopped, return_exceptions=True)
 
     async def _on_text(self, data: str) -> None:
         try:

@@ -187,15 +187,20 @@ class Speaker:
     def input_ended(self) -> bool:
         return self._ended
 
-    async def cancel(self) -> None:
-        """Stop everything; in-flight engine requests are aborted before this returns."""
+    def stop(self) -> list[asyncio.Task]:
+        """Cancel every task now, without awaiting (safe in a `finally` that is itself being
+        cancelled: each task aborts its engine request as it unwinds); returns the tasks."""
         tasks = [t for t in (self._launcher, self._writer) if t is not None]
         tasks += [u.task for u in self._live if u.task is not None]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         self._pending = 0
         self._work.end_work()
+        return tasks
+
+    async def cancel(self) -> None:
+        """Stop everything; in-flight engine requests are aborted before this returns."""
+        await asyncio.gather(*self.stop(), return_exceptions=True)
 
     # ---- tasks ----
 
