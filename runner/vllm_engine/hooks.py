@@ -100,7 +100,7 @@ class OmniModelRunner(_PlatformRunner):
 
     def __init__(self, vllm_config, device: torch.device):
         super().__init__(vllm_config, device)
-        num_layers = self.model_config.hf_config.num_hidden_layers
+        num_layers = self.model_config.hf_text_config.num_hidden_layers  # a multimodal model: its decoder
         kept = tuple((vllm_config.additional_config or {}).get(CONFIG_KEY, {}).get("hidden_layers", ()))
         self._omni_num_layers = num_layers
         # inner layers come out of the graph as auxiliary outputs; num_layers is the final norm's
