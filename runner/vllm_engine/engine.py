@@ -205,6 +205,13 @@ class VllmEngine:
         log.error("request task %s crashed", task.get_name(), exc_info=e)
         self.fatal.set_result(f"{type(e).__name__}: {e}")
 
+    def encode_audio(self, pcm: np.ndarray) -> np.ndarray:
+        """A reference clip -> its codes, by the family's codec stage (as on the native engine);
+        InvalidRequest when the model takes no reference audio."""
+        if self.codec is None:
+            raise InvalidRequest("audio", "this engine has no codec stage loaded")
+        return self.family.encode_reference(self.codec, pcm)
+
     def _vllm_sampling(self, sp: SamplingParams, req: _Req):
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind

@@ -18,6 +18,7 @@ import sys
 import traceback
 
 import msgspec
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -67,6 +68,12 @@ class VllmEngineLoop:
             except InvalidRequest as e:
                 await self._emit(ipc.RequestOutput(msg.request_id, finished=True, finish_reason="error", error=str(e),
                                                    error_field=e.field))
+        elif isinstance(msg, ipc.EncodeAudio):
+            try:
+                reply = ipc.EncodedAudio(msg.request_id, codes=eng.encode_audio(np.frombuffer(msg.pcm, "<i2")).tolist())
+            except InvalidRequest as e:
+                reply = ipc.EncodedAudio(msg.request_id, error=str(e))
+            await self.outbound.put(ipc.encode_outbound(reply))
         elif isinstance(msg, ipc.AbortRequests):
             for rid in msg.request_ids:
                 await eng.abort(rid)

@@ -150,3 +150,10 @@ async def test_bad_input_names_the_field(client, kwargs, field):
         async for _ in client.generate(req):
             pass
     assert e.value.field == field
+
+
+async def test_voice_upload_answers_as_the_native_engine(client):
+    """EncodeAudio gets its EncodedAudio answer (here: the model has no codec)."""
+    with pytest.raises(InvalidRequest) as e:
+        await client.encode_audio(b"\x00\x00" * 2048)
+    assert e.value.field == "audio"
