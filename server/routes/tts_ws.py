@@ -82,11 +82,10 @@ from streaming.encoders import pcm16_bytes
 from streaming.ipc import RequestOutput
 from streaming.schema import (
     SPEECH_STREAM_MESSAGES,
+    INVALID_VALUE,
     UNSUPPORTED,
-    InputDone,
     InputFlush,
     InputText,
-    INVALID_VALUE,
     SchemaError,
     SessionConfig,
     check_speech_options,

@@ -41,6 +41,7 @@ from streaming.schema import (
     CompletionRequest,
     ElevenLabsMessage,
     GenerateMessage,
+    InputDone,
     InputFlush,
     InputText,
     SessionClose,
@@ -55,6 +56,10 @@ from streaming.zmq_protocol import (
     decode_reply,
     decode_request,
 )
+from server.tts.cartesia_messages import CancelRequest as CartesiaCancel
+from server.tts.cartesia_messages import GenerationRequest as CartesiaRequest
+from server.tts.cartesia_messages import OutputFormat as CartesiaFormat
+from server.tts.elevenlabs_messages import ElevenLabsInput
 from tests.support.fuzz_schema import (
     hostile_text,
     json_any,
@@ -241,7 +246,7 @@ def ws_frames(messages: st.SearchStrategy[dict]) -> st.SearchStrategy[list]:
 
 speech_messages = st.one_of(
     struct_object(SessionConfig), struct_object(SessionConfig), struct_object(InputText), struct_object(InputFlush),
-    struct_object(SessionClose), json_any.map(lambda v: {"type": v}),
+    struct_object(SessionClose), struct_object(InputDone), json_any.map(lambda v: {"type": v}),
     st.dictionaries(st.text(max_size=6), json_any, max_size=3),
 )
 
@@ -281,8 +286,8 @@ def test_fuzz_ws_speech_stream(srv: ServerProc, frames: list) -> None:
     good_speech_stream(srv)
 
 
-eleven_messages = st.one_of(struct_object(ElevenLabsMessage), struct_object(ElevenLabsMessage),
-                            st.dictionaries(st.text(max_size=6), json_any, max_size=3))
+eleven_messages = st.one_of(struct_object(ElevenLabsMessage), struct_object(ElevenLabsInput),
+                            struct_object(ElevenLabsInput), st.dictionaries(st.text(max_size=6), json_any, max_size=3))
 voice_ids = st.one_of(st.just("tara"), st.just("tara"), st.just("tara"), st.sampled_from(["nobody", "TARA", "%00"]),
                       hostile_text.map(lambda t: urllib.parse.quote(t.encode("utf-8", "surrogatepass")[:40], safe="")))
 output_formats = st.one_of(st.none(), st.none(), st.sampled_from(["pcm_24000", "pcm_16000", "mp3_44100", "", "%ff"]))
@@ -299,8 +304,11 @@ def good_elevenlabs(srv: ServerProc) -> None:
 @given(voice=voice_ids, fmt=output_formats, frames=ws_frames(eleven_messages))
 @example(voice="tara", fmt=None, frames=['{"text": "hi \\ud800 x"}'])
 @example(voice="tara", fmt=None, frames=[DEEP_20K.replace('"type": "input.text", ', "")])
+@example(voice="tara", fmt="pcm_24000", frames=['{"text": " ", "context_id": "a", "voice_settings": {"speed": "x"}}'])
 def test_fuzz_ws_elevenlabs(srv: ServerProc, voice: str, fmt: str | None, frames: list) -> None:
-    path = f"/v1/text-to-speech/{voice}/stream-input" + ("" if fmt is None else f"?output_format={fmt}")
+    # multi-stream-input when the frames carry a context (most valid ones from ElevenLabsInput)
+    kind = "multi-stream-input" if any("context" in f for f in frames if isinstance(f, str)) else "stream-input"
+    path = f"/v1/text-to-speech/{voice}/{kind}" + ("" if fmt is None else f"?output_format={fmt}")
     try:
         ws = ws_connect(srv, path)
     except InvalidStatus as e:  # refused before the upgrade: a plain HTTP error
@@ -319,6 +327,46 @@ def test_fuzz_ws_elevenlabs(srv: ServerProc, voice: str, fmt: str | None, frames
             still_open = False
     finish(ws, still_open, seen)
     good_elevenlabs(srv)
+
+
+cartesia_messages = st.one_of(
+    struct_object(CartesiaRequest), struct_object(CartesiaRequest), struct_object(CartesiaCancel),
+    struct_object(CartesiaRequest, overrides={  # mostly well-formed, so the rest of it is judged
+        "context_id": st.sampled_from(["a", "b", "", "x" * 200]),
+        "transcript": st.one_of(st.sampled_from(["Hi.", ""]), hostile_text),
+        "output_format": st.one_of(st.just({"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}),
+                                   struct_object(CartesiaFormat)),
+    }),
+    st.dictionaries(st.text(max_size=6), json_any, max_size=3),
+)
+GOOD_CARTESIA = {"context_id": "good", "transcript": "Hi.", "voice": {"mode": "id", "id": "tara"},
+                 "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}}
+
+
+def good_cartesia(srv: ServerProc) -> None:
+    with ws_connect(srv, "/tts/websocket") as ws:
+        ws.send(json.dumps(GOOD_CARTESIA))
+        read_until(ws, lambda e: isinstance(e, dict) and e.get("type") == "chunk" and e.get("context_id") == "good")
+
+
+@fuzz_settings(40)
+@given(frames=ws_frames(cartesia_messages))
+@example(frames=['{"context_id": "a", "transcript": "Hi.", "output_format": {"container": "raw", "sample_rate": 1e99}}'])
+@example(frames=['{"context_id": "a", "cancel": "yes"}'])
+def test_fuzz_ws_cartesia(srv: ServerProc, frames: list) -> None:
+    ws = ws_connect(srv, "/tts/websocket")
+    still_open = send_all(ws, frames)
+    seen: list = []
+    if still_open:
+        # An unknown key is answered at once with Cartesia's error naming it.
+        try:
+            ws.send(json.dumps({"context_id": "probe", "probe": 1}))
+            seen = read_until(ws, lambda e: isinstance(e, dict) and e.get("type") == "error"
+                              and e.get("param") == "probe" and e.get("status_code") == 400)
+        except (Closed, ConnectionClosed):
+            still_open = False
+    finish(ws, still_open, seen)
+    good_cartesia(srv)
 
 
 GOOD_GENERATE = {"prompt_token_ids": [1, 2, 3], "sampling": {"max_tokens": 2, "ignore_eos": True}}

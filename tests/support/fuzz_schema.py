@@ -189,3 +189,64 @@ def _for_msgpack(obj: Any) -> Any:
 
 def to_msgpack(obj: Any) -> bytes:
     return msgspec.msgpack.encode(_for_msgpack(obj))
+
+
+# ---- one mistake at a time (every mistake must be named) ------------------------------------------
+
+# Candidate values of every JSON type; a field's mistakes are the ones its type refuses.
+WRONG_TYPED = [7, 2.5, "x", True, [1], {"k": 1}, None, 2**70]
+
+
+def _refuses(t: mi.Type, value: Any) -> bool:
+    """Whether a field of type `t` refuses `value` on type alone (strict, as the server decodes)."""
+    if isinstance(t, mi.UnionType):
+        return all(_refuses(x, value) for x in t.types)
+    if isinstance(t, mi.NoneType):
+        return value is not None
+    if isinstance(t, mi.BoolType):
+        return not isinstance(value, bool)
+    if isinstance(t, mi.IntType):
+        # a huge int is an int to the type (msgspec.convert of parsed JSON does not bound it);
+        # each int field's own range check names it, where the field is used at all
+        return isinstance(value, bool) or not isinstance(value, int)
+    if isinstance(t, mi.FloatType):
+        return isinstance(value, bool) or not isinstance(value, (int, float))
+    if isinstance(t, mi.StrType):
+        return not isinstance(value, str)
+    if isinstance(t, mi.ListType):
+        return not isinstance(value, list) or any(_refuses(t.item_type, v) for v in value)
+    if isinstance(t, (mi.DictType, mi.StructType)):
+        return not isinstance(value, dict)  # a struct's own keys get their mistakes one level down
+    return False  # Any
+
+
+def field_mistakes(cls: type[msgspec.Struct], prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted wire path, value) for every field of `cls` (nested Structs included) and every
+    WRONG_TYPED value its type refuses, plus an unknown key at each level. The server must
+    answer each with an error naming exactly that path."""
+    info = mi.type_info(cls)
+    assert isinstance(info, mi.StructType)
+    out: list[tuple[str, Any]] = [(prefix + "no_such_field", 1)]
+    for f in info.fields:
+        if f.encode_name == info.tag_field:
+            continue
+        path = prefix + f.encode_name
+        out += [(path, v) for v in WRONG_TYPED if _refuses(f.type, v)]
+        members = f.type.types if isinstance(f.type, mi.UnionType) else (f.type,)
+        for m in members:
+            if isinstance(m, mi.StructType):
+                out += field_mistakes(m.cls, path + ".")
+    return out
+
+
+def with_path(base: dict, path: str, value: Any) -> dict:
+    """`base` with `value` at the dotted `path` (intermediate objects created)."""
+    out = json.loads(json.dumps(base))
+    node = out
+    *parents, last = path.split(".")
+    for p in parents:
+        if not isinstance(node.get(p), dict):
+            node[p] = {}
+        node = node[p]
+    node[last] = value
+    return out
