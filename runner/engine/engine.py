@@ -128,7 +128,7 @@ class Engine:
                 sampling = msgspec.structs.replace(sampling, stop_token_ids=[*sampling.stop_token_ids, *missing])
         frames = None
         if self.frames:
-            _refuse_token_only(sampling, layers)
+            _refuse_token_only(sampling)
             rows = self.family.prompt_frames(prompt_token_ids, None if prompt_frames is None else np.asarray(prompt_frames))
             frames = FrameLog(rows)
         else:
@@ -425,11 +425,9 @@ class Engine:
 
 
 
-def _refuse_token_only(sampling: SamplingParams, layers: tuple[int, ...]) -> None:
+def _refuse_token_only(sampling: SamplingParams) -> None:
     """What a multi-codebook model's requests cannot ask for (codes have no token history to
-    penalise, no per-id bias, and the backbone's hidden states are not captured)."""
-    if layers:
-        raise InvalidRequest("hidden_state_layers", "not supported by multi-codebook models")
+    penalise, no per-id bias)."""
     for name, off in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
         if getattr(sampling, name) != off:
             raise InvalidRequest(f"sampling.{name}", "not supported by multi-codebook models (codes have no history)")

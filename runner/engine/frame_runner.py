@@ -72,6 +72,7 @@ class FrameRunner(ModelRunner):
         assert self._state is None, "sample_tokens() must follow execute_model()"
         inp = pack_step_inputs(sched, self.block_table, self.blocks_written, self.block_size,
                                self.cfg.model.num_layers, None)
+        # hidden states come from the eager backbone (the graphs capture no inner layers)
         self._admit(inp.admitted)
         frames, src = self._pack_frames(sched, inp)
         if self.record_timeline:
@@ -80,7 +81,7 @@ class FrameRunner(ModelRunner):
         st = ExecuteState(inp.sample, None, None, [])
         g = self.frame_graphs
         # every row one position and sampling (a one-token chunk inside a prompt samples nothing)
-        graphable = g is not None and inp.pure_decode and len(inp.sample.reqs) == inp.num_seqs
+        graphable = g is not None and inp.pure_decode and len(inp.sample.reqs) == inp.num_seqs and not inp.hidden_spans
         bucket = g.bucket_for(inp.num_seqs) if graphable else None
         if bucket is not None:
             self._frames_in = g.run(bucket, inp, frames, src, self._table_rows(st))
@@ -92,7 +93,9 @@ class FrameRunner(ModelRunner):
             if len(src):
                 rows = self._to_dev(src)
                 frames_d[rows[0]] = self.last_frame[rows[1]]
-            h = self.model.backbone(self.model.embed_inputs(input_ids, frames_d), pos_d, self.kv_caches, meta)
+            h, captured = self.model.backbone.forward_capture(self.model.embed_inputs(input_ids, frames_d), pos_d,
+                                                              self.kv_caches, meta, inp.capture)
+            st.hidden, st.hidden_spans = self._gather_hidden(inp, captured), inp.hidden_spans
             if inp.logits_rows:
                 st.final_hidden = h.index_select(0, self._to_dev(np.asarray(inp.logits_rows, dtype=np.int64)))
         self._state = st
@@ -136,7 +139,7 @@ class FrameRunner(ModelRunner):
         n = len(st.sample.reqs)
         if not n:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
-            return self.copier.copy(empty, None, [], frames=empty.view(0, self.num_codebooks))
+            return self.copier.copy(empty, st.hidden, st.hidden_spans, frames=empty.view(0, self.num_codebooks))
         g = self.frame_graphs
         bucket = g.bucket_for(n) if g is not None else None
         if self._frames_in is not None:  # the graph ran the whole frame step
@@ -155,7 +158,7 @@ class FrameRunner(ModelRunner):
             t1.record()
             self.timeline.append((self._t0, t1))
             self._t0 = None
-        return self.copier.copy(ids, None, [], frames=frames)
+        return self.copier.copy(ids, st.hidden, st.hidden_spans, frames=frames)
 
     def _table_rows(self, st: ExecuteState) -> tuple[np.ndarray, ...]:
         """The sampling rows of the step as SamplingTable arrays (a graph's batch is filled from them)."""

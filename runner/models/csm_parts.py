@@ -45,11 +45,25 @@ class DecoderStack(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """[T, H] input embeddings -> [T, H] final hidden states after the norm (what
         transformers' `last_hidden_state` and `hidden_states[-1]` hold)."""
+        return self.forward_capture(h, positions, kv_caches, meta)[0]
+
+    def forward_capture(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                        meta: AttentionMetadata, capture_layers: tuple[int, ...] = ()
+                        ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """forward, and {layer: [T, H]} for the layers asked for, indexed as transformers'
+        output_hidden_states (0 = the input embeddings, i = decoder layer i-1's output,
+        num_layers = after the norm), as LlamaForCausalLM.forward."""
+        n = len(self.layers)
+        captured: dict[int, torch.Tensor] = {0: h} if 0 in capture_layers else {}
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, positions, kv_caches[i], meta)
+            if i + 1 < n and (i + 1) in capture_layers:
+                captured[i + 1] = self.ops.materialize(h) + residual
         h, _ = self.ops.add_rmsnorm(h, residual, self.norm.weight, self.norm.eps)
-        return h
+        if n in capture_layers:
+            captured[n] = h
+        return h, captured
 
 
 class DepthKV:

@@ -139,7 +139,7 @@ def test_bad_requests_name_the_field(csm_dir):
         (dict(prompt_token_ids=[1, CSM_AUDIO_TOKEN_ID], prompt_frames=[[1, 2, 3]]), "prompt_frames"),
         (dict(prompt_token_ids=[1, CSM_AUDIO_TOKEN_ID], prompt_frames=[[1, 2, 3, 99]]), "prompt_frames"),
         (dict(sampling=SamplingParams(repetition_penalty=1.2)), "sampling.repetition_penalty"),
-        (dict(hidden_state_layers=[-1]), "hidden_state_layers"),
+        (dict(hidden_state_layers=[7]), "hidden_state_layers"),  # the backbone has 2 layers
     ]
     for kw, field in cases:
         args = dict(prompt_token_ids=[1, 5, 6], sampling=GREEDY) | kw
@@ -166,3 +166,32 @@ def test_audio_streams_mimi_pcm_equal_to_offline_decode(csm_dir):
             ref = mimi.decode(torch.from_numpy(audio_frames.T[None].copy())).audio_values[0, 0].numpy()
         assert len(pcm) == len(ref) == 1920 * len(audio_frames)
         np.testing.assert_allclose(pcm / 32767.0, np.clip(ref, -1, 1), atol=2 / 32767)
+
+
+def test_hidden_states_equal_transformers_backbone(csm_dir, hf):
+    """Hidden states of chosen backbone layers (transformers' output_hidden_states indexing), for
+    prompt and generated positions, each position once, beside the frames."""
+    eng = make_engine(csm_dir, async_scheduling=True)
+    layers = (0, 1, -1)
+    eng.add_request("h", PROMPTS[1], GREEDY, hidden_state_layers=layers)
+    rows, positions, frames = [], [], []
+    while eng.has_unfinished:
+        for o in eng.step():
+            if o.hidden is not None:
+                rows.append(o.hidden)
+                positions += list(range(*o.hidden_positions))
+            if o.frames is not None:
+                frames.append(o.frames)
+    hidden = np.concatenate(rows)  # [positions, 3, H]
+    frames = np.concatenate(frames)
+    assert positions == list(range(len(positions)))
+    # transformers: the backbone over the prompt then the generated frames (all but the last,
+    # whose position is never computed)
+    with torch.no_grad():
+        ids = torch.tensor([PROMPTS[1]])
+        embeds = hf.embed_text_tokens(ids)  # text positions
+        audio = hf.backbone_model.embed_tokens(torch.from_numpy(frames[:-1])[None])  # [1, F - 1, H] summed frames
+        out = hf.backbone_model(inputs_embeds=torch.cat([embeds, audio], dim=1), output_hidden_states=True)
+    ref = torch.stack([out.hidden_states[i] for i in (0, 1, len(out.hidden_states) - 1)], dim=2)[0].numpy()
+    assert hidden.shape == ref.shape
+    np.testing.assert_allclose(hidden, ref, atol=1e-4, rtol=1e-4)
