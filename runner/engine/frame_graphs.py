@@ -21,22 +21,16 @@ are greedy with slot -1 (they write the scratch row). Graph and eager steps give
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from runner.engine.cuda_graphs import graph_buckets
 from runner.engine.step_inputs import StepInputs
-from runner.kernels.graph_inputs import unpack_graph_inputs
 from runner.layers.attention import AttentionMetadata
 from runner.layers.sampling_batch import NUM_FLOAT_PARAMS, SamplingBatch
 from runner.utils.capture import no_gc_while_capturing
 from runner.utils.graph_inputs import pack_graph_inputs, staged_capacity
 from runner.utils.host_staging import staging_for
-
-if TYPE_CHECKING:
-    from runner.engine.frame_runner import FrameRunner
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +71,8 @@ class _GraphBatch:
 
 
 class FrameGraphs:
-    def __init__(self, runner: FrameRunner, max_bs: int):
+    def __init__(self, runner, max_bs: int):
+        """runner: the FrameRunner whose model, KV cache, slot state and sampler the graphs use."""
         self.runner = runner
         self.model = runner.model
         self.device = runner.device
@@ -97,6 +92,9 @@ class FrameGraphs:
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.batches = {b: _GraphBatch(b, dev) for b in self.buckets}
         self.staging = staging_for(dev)
+        from runner.kernels.graph_inputs import unpack_graph_inputs  # Triton: CUDA only (as DecodeGraphs)
+
+        self._unpack = unpack_graph_inputs
         self.hidden_in = torch.zeros(max_bs, runner.cfg.model.hidden_size, dtype=runner.dtype, device=dev)
         # (bucket, whole step) -> graph and its frames [b, K]; whole step False: the depth half
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
@@ -114,7 +112,7 @@ class FrameGraphs:
         if not whole:
             return self._depth(b, self.hidden_in[:b])
         m, k = self.model, self.k
-        unpack_graph_inputs(self.staged, self.runner.slots.last_token, self.input_ids[:b], self.positions[:b],
+        self._unpack(self.staged, self.runner.slots.last_token, self.input_ids[:b], self.positions[:b],
                      self.slot_mapping[:b], self.seq_lens[:b], self.block_tables[:b], self.scratch_slot)
         fin = self.frames_in[: b * (k + 1)].view(b, k + 1)
         src = fin[:, 0]

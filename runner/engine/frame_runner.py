@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from runner.config import EngineConfig
+from runner.engine.frame_graphs import FrameGraphs
 from runner.engine.model_runner import MAX_TOKEN_ROW_QUERY, ExecuteState, ModelRunner
 from runner.engine.output_copier import AsyncOutput, output_copier_for
 from runner.engine.request import Request
@@ -55,10 +56,8 @@ class FrameRunner(ModelRunner):
         self.slot_audio = torch.zeros(S + 1, dtype=torch.bool, device=self.device)
         model.allocate_depth_kv(S)
         self._frames_in: torch.Tensor | None = None  # the frame step's output when a graph ran it
-        self.frame_graphs = None
+        self.frame_graphs: FrameGraphs | None = None
         if self.device.type == "cuda" and cfg.runner.cuda_graphs:
-            from runner.engine.frame_graphs import FrameGraphs
-
             self.frame_graphs = FrameGraphs(self, min(cfg.runner.max_graph_batch_size, S))
             self.frame_graphs.capture()
 
