@@ -68,6 +68,7 @@ from tests.support.fuzz_schema import (
     to_json,
     to_msgpack,
 )
+from tests.e2e.helpers import LONG_SEED
 from tests.support.server_proc import ServerProc, http_get, start_server
 
 pytestmark = pytest.mark.e2e
@@ -294,9 +295,11 @@ output_formats = st.one_of(st.none(), st.none(), st.sampled_from(["pcm_24000", "
 
 
 def good_elevenlabs(srv: ServerProc) -> None:
-    with ws_connect(srv, "/v1/text-to-speech/tara/stream-input") as ws:
+    # Seeded to a long utterance: an unseeded one may end before its first frame, and the
+    # session would then idle into its inactivity close instead of sending audio.
+    with ws_connect(srv, f"/v1/text-to-speech/tara/stream-input?seed={LONG_SEED}") as ws:
         ws.send(json.dumps({"text": " "}))
-        ws.send(json.dumps({"text": "Hi.", "flush": True}))
+        ws.send(json.dumps({"text": "Hello there.", "flush": True}))
         read_until(ws, lambda e: isinstance(e, dict) and bool(e.get("audio")))  # served: audio arrives
 
 
@@ -339,7 +342,8 @@ cartesia_messages = st.one_of(
     }),
     st.dictionaries(st.text(max_size=6), json_any, max_size=3),
 )
-GOOD_CARTESIA = {"context_id": "good", "transcript": "Hi.", "voice": {"mode": "id", "id": "tara"},
+# Several sentences: Cartesia takes no seed, and one unseeded utterance may end before its first frame.
+GOOD_CARTESIA = {"context_id": "good", "transcript": "Hello there. How are you today? Fine, thanks.", "voice": {"mode": "id", "id": "tara"},
                  "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}}
 
 
