@@ -225,6 +225,24 @@ class CloseRequest:
             pass
 
 
+async def dispatch_text(ws: web.WebSocketResponse, activity: SessionActivity, closer: CloseRequest, endpoint: str,
+                        on_text: Callable[[str], Awaitable[None]], on_binary: Callable[[], Awaitable[None]]) -> None:
+    """Every session's read loop: each text frame to `on_text`, a binary frame to `on_binary`
+    (the sessions speak JSON), until the client closes, idles out or resets, or another task
+    asks `closer` for a close; a socket error ends it too (logged)."""
+    try:
+        async for msg in messages(ws, activity, closer):
+            if msg.type is WSMsgType.TEXT:
+                await on_text(msg.data)
+            elif msg.type is WSMsgType.BINARY:
+                await on_binary()
+            elif msg.type is WSMsgType.ERROR:
+                log.info("%s: websocket error: %s", endpoint, ws.exception())
+                break
+    except ConnectionError:  # reset, or aiohttp's "Connection lost"
+        pass
+
+
 async def messages(
     ws: web.WebSocketResponse, activity: SessionActivity, closer: CloseRequest
 ) -> AsyncIterator[WSMessage]:

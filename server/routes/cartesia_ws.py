@@ -30,7 +30,7 @@ import logging
 import time
 
 import numpy as np
-from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp import WSCloseCode, web
 
 from server.context import ServerContext, get_ctx
 from server.errors import APIError
@@ -45,8 +45,8 @@ from server.ws_common import (
     CloseRequest,
     SessionActivity,
     bad_message,
+    dispatch_text,
     guard_session,
-    messages,
     new_websocket,
     read_message,
     send_json,
@@ -199,21 +199,16 @@ class CartesiaSocket:
     async def run(self) -> None:
         self.ctx.metrics.active_streams.labels(ENDPOINT).inc()
         try:
-            async for msg in messages(self.ws, self.activity, self.closer):
-                if msg.type is WSMsgType.TEXT:
-                    await self._on_text(msg.data)
-                elif msg.type is WSMsgType.BINARY:
-                    await self.send_error("binary_not_allowed", "Binary frames are not accepted; send JSON.", None)
-                elif msg.type is WSMsgType.ERROR:
-                    break
-        except ConnectionError:  # reset, or aiohttp's "Connection lost"
-            pass
+            await dispatch_text(self.ws, self.activity, self.closer, ENDPOINT, self._on_text, self._on_binary)
         finally:
             # Every context is stopped before the first await: this finally may itself be
             # cancelled (a server with handler_cancellation), which would skip the rest.
             stopped = [task for c in self.contexts.values() for task in c.speaker.stop()]
             self.ctx.metrics.active_streams.labels(ENDPOINT).dec()
             await asyncio.gather(*stopped, return_exceptions=True)
+
+    async def _on_binary(self) -> None:
+        await self.send_error("binary_not_allowed", "Binary frames are not accepted; send JSON.", None)
 
     async def _on_text(self, data: str) -> None:
         context_id = None

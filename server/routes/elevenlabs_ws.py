@@ -49,7 +49,7 @@ import logging
 import time
 
 import numpy as np
-from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp import WSCloseCode, web
 
 from server.context import ServerContext, get_ctx
 from server.errors import APIError
@@ -65,8 +65,8 @@ from server.ws_common import (
     CloseRequest,
     SessionActivity,
     bad_message,
+    dispatch_text,
     guard_session,
-    messages,
     new_websocket,
     read_message,
     send_json,
@@ -258,16 +258,7 @@ class ElevenLabsSocket:
         self.ctx.metrics.active_streams.labels(self.endpoint).inc()
         sweeper = asyncio.create_task(self._sweep()) if self.multi else None
         try:
-            async for msg in messages(self.ws, self.activity, self.closer):
-                if msg.type is WSMsgType.TEXT:
-                    await self._on_text(msg.data)
-                elif msg.type is WSMsgType.BINARY:
-                    await self.send_error("binary_not_allowed", "Binary frames are not accepted; send JSON text frames.")
-                elif msg.type is WSMsgType.ERROR:
-                    log.info("%s: websocket error: %s", self.endpoint, self.ws.exception())
-                    break
-        except ConnectionError:  # reset, or aiohttp's "Connection lost"
-            pass
+            await dispatch_text(self.ws, self.activity, self.closer, self.endpoint, self._on_text, self._on_binary)
         finally:
             if sweeper is not None:
                 sweeper.cancel()
@@ -276,6 +267,9 @@ class ElevenLabsSocket:
             stopped = [task for c in self.contexts.values() for task in c.speaker.stop()]
             self.ctx.metrics.active_streams.labels(self.endpoint).dec()
             await asyncio.gather(*stopped, return_exceptions=True)
+
+    async def _on_binary(self) -> None:
+        await self.send_error("binary_not_allowed", "Binary frames are not accepted; send JSON text frames.")
 
     async def _on_text(self, data: str) -> None:
         context_id: str | None = None

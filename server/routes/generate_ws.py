@@ -29,7 +29,7 @@ import logging
 import uuid
 from contextlib import aclosing
 
-from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp import WSCloseCode, web
 
 from server.context import ServerContext, get_ctx
 from server.engine_api import EngineOverloaded, EngineUnavailable
@@ -41,8 +41,8 @@ from server.ws_common import (
     PingMessage,
     SessionActivity,
     bad_message,
+    dispatch_text,
     guard_session,
-    messages,
     new_websocket,
     overloaded_event,
     read_message,
@@ -99,15 +99,7 @@ class GenerateSession:
     async def run(self) -> None:
         self.ctx.metrics.active_streams.labels(ENDPOINT).inc()
         try:
-            async for msg in messages(self.ws, self.activity, self.closer):
-                if msg.type is WSMsgType.TEXT:
-                    await self._on_text(msg.data)
-                elif msg.type is WSMsgType.BINARY:
-                    await send_error(self.ws, "binary_not_allowed", "Binary frames are not accepted; send JSON.")
-                elif msg.type is WSMsgType.ERROR:
-                    break
-        except ConnectionError:  # reset, or aiohttp's "Connection lost"
-            pass
+            await dispatch_text(self.ws, self.activity, self.closer, ENDPOINT, self._on_text, self._on_binary)
         finally:
             if self.task is not None:
                 self.task.cancel()  # aborts the engine request (a no-op once it has ended)
@@ -122,6 +114,9 @@ class GenerateSession:
             self.crash_reporter = asyncio.ensure_future(
                 send_error(self.ws, "internal_error", "The request failed on the server; see its log.")
             )
+
+    async def _on_binary(self) -> None:
+        await send_error(self.ws, "binary_not_allowed", "Binary frames are not accepted; send JSON.")
 
     async def _on_text(self, data: str) -> None:
         try:

@@ -55,7 +55,7 @@ import logging
 from dataclasses import replace
 
 import numpy as np
-from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp import WSCloseCode, web
 
 from server.context import ServerContext, get_ctx
 from server.errors import APIError
@@ -68,8 +68,8 @@ from server.ws_common import (
     PingMessage,
     SessionActivity,
     bad_message,
+    dispatch_text,
     guard_session,
-    messages,
     new_websocket,
     overloaded_event,
     read_message,
@@ -125,20 +125,16 @@ class TextSession(Sink):
         self.ctx.metrics.active_streams.labels(self.endpoint).inc()
         try:
             await self.on_open()
-            async for msg in messages(self.ws, self.activity, self.closer):
-                if msg.type is WSMsgType.TEXT:
-                    await self._on_text(msg.data)
-                elif msg.type is WSMsgType.BINARY:
-                    await self.send_error("binary_not_allowed", "Binary frames are not accepted; send JSON text frames.")
-                elif msg.type is WSMsgType.ERROR:
-                    log.info("%s: websocket error: %s", self.endpoint, self.ws.exception())
-                    break
-        except ConnectionError:  # reset, or aiohttp's "Connection lost"
+            await dispatch_text(self.ws, self.activity, self.closer, self.endpoint, self._on_text, self._on_binary)
+        except ConnectionError:  # on_open's first send to a client already gone
             pass
         finally:
             stopped = self.speaker.stop()  # before any await: this finally may itself be cancelled
             self.ctx.metrics.active_streams.labels(self.endpoint).dec()
             await asyncio.gather(*stopped, return_exceptions=True)
+
+    async def _on_binary(self) -> None:
+        await self.send_error("binary_not_allowed", "Binary frames are not accepted; send JSON text frames.")
 
     async def _on_text(self, data: str) -> None:
         try:
