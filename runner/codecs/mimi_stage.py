@@ -59,6 +59,19 @@ class MimiCodecConfig:
             raise CodecError(f"MimiCodecConfig.num_codebooks: must be >= 1, got {self.num_codebooks}")
 
 
+def _as_batch(items: list[tuple[object, object]], k: int) -> np.ndarray | None:
+    """The items' frames as one [N, K] int64 array, or None when they do not form one."""
+    if not items:
+        return None
+    try:
+        batch = np.asarray([frame for _, frame in items])
+    except ValueError:  # ragged
+        return None
+    if batch.ndim != 2 or batch.shape[1] != k or batch.dtype.kind not in "iu":
+        return None
+    return batch.astype(np.int64, copy=False)
+
+
 @dataclass
 class _Request:
     slot: int
@@ -112,11 +125,19 @@ class MimiCodecStage:
         ints, one per codebook). A bad frame fails its request (the error names frame and
         codebook); frames for unknown keys (a late output after abort) or ended requests are
         ignored."""
-        for key, frame in items:
+        # One range check over the whole step's frames (a per-frame check cost ~3 us a frame, a
+        # few ms a step at hundreds of streams); a frame it flags, or a batch that is not one
+        # [N, K] integer array, is judged frame by frame for the error message.
+        batch = _as_batch(items, self.num_codebooks)
+        ok = None if batch is None else ~((batch < 0) | (batch >= self.codebook_size)).any(axis=1)
+        for i, (key, frame) in enumerate(items):
             req = self._reqs.get(key)
             if req is None or req.ended or req.error is not None:
                 continue
-            codes, why = self._check_frame(frame, req.n_frames)
+            if ok is not None and ok[i]:
+                codes, why = batch[i], None
+            else:
+                codes, why = self._check_frame(frame, req.n_frames)
             if why is None and len(req.pending) >= self.cfg.max_pending_frames:
                 why = (f"MimiCodecConfig.max_pending_frames: more than {self.cfg.max_pending_frames} frames "
                        "waiting to be decoded")
