@@ -13,6 +13,8 @@ bound and against transformers, and real-time streams through the real server. S
   hf        transformers' CsmForConditionalGeneration.generate on the same shapes: ms per frame
             ((t(n2) - t(n1)) / (n2 - n1) frames, so the prompt's prefill cancels).
   profile   eager frame steps under torch.profiler: the kernels the step's GPU time goes to.
+  host      (CPU, no GPU) a tiny random CSM with its Mimi codec and N audio streams in process:
+            host ms per step phase, emit among them.
   serving   the real server (`omnistream serve --random-weights`, random Mimi codec) and the
             serving benchmark: N WebSocket TTS streams (12.5 frames/s each) read in real time,
             TTFA p50 / p99, underruns; levels started together or spread over --ramp-s.
@@ -183,6 +185,39 @@ def run_profile(batches: list[int], steps: int = 5) -> str:
     return "\n".join(text)
 
 
+def run_host(streams: int, steps: int = 20) -> dict:
+    """The engine's host work per step for `streams` audio requests of a tiny random CSM with its
+    Mimi codec, on the CPU (no GPU): ms per phase (Engine.PHASES). The model and codec compute are
+    the tiny model's; `emit` (frames accepted, handed to the codec) is the part that scales with
+    the streams as on the GPU."""
+    from runner.config import EngineConfig
+    from runner.engine.engine import Engine
+    from runner.families import family_for
+    from streaming.profile import read_profile
+    from streaming.sampling_params import SamplingParams
+    from tests.support.tiny_models import make_tiny_csm
+
+    torch.set_num_threads(1)
+    folder = make_tiny_csm(scratch("csm-tiny-host"), seed=3, hidden=32, depth_hidden=32, layers=1, depth_layers=1)
+    cfg = EngineConfig.build(folder, device="cpu", dtype="float32", max_model_len=256, max_num_batched_tokens=4096,
+                             max_num_seqs=streams, block_size=16, num_blocks=streams * 8 + 64)
+    family = family_for(read_profile(folder), str(folder))
+    eng = Engine(cfg, family=family, codec=family.build_codec(torch.device("cpu"), torch.float32))
+    sp = SamplingParams(temperature=0.9, top_k=20, max_tokens=steps + 10, ignore_eos=True, seed=1)
+    for i in range(streams):
+        eng.add_request(f"h{i}", [1, 5, 6, 7], sp, audio=True)
+    for _ in range(5):
+        eng.step()
+    eng.phase_s = [0.0] * len(eng.PHASES)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    res = {"streams": streams, "ms_per_step": 1e3 * (time.perf_counter() - t0) / steps,
+           **{f"{name}_ms": 1e3 * v / steps for name, v in zip(eng.PHASES, eng.phase_s)}}
+    log(f"host, {streams} tiny-CSM streams: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items() if k.endswith("_ms")))
+    return res
+
+
 def run_hf(batches: list[int], budget_s: float) -> list[dict]:
     from transformers import CsmConfig, CsmForConditionalGeneration
 
@@ -276,6 +311,10 @@ def render(res: dict) -> str:
             lines.append(f"| {r['tuning']} | {r['batch']} | {r['ms_per_frame']:.2f} | {r['gpu_ms']:.2f} | {r['idle_gap_us']:.0f} | "
                          f"{r['bound_ms']:.2f} | {r['x_bound']:.2f} | {hf_ms} | {speedup} | {r['realtime_streams']:.0f} |")
         lines.append("")
+    if res.get("host"):
+        h = res["host"]
+        lines += ["## Host work per step (tiny CSM, CPU)", "", f"{h['streams']} streams: " +
+                  ", ".join(f"{k.removesuffix('_ms')} {v:.2f} ms" for k, v in h.items() if k.endswith("_ms")), ""]
     if res.get("profile"):
         lines += ["## Kernel profile", "", res["profile"]]
     if res.get("serving"):
@@ -292,6 +331,7 @@ def main() -> int:
     ap.add_argument("--hf-batches", default="1,8,32,64")
     ap.add_argument("--hf-budget-s", type=float, default=90)
     ap.add_argument("--profile-batches", default="1,64")
+    ap.add_argument("--host-streams", type=int, default=512)
     ap.add_argument("--streams", default="1,512,1000")
     ap.add_argument("--ramp-s", default="2")
     ap.add_argument("--max-frames", type=int, default=150, help="frames per utterance (12 s)")
@@ -310,6 +350,9 @@ def main() -> int:
         write_results(out, res, render(res))
     if "hf" in sections:
         res["hf"] = run_hf([int(x) for x in args.hf_batches.split(",")], args.hf_budget_s)
+        write_results(out, res, render(res))
+    if "host" in sections:
+        res["host"] = run_host(args.host_streams)
         write_results(out, res, render(res))
     if "profile" in sections:
         res["profile"] = run_profile([int(x) for x in args.profile_batches.split(",")])
