@@ -260,33 +260,6 @@ SPEECH_STREAM_MESSAGES: Mapping[str, type[msgspec.Struct]] = {
 }
 
 
-class VoiceSettings(msgspec.Struct, forbid_unknown_fields=True):
-    """ElevenLabs' voice_settings: `speed` is judged as HTTP's `speed`; the rest are accepted
-    and have no effect on this model."""
-
-    stability: float | None = None
-    similarity_boost: float | None = None
-    style: float | None = None
-    use_speaker_boost: bool | None = None
-    speed: float | None = None
-
-
-class GenerationConfig(msgspec.Struct, forbid_unknown_fields=True):
-    chunk_length_schedule: list[int] | None = None  # accepted; segmentation decides instead
-
-
-class ElevenLabsMessage(msgspec.Struct, forbid_unknown_fields=True):
-    """One stream-input message: {"text": " "} opens, {"text": "..."} speaks, {"text": ""} ends."""
-
-    text: str | None = None  # required
-    flush: bool | None = None
-    try_trigger_generation: bool | None = None
-    voice_settings: VoiceSettings | None = None
-    generation_config: GenerationConfig | None = None
-    xi_api_key: str | None = None  # ElevenLabs clients may repeat their key here
-    authorization: str | None = None
-
-
 def voice_name(value: str | dict[str, Any] | None, param: str = "voice") -> str | None:
     """OpenAI's voice: a name or {"id": name}; None = the default voice."""
     if isinstance(value, dict):

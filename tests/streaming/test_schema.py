@@ -20,7 +20,6 @@ from streaming.schema import (
     UNKNOWN,
     UNSUPPORTED,
     CompletionRequest,
-    ElevenLabsMessage,
     GenerateMessage,
     GenerateRequest,
     GenerationOptions,
@@ -284,11 +283,13 @@ def test_voice_forms():
 
 
 def test_elevenlabs_message_shapes():
+    from server.tts.elevenlabs_messages import ElevenLabsInput
+
     msg = convert({"text": " ", "voice_settings": {"stability": 0.5, "speed": 1.0},
-                   "generation_config": {"chunk_length_schedule": [50]}, "xi_api_key": "k"}, ElevenLabsMessage)
+                   "generation_config": {"chunk_length_schedule": [50]}, "xi_api_key": "k"}, ElevenLabsInput)
     assert msg.text == " " and msg.voice_settings.speed == 1.0
-    assert refused(convert, {"text": "x", "voice_settings": {"pitch": 2}}, ElevenLabsMessage).field == "voice_settings.pitch"
-    assert refused(convert, {"text": "x", "bogus": 1}, ElevenLabsMessage).field == "bogus"
+    assert refused(convert, {"text": "x", "voice_settings": {"pitch": 2}}, ElevenLabsInput).field == "voice_settings.pitch"
+    assert refused(convert, {"text": "x", "bogus": 1}, ElevenLabsInput).field == "bogus"
 
 
 # ---- one field, one judgment on every protocol ----------------------------------------------------------
