@@ -31,4 +31,6 @@ def test_cartesia_sdk_context_streams_audio_and_word_timestamps(server):
     pcm = np.concatenate(audio)
     assert pcm.size > 0 and np.abs(pcm).max() <= 1.0
     assert words == ["Hello", "there,", "how", "are", "you", "today?"]
-    assert starts == sorted(starts) and starts[-1] <= pcm.size / 44100
+    # a word of a segment that yielded no audio starts where the audio ends; the stated times are
+    # rounded to the ms and the resampled length to a sample, so allow 1 ms
+    assert starts == sorted(starts) and starts[-1] <= pcm.size / 44100 + 1e-3
