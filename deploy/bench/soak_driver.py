@@ -110,9 +110,12 @@ class Soak(SoakClients):
             load_done.set()
             await asyncio.gather(*running, stallers)
             wall = time.monotonic() - t0
-            await asyncio.sleep(cfg.sample_s)
+            # the engine idle first, then two more samples: retained growth is judged on a settled
+            # process, not inside the last stalled reader's transient (its working set drains within
+            # seconds; a sample taken in it read as growth)
+            final = await self.engine_idle()
+            await asyncio.sleep(2 * cfg.sample_s)
             stop.set()
             await sampler
-            final = await self.engine_idle()
         self.zctx.destroy(0)
         return summarize(cfg, self.outcomes, curve, final, wall, self.stall_windows, self.control_windows)
