@@ -27,7 +27,7 @@ from runner.config import ModelConfig
 from runner.layers.attention import AttentionMetadata, allocate_kv_cache
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.csm_sampling import CodebookSampler
-from runner.models.llama import DecoderLayer, RMSNorm, RotaryEmbedding
+from runner.models.llama import DecoderLayer, RMSNorm, RotaryEmbedding, run_decoder
 
 
 class DecoderStack(nn.Module):
@@ -50,20 +50,8 @@ class DecoderStack(nn.Module):
     def forward_capture(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                         meta: AttentionMetadata, capture_layers: tuple[int, ...] = ()
                         ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """forward, and {layer: [T, H]} for the layers asked for, indexed as transformers'
-        output_hidden_states (0 = the input embeddings, i = decoder layer i-1's output,
-        num_layers = after the norm), as LlamaForCausalLM.forward."""
-        n = len(self.layers)
-        captured: dict[int, torch.Tensor] = {0: h} if 0 in capture_layers else {}
-        residual = None
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, positions, kv_caches[i], meta)
-            if i + 1 < n and (i + 1) in capture_layers:
-                captured[i + 1] = self.ops.materialize(h) + residual
-        h, _ = self.ops.add_rmsnorm(h, residual, self.norm.weight, self.norm.eps)
-        if n in capture_layers:
-            captured[n] = h
-        return h, captured
+        """forward, and {layer: [T, H]} for the layers asked for (llama.run_decoder's indexing)."""
+        return run_decoder(self.layers, self.norm, self.ops, h, positions, kv_caches, meta, capture_layers)
 
 
 class DepthKV:

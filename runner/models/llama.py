@@ -217,6 +217,29 @@ class DecoderLayer(nn.Module):
                                   mlp.down_proj)
 
 
+def run_decoder(layers: nn.ModuleList, norm: RMSNorm, ops: OpsBackend, h: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata, capture_layers: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Decoder layers and the final norm over input embeddings h [T, H] (LlamaForCausalLM, and
+    CSM's two stacks): (final hidden after the norm [T, H], {layer: [T, H]} for capture_layers,
+    indexed as transformers' output_hidden_states: 0 = the embeddings, i = decoder layer i-1's
+    output, len(layers) = after the norm)."""
+    n = len(layers)
+    assert n > 0
+    captured: dict[int, torch.Tensor] = {0: h} if 0 in capture_layers else {}
+    residual = None
+    for i, layer in enumerate(layers):
+        h, residual = layer(h, residual, positions, kv_caches[i], meta)
+        if i + 1 < n and (i + 1) in capture_layers:
+            # The layer's output is only formed inside the next add_rmsnorm; materialise it
+            # (one extra add, only when asked; bit-identical to the fused sum).
+            captured[i + 1] = ops.materialize(h) + residual
+    h, _ = ops.add_rmsnorm(h, residual, norm.weight, norm.eps)
+    if n in capture_layers:
+        captured[n] = h
+    return h, captured
+
+
 class LlamaForCausalLM(nn.Module):
     """Parameter names mirror HF's minus the split projections (qkv_proj, gate_up_proj).
 
@@ -278,23 +301,8 @@ class LlamaForCausalLM(nn.Module):
         Layer indices follow transformers' output_hidden_states: 0 = embeddings, i = output of
         decoder layer i-1, num_layers = final output after the norm.
         """
-        n = len(self.layers)
-        assert n > 0
-        captured: dict[int, torch.Tensor] = {}
         h = self.embed_tokens(input_ids)  # [T, H]
-        if 0 in capture_layers:
-            captured[0] = h
-        residual = None
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, positions, kv_caches[i], meta)
-            if i + 1 < n and (i + 1) in capture_layers:
-                # The layer's output is only formed inside the next add_rmsnorm; materialise it
-                # (one extra add, only when asked; bit-identical to the fused sum).
-                captured[i + 1] = self.ops.materialize(h) + residual
-        h, _ = self.ops.add_rmsnorm(h, residual, self.norm.weight, self.norm.eps)
-        if n in capture_layers:
-            captured[n] = h
-        return h, captured
+        return run_decoder(self.layers, self.norm, self.ops, h, positions, kv_caches, meta, capture_layers)
 
     def compute_logits(self, hidden: torch.Tensor, span: tuple[int, int] | None = None) -> torch.Tensor:
         """[N, H] -> [N, V] float32 (matmul in model dtype like HF, then upcast); with
