@@ -26,6 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from server.admission import ADMISSION, Admission, client_of
+from server.auth import presented_key
 from server.context import CTX, ServerContext
 from server.engine_api import EngineClientProtocol, EngineOverloaded, EngineUnavailable
 from server.engine_pool import EnginePool, session_affinity
@@ -96,18 +97,6 @@ def _endpoint(request: web.Request) -> str:
     return resource.canonical if resource is not None else "unmatched"
 
 
-def _presented_key(request: web.Request) -> str | None:
-    auth = request.headers.get("Authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    if "xi-api-key" in request.headers:
-        return request.headers["xi-api-key"]
-    # Browsers cannot set headers on a WebSocket, so only the upgrade may carry it in the URL.
-    if request.headers.get("Upgrade", "").lower() == "websocket":
-        return request.query.get("api_key") or request.query.get("xi-api-key")
-    return None
-
-
 def build_app(
     engine: EngineClientProtocol | EnginePool, tokenizer: TextTokenizer, profile: SpeechProfile, settings: ServerSettings
 ) -> web.Application:
@@ -171,7 +160,7 @@ def build_app(
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
         if settings.api_key is None or request.path in OPEN_PATHS:
             return await handler(request)
-        key = _presented_key(request)
+        key = presented_key(request)
         if key is None and request.match_info.route.name in KEY_IN_FIRST_MESSAGE:
             return await handler(request)
         if key is None or not hmac.compare_digest(key.encode(), settings.api_key.encode()):

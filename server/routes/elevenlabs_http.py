@@ -32,7 +32,14 @@ from server.errors import read_body
 from server.outputs import first_output, until_finished
 from server.routes.speech import speech_add_request
 from server.sampling import SPEECH_FIELDS, rejection_error, request_limits
-from server.tts.elevenlabs_messages import ElevenLabsInput, VoiceSettings, judge, parse_query, query_seed
+from server.tts.elevenlabs_messages import (
+    ElevenLabsInput,
+    VoiceSettings,
+    http_alignment,
+    judge,
+    parse_query,
+    query_seed,
+)
 from server.tts.encoding import EncodedStream, whole_file
 from server.tts.timings import CharTime, SegmentTimer, SpeakingRate
 from streaming.encoders import b64
@@ -57,16 +64,8 @@ class ElevenLabsBody(msgspec.Struct, forbid_unknown_fields=True):
     pronunciation_dictionary_locators: list[Any] | None = None
 
 
-def _alignment(chars: list[CharTime]) -> dict | None:
-    if not chars:
-        return None
-    return {"characters": [c.char for c in chars],
-            "character_start_times_seconds": [round(c.start_s, 3) for c in chars],
-            "character_end_times_seconds": [round(c.end_s, 3) for c in chars]}
-
-
 def _timed_chunk(data: bytes, chars: list[CharTime]) -> bytes:
-    align = _alignment(chars)
+    align = http_alignment(chars)
     return (json.dumps({"audio_base64": b64(data), "alignment": align, "normalized_alignment": align},
                        separators=(",", ":")) + "\n").encode()
 
@@ -111,7 +110,7 @@ async def _handle(request: web.Request, stream: bool, timestamps: bool) -> web.S
                 return web.Response(body=data, headers={"Content-Type": fmt.content_type})
             seconds = samples.size / rate  # the whole length is known: an even spread
             chars = [CharTime(c, i * seconds / len(text), (i + 1) * seconds / len(text)) for i, c in enumerate(text)]
-            align = _alignment(chars)
+            align = http_alignment(chars)
             return web.json_response({"audio_base64": b64(data), "alignment": align, "normalized_alignment": align})
         return await _stream(request, ctx, fmt, text, first, outputs, timestamps, arrived)
 

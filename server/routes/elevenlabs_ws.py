@@ -55,7 +55,15 @@ from server.context import ServerContext, get_ctx
 from server.errors import APIError
 from server.sampling import SPEECH_FIELDS, request_limits
 from server.tts.contexts import ContextLimits, ContextWork, SharedWork
-from server.tts.elevenlabs_messages import ElevenLabsInput, ElevenLabsQuery, judge, parse_query, query_seed
+from server.auth import presented_key
+from server.tts.elevenlabs_messages import (
+    ElevenLabsInput,
+    ElevenLabsQuery,
+    judge,
+    parse_query,
+    query_seed,
+    ws_alignment,
+)
 from server.tts.encoding import EncodedStream
 from server.tts.speaker import Refusal, Sink, Speaker, Utterance, Voicing
 from server.tts.text_segmenter import TextSegmenter
@@ -81,24 +89,6 @@ STREAM_INPUT = "/v1/text-to-speech/{voice_id}/stream-input"
 MULTI_STREAM_INPUT = "/v1/text-to-speech/{voice_id}/multi-stream-input"
 DEFAULT_CONTEXT = ""  # multi-stream messages without a context_id
 _SENTENCE_END = (".", "!", "?", "。", "！", "？", "\n")
-
-
-def presented_key(request: web.Request) -> str | None:
-    """The key an upgrade carries (the places server.app's authentication reads)."""
-    auth = request.headers.get("Authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return request.headers.get("xi-api-key") or request.query.get("api_key") or request.query.get("xi-api-key")
-
-
-def alignment(chars: list[CharTime], base_s: float) -> dict | None:
-    """ElevenLabs' alignment object, times in ms from `base_s` (the message's first sample)."""
-    if not chars:
-        return None
-    starts = [max(0, round((c.start_s - base_s) * 1000)) for c in chars]
-    ends = [max(0, round((c.end_s - base_s) * 1000)) for c in chars]
-    return {"chars": [c.char for c in chars], "charStartTimesMs": starts,
-            "charDurationsMs": [max(0, e - s) for s, e in zip(starts, ends)]}
 
 
 class Context(Sink):
@@ -188,7 +178,7 @@ class Context(Sink):
     async def _send_audio(self, data: bytes, chars: list[CharTime], base: float) -> None:
         if not data and not chars:
             return  # the codec holds these samples until it has a frame
-        align = alignment(chars, base)
+        align = ws_alignment(chars, base)
         await self.socket.send(self.tagged(
             {"audio": b64(data), "isFinal": False, "normalizedAlignment": align, "alignment": align}
         ))

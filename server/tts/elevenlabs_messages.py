@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 from multidict import MultiMapping
 
+from server.tts.timings import CharTime
 from streaming.encoders import AudioFormat, UnsupportedFormat, resolve_format
 from streaming.schema import INVALID_VALUE, UNKNOWN, UNSUPPORTED, SchemaError, check_speed
 
@@ -181,3 +182,25 @@ def parse_query(query: MultiMapping[str], default_format: str = DEFAULT_OUTPUT_F
 def query_seed(query: MultiMapping[str]) -> int | None:
     seed = query.get("seed")
     return int(seed) if seed is not None else None
+
+
+# ---- timings on the wire -------------------------------------------------------------------------
+
+
+def ws_alignment(chars: list[CharTime], base_s: float) -> dict | None:
+    """The WebSocket alignment object, times in ms from `base_s` (the message's first sample)."""
+    if not chars:
+        return None
+    starts = [max(0, round((c.start_s - base_s) * 1000)) for c in chars]
+    ends = [max(0, round((c.end_s - base_s) * 1000)) for c in chars]
+    return {"chars": [c.char for c in chars], "charStartTimesMs": starts,
+            "charDurationsMs": [max(0, e - s) for s, e in zip(starts, ends)]}
+
+
+def http_alignment(chars: list[CharTime]) -> dict | None:
+    """The HTTP with-timestamps alignment object, times in seconds."""
+    if not chars:
+        return None
+    return {"characters": [c.char for c in chars],
+            "character_start_times_seconds": [round(c.start_s, 3) for c in chars],
+            "character_end_times_seconds": [round(c.end_s, 3) for c in chars]}
