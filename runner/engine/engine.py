@@ -16,11 +16,12 @@ import torch
 
 from runner.config import EngineConfig
 from runner.engine.kv_cache import BlockManager, num_kv_blocks
-from runner.engine.model_runner import MAX_TOKEN_ROW_QUERY, ModelRunner
+from runner.engine.model_runner import ModelRunner
 from runner.engine.output_copier import AsyncOutput, StepResult
 from runner.engine.phase_timer import PhaseTimer
 from runner.engine.frame_runner import FrameRunner
 from runner.engine.request import FinishReason, FrameLog, Request
+from runner.engine.warm_up import WarmUp
 from runner.engine.scheduler import Scheduler, SchedulerOutput
 from runner.families.base import CodecStageLike, ModelFamily
 from runner.families.text import TextFamily
@@ -40,7 +41,7 @@ class _Pending:
     out: AsyncOutput
 
 
-class Engine:
+class Engine(WarmUp):
     # Host seconds per phase, summed over steps (`phase_s`; the engine process logs them):
     # schedule, execute (pack inputs + launch the forward), sample (launch), emit (wait for the
     # emitted step's ids + bookkeeping), codec (collect + launch windows).
@@ -326,72 +327,6 @@ class Engine:
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
         )
-
-    # ---- start-up ------------------------------------------------------------------------------
-
-    def warm_up(self) -> None:
-        """Run one audio request through every path a first real request takes (eager prefill,
-        graphed decode, the sampler's window variant, the codec's windows of every chunk
-        size), so Triton compiles now and not in the first client's time to first audio (seconds
-        of it); then, on CUDA, the eager prefill path
-        (warm_up_eager_prefill), the lm_head at every row count and the sampler at its largest
-        (ModelRunner.warm_sampling). Counters are reset afterwards; the prefix cache keeps the
-        prompts' blocks, which is harmless."""
-        if self.codec is not None:
-            self._warm_up_audio()
-        if self.device.type == "cuda":
-            self.warm_up_eager_prefill()
-            self.runner.warm_sampling()
-        self.num_requests_total = self.num_generated_total = self.step_count = 0
-        self.phase_s = [0.0] * len(self.PHASES)
-
-    def _run_to_end(self) -> None:
-        while self.has_unfinished:
-            self.step()
-
-    def _warm_sampling_params(self, max_tokens: int) -> SamplingParams:
-        """A speech request's sampling as the server runs it (codes take no penalties)."""
-        if self.frames:
-            return SamplingParams(temperature=0.9, top_k=50, max_tokens=max_tokens, seed=0)
-        return SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=max_tokens, seed=0)
-
-    def _warm_up_audio(self) -> None:
-        sp = self._warm_sampling_params(26 if self.frames else 7 * 26)
-        vocab = self.cfg.model.vocab_size
-        self.add_request("__warmup__", [i % vocab for i in range(1, 33)], sp, audio=True)
-        self._run_to_end()
-
-    def warm_up_eager_prefill(self) -> None:
-        """Run the eager prefill path once alone (with hidden states) and once joining running
-        decodes: prompts past MAX_TOKEN_ROW_QUERY, which no decode graph serves. Without it the
-        first such prompt after start-up takes about twice as long as the next one (probably
-        CUDA modules loaded on first launch), and every stream of the batch waits for it. The
-        lengths here are not the ones the benchmark's `first_use` section times, so that
-        section measures other shapes than these. Nothing to do where prompts that long cannot
-        occur."""
-        longest = self.cfg.scheduler.max_model_len - 4
-        if longest <= MAX_TOKEN_ROW_QUERY:
-            return
-        vocab = self.cfg.model.vocab_size
-        text = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=2, ignore_eos=True, seed=0)
-        audio = self.codec is not None  # decodes as the server runs them: speech, or text
-        decode = self._warm_sampling_params(28) if audio else SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-        def prompt(n: int, salt: int) -> list[int]:
-            return [(salt + 7 * i) % vocab for i in range(min(n, longest))]
-
-        self.add_request("__warmup_prefill__", prompt(2 * MAX_TOKEN_ROW_QUERY + 100, 1), text,
-                         hidden_state_layers=() if self.frames else (-1,))
-        self._run_to_end()
-        n_decodes = min(8, self.cfg.scheduler.max_num_seqs - 1)
-        if n_decodes < 1:
-            return
-        for i in range(n_decodes):
-            self.add_request(f"__warmup_decode{i}__", prompt(16, 100 + i), decode, audio=audio)
-        self.step()
-        self.step()  # the short prompts are decoding now ...
-        self.add_request("__warmup_join__", prompt(3 * MAX_TOKEN_ROW_QUERY + 77, 2), text)  # ... and a long one joins
-        self._run_to_end()
 
     # ---- introspection -----------------------------------------------------------------------
 
