@@ -123,6 +123,9 @@ class TorchPagedAttention:
     def decode_rope_fused(self, batch: int, num_kv_heads: int, device: torch.device) -> bool:
         return False
 
+    def unsplit(self) -> TorchPagedAttention:
+        return self  # nothing to split: SDPA over the gathered KV
+
     def forward_decode_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                             meta: AttentionMetadata, scale: float) -> torch.Tensor:

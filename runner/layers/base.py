@@ -75,6 +75,13 @@ class AttentionBackend(Protocol):
         attention in one launch -> [B, Hq, D]."""
         ...
 
+    def unsplit(self) -> AttentionBackend:
+        """This backend for caches of one short block per sequence (CSM's depth decoder: K
+        slots a row): decode launches never split a sequence's KV, because a split-K launch
+        (and its merge) over a context of one tile only adds work. Chosen once, by the model
+        that owns such a cache."""
+        ...
+
 
 class OpsBackend(Protocol):
     """The decoder's per-layer ops (norms, residual adds, RoPE, KV write, GEMMs, the head).

@@ -8,6 +8,8 @@ also run it under Triton's interpreter on CPU. Importing this module needs `trit
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from runner.kernels.attention import (
@@ -123,6 +125,13 @@ class TritonPagedAttention:
         assert meta.pure_decode and q.shape[0] == meta.seq_lens.shape[0], (q.shape, meta.seq_lens.shape)
         return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, num_splits=self.num_splits,
                                       pdl=self.pdl, tuning=self.tuning)
+
+    def unsplit(self) -> TritonPagedAttention:
+        """The same backend with num_splits 1 (runner/layers/base.py: for one-block caches, where
+        choose_num_splits would split batch 1 on 2 KV heads 32 ways over a single tile)."""
+        other = copy.copy(self)
+        other.num_splits = 1
+        return other
 
     def decode_rope_fused(self, batch: int, num_kv_heads: int, device: torch.device) -> bool:
         """Whether a pure-decode step of `batch` rows runs RoPE + KV write inside the kernel (a

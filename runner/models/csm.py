@@ -70,9 +70,11 @@ class CsmModel(nn.Module):
         self.codebook_offsets = torch.arange(self.num_codebooks, dtype=torch.int64, device=device) * self.cfg.codebook_size
 
     def allocate_depth_kv(self, max_rows: int) -> DepthKV:
-        """The depth decoder's per-frame KV and metadata for up to max_rows rows, once."""
+        """The depth decoder's per-frame KV and metadata for up to max_rows rows, and its
+        projected codebook table (CsmDepthDecoder.project_codebooks), once the weights are loaded."""
         w = self.lm_head.weight
         self.depth_kv = DepthKV(self.cfg.depth, self.num_codebooks, max_rows, w.device, w.dtype)
+        self.depth.project_codebooks()
         return self.depth_kv
 
     # ---- input embeddings --------------------------------------------------------------------

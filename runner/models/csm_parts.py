@@ -13,6 +13,7 @@ position 0 is the backbone's last hidden state, position 1 the code of codebook 
 p >= 2 the code of codebook p - 1 (embedded at offset (p - 1) * V in the shared codebook
 table); every input goes through `inputs_embeds_projector` (backbone width -> depth width), and
 the output at position p (p >= 1) gives codebook p through its own head `codebooks_head[p - 1]`.
+A code's projected embedding is a row of `projected_codes`, computed once from the weights.
 Positions 0 and 1 go in one forward (two query rows per batch row, as transformers' first
 call), then one row per batch row per sub-step: K - 1 forwards per frame.
 """
@@ -104,7 +105,8 @@ class CsmDepthDecoder(DecoderStack):
 
     def __init__(self, cfg: ModelConfig, num_codebooks: int, backbone_hidden: int, attn: AttentionBackend,
                  ops: OpsBackend):
-        super().__init__(cfg, attn, ops)
+        # its KV is one block of K slots a row (DepthKV): never split-K (AttentionBackend.unsplit)
+        super().__init__(cfg, attn.unsplit(), ops)
         k, v = num_codebooks, cfg.vocab_size
         self.num_codebooks = k
         self.codebook_size = v
@@ -112,6 +114,15 @@ class CsmDepthDecoder(DecoderStack):
         self.inputs_embeds_projector = nn.Linear(backbone_hidden, cfg.hidden_size, bias=False)
         # [K - 1, H, V]: codebook k's logits are h @ codebooks_head[k - 1] (transformers' layout)
         self.codebooks_head = nn.Parameter(torch.empty(k - 1, cfg.hidden_size, v))
+        self.projected_codes: torch.Tensor | None = None  # [K * V, H_depth]: project_codebooks()
+
+    def project_codebooks(self) -> None:
+        """The codebook table through the input projector, [K * V, H_depth], computed once from
+        the loaded weights: a sub-step's input is then a row gather instead of a gather and a
+        GEMM reading the projector (the projector is linear, so row c of the product is
+        projector(embed(c)); it differs from the per-step product only in the GEMM's summation
+        order). Call again if the weights change."""
+        self.projected_codes = F.linear(self.embed_tokens.weight, self.inputs_embeds_projector.weight)
 
     def codebook_logits(self, h: torch.Tensor, codebook: int) -> torch.Tensor:
         """[B, H] depth hidden at position `codebook` -> [B, V] float32 (model-dtype matmul, as transformers)."""
@@ -124,11 +135,14 @@ class CsmDepthDecoder(DecoderStack):
         b, k, v = hidden.shape[0], self.num_codebooks, self.codebook_size
         if b > kv.max_rows:
             raise ValueError(f"depth decode of {b} rows: its KV holds {kv.max_rows} (allocate_depth_kv(max_rows))")
+        table = self.projected_codes
+        if table is None:
+            raise RuntimeError("depth decode: call project_codebooks() (CsmModel.allocate_depth_kv) first")
         frames = torch.empty(b, k, dtype=torch.int64, device=hidden.device)
         frames[:, 0] = code0
-        # positions 0 and 1: [hidden_r, embed(code0_r)] interleaved per row
-        x = torch.stack((hidden, self.embed_tokens(code0)), dim=1).reshape(2 * b, -1)
-        h = self(self.inputs_embeds_projector(x), kv.pair_positions[: 2 * b], kv.caches, kv.pair_meta(b))
+        # positions 0 and 1: [projector(hidden_r), projector(embed(code0_r))] interleaved per row
+        x = torch.stack((self.inputs_embeds_projector(hidden), table.index_select(0, code0)), dim=1)
+        h = self(x.reshape(2 * b, -1), kv.pair_positions[: 2 * b], kv.caches, kv.pair_meta(b))
         h = h.view(b, 2, -1)[:, 1]  # position 1 predicts codebook 1
         for p in range(1, k):
             code = sampler(self.codebook_logits(h, p), p)
@@ -136,6 +150,6 @@ class CsmDepthDecoder(DecoderStack):
             if p == k - 1:
                 break
             # codebook p's code sits at position p + 1, embedded at offset p * V
-            x = self.inputs_embeds_projector(self.embed_tokens(code + p * v))
+            x = table.index_select(0, code + p * v)
             h = self(x, kv.positions[p + 1, :b], kv.caches, kv.step_meta(b, p + 1))
         return frames
