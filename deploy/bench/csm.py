@@ -241,7 +241,7 @@ def run_hf(batches: list[int], budget_s: float) -> list[dict]:
         timed(2)
         t1, t2 = timed(2), timed(8)
         ms = 1e3 * (t2 - t1) / 6
-        rows.append({"tuning": tuning, "batch": b, "ms_per_frame": ms})
+        rows.append({"batch": b, "ms_per_frame": ms})
         log(f"transformers batch {b}: {ms:.1f} ms/frame")
     del model
     torch.cuda.empty_cache()

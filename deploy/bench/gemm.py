@@ -1,5 +1,6 @@
-"""Tile sweep of the skinny decode GEMMs (runner/kernels/linear.py) against cuBLAS, on the
-Orpheus-3B shapes, at the graph bucket sizes where the tile can change (M = 1, 16, 32, 64).
+"""Tile sweep of the skinny decode GEMMs (runner/kernels/linear.py) against cuBLAS, on one
+model's shapes (`--shapes`: Orpheus-3B, CSM-1B's backbone and depth decoder), at the graph bucket
+sizes where the tile can change (M = 1, 16, 32, 64).
 
 For each (GEMM, M) every candidate tile is timed, and so is cuBLAS (F.linear); gate_up with
 the SiLU*mul epilogue (gated) is timed against the faster plain GEMM + the SiLU*mul kernel.
@@ -15,7 +16,7 @@ so a figure is kernel time + the graph's launch gap, like a step's GEMM without 
 Worker processes compile every variant first (a JIT launch on the real shapes fills Triton's
 on-disk cache), then this process times them.
 
-    python -m deploy.bench.gemm --out DIR [--write-table runner/kernels/tuning/nvidia_h200.json]
+    python -m deploy.bench.gemm --out DIR [--shapes csm] [--write-table runner/kernels/tuning/nvidia_h200.json]
     python -m deploy.bench.tune --sections gemm     # the same sweep inside the tuning bench
 """
 
@@ -42,9 +43,19 @@ from runner.kernels.tuning import (
     with_linear_rows,
 )
 
-# name: (weight rows, K, whether the gated kind is timed too)
-SHAPES = {"qkv": (5120, 3072, False), "o": (3072, 3072, False), "gate_up": (16384, 3072, True),
-          "down": (3072, 8192, False)}
+# name: (weight rows, K, whether the gated kind is timed too), per model whose decode GEMMs a
+# table row serves (`--shapes`)
+SHAPE_SETS = {
+    "orpheus": {"qkv": (5120, 3072, False), "o": (3072, 3072, False), "gate_up": (16384, 3072, True),
+                "down": (3072, 8192, False)},
+    # CSM-1B: the backbone (Llama 1B) and the depth decoder (hidden 1024, 8 / 2 heads of 128,
+    # intermediate 8192) with its input projector (backbone width -> 1024, position 0 each frame)
+    "csm": {"qkv": (3072, 2048, False), "o": (2048, 2048, False), "gate_up": (16384, 2048, True),
+            "down": (2048, 8192, False), "depth_qkv": (1536, 1024, False), "depth_o": (1024, 1024, False),
+            "depth_gate_up": (16384, 1024, True), "depth_down": (1024, 8192, False),
+            "depth_projector": (1024, 2048, False)},
+}
+SHAPES = SHAPE_SETS["orpheus"]
 MS = (1, 16, 32, 64)  # bucket thresholds of the linear table's rows
 LAUNCHES = 24
 SMEM_BUDGET = 200 * 1024
@@ -53,7 +64,7 @@ SMEM_BUDGET = 200 * 1024
 def candidates(m: int, k: int) -> list[LinearTile]:
     tiles = []
     if m == 1:
-        for bn, bk in ((8, 512), (8, 1024), (8, 2048), (16, 512), (16, 1024), (32, 512)):
+        for bn, bk in ((4, 512), (4, 1024), (8, 512), (8, 1024), (8, 2048), (16, 512), (16, 1024), (32, 512)):
             for w in (4, 8):
                 tiles.append(LinearTile(1, bn, bk, w, 1))
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -138,10 +149,10 @@ def _compile_all(label: str, compile_one, jobs: list, workers: int) -> dict:
     return errors
 
 
-def run_gemm_sweep(workers: int = 14) -> dict:
+def run_gemm_sweep(workers: int = 14, shapes: dict = SHAPES) -> dict:
     from runner.kernels.fused_ops import silu_and_mul
 
-    jobs = [(n, k, m, kind, t) for n, k, gated in SHAPES.values() for m in MS
+    jobs = [(n, k, m, kind, t) for n, k, gated in shapes.values() for m in MS
             for kind in ((PLAIN, GATED) if gated else (PLAIN,)) for t in candidates(m, k)]
     t0 = time.perf_counter()
     errors = _compile_all("gemm sweep", _compile_one, jobs, workers)
@@ -155,7 +166,7 @@ def run_gemm_sweep(workers: int = 14) -> dict:
         return res
 
     out: dict = {"shapes": {}, "tuned": []}
-    for name, (n, k, gated) in SHAPES.items():
+    for name, (n, k, gated) in shapes.items():
         copies = max(2, math.ceil(256e6 / (n * k * 2)))
         wbytes = n * k * 2
         rows = {PLAIN: []} | ({GATED: []} if gated else {})
@@ -286,15 +297,22 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--write-table", default=None, metavar="PATH",
                     help=f"write the winners as the linear section of this tuning table (e.g. {TABLES_DIR}/NAME.json)")
+    ap.add_argument("--shapes", default="orpheus", choices=sorted(SHAPE_SETS),
+                    help="the model whose decode GEMMs are swept (the table keeps other shapes' rows)")
     args = ap.parse_args()
-    res = run_gemm_sweep(args.workers)
+    res = run_gemm_sweep(args.workers, SHAPE_SETS[args.shapes])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gemm_sweep.json").write_text(json.dumps(res, indent=1))
     (out / "gemm_tuned.json").write_text(json.dumps(res["tuned"]))
     print(tuned_literal(res["tuned"]))
     if args.write_table:
-        write_table(args.write_table, res["tuned"])
+        path = Path(args.write_table)
+        before = json.loads(path.read_text()).get("linear", {}).get("provenance") if path.is_file() else None
+        swept = ", ".join(f"{name} {n}x{k}" for name, (n, k, _) in SHAPE_SETS[args.shapes].items())
+        added = (f"{torch.cuda.get_device_name()}, bf16: {args.shapes} decode GEMMs ({swept}) swept alone against "
+                 "cuBLAS (python -m deploy.bench.gemm --shapes " + args.shapes + "), the faster per row; null rows: cuBLAS")
+        write_table(path, res["tuned"], added if before is None or args.shapes == "orpheus" else f"{before}; {added}")
         print(f"wrote the linear section of {args.write_table}")
     return 0
 
