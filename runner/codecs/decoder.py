@@ -10,7 +10,9 @@ to the same PCM alone, in any batch, or offline.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -224,6 +226,42 @@ class PendingPCM:
             self.event.synchronize()
         pcm = self.host.numpy()
         return [pcm[i, lo:hi] for i, (lo, hi) in enumerate(self.cuts)]
+
+
+T = TypeVar("T")
+
+
+class Launches(Generic[T]):
+    """A codec stage's decode launches in flight, oldest first (the SNAC and Mimi stages): each
+    holds a tag (what the stage needs to route its rows), its PendingPCM and a weight counted
+    against the stage's in-flight bound. Launches run in order on the codec's one stream, so the
+    finished ones are a prefix."""
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[T, PendingPCM, int]] = deque()
+        self.weight = 0  # summed over the launches in flight
+
+    def add(self, tag: T, pending: PendingPCM, weight: int = 1) -> None:
+        self._queue.append((tag, pending, weight))
+        self.weight += weight
+
+    def collect(self, wait: bool, bound: int) -> list[tuple[T, list[np.ndarray]]]:
+        """(tag, rows' PCM) of the finished launches, oldest first: those that have landed, all
+        of them when `wait`, and the oldest while more than `bound` weight is in flight (waiting
+        for those, so the bound holds on return)."""
+        out = []
+        queue = self._queue
+        while queue:
+            tag, pending, weight = queue[0]
+            if not (wait or self.weight > bound or pending.ready):
+                break
+            queue.popleft()
+            self.weight -= weight
+            out.append((tag, pending.get()))
+        return out
+
+    def __len__(self) -> int:
+        return len(self._queue)
 
 
 def offline_decode(decoder: SnacWindowDecoder, codes: np.ndarray, policy: WindowPolicy, seed: int = 0) -> np.ndarray:

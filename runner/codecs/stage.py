@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from runner.codecs.config import CodecConfig
-from runner.codecs.decoder import PendingPCM, SnacWindowDecoder
+from runner.codecs.decoder import Launches, SnacWindowDecoder
 from runner.codecs.orpheus_tokens import audio_token_range, invalid_token_reason
 from runner.codecs.snac import load_snac
 from runner.kernels.tuning import load_tables
@@ -58,11 +58,10 @@ class CodecStage:
                                          cfg.matmul_precision, graph_windows=lengths if cfg.cuda_graphs else (),
                                          graph_max_rows=cfg.max_batch_windows, tables=load_tables(device, tuning))
         self._reqs: dict[object, _Request] = {}
-        # launched batches in launch order: (key, job) per window, the windows' _Request
-        # objects, and the PCM on its way
-        self._pending: list[tuple[list[tuple[object, WindowJob]], list[_Request], PendingPCM]] = []
+        # launched batches, weighing their windows: (key, job) per window and the windows'
+        # _Request objects, with the PCM on its way
+        self._launches: Launches[tuple[list[tuple[object, WindowJob]], list[_Request]]] = Launches()
         self._inflight: Counter = Counter()  # queued or launched, not yet collected, windows per key
-        self._num_inflight = 0  # windows launched and not collected (sum over _pending)
         # ready windows not launched yet, by window length: (key, job, request, step queued);
         # _inflight counts them too, so a request is not done while one waits here
         self._queued: dict[int, list[tuple[object, WindowJob, _Request, int]]] = defaultdict(list)
@@ -180,8 +179,7 @@ class CodecStage:
                 reqs = [req for _, _, req, _ in part]
                 windows = [r.codes[j.window_start : j.window_end] for r, (_, j) in zip(reqs, batch)]
                 pending = self.decoder.launch_jobs(windows, [j for _, j in batch], [r.seed for r in reqs])
-                self._pending.append((batch, reqs, pending))
-                self._num_inflight += len(batch)
+                self._launches.add((batch, reqs), pending, len(batch))
         # after the launches: the in-flight bound then holds when step() returns
         touched = self._collect(pieces, wait or not self.asynchronous)
 
@@ -225,24 +223,14 @@ class CodecStage:
     @property
     def num_inflight(self) -> int:
         """Windows launched and not yet collected."""
-        return self._num_inflight
+        return self._launches.weight
 
     def _collect(self, pieces: dict[object, list[tuple[int, np.ndarray]]], wait: bool) -> set:
         """PCM of finished launches into `pieces` (of all launches if `wait`, and of the oldest
-        ones while too many windows are in flight); returns the keys collected. Launches run in
-        order on one stream, so the finished ones are a prefix of the list."""
-        done = 0
-        inflight = self._num_inflight
-        for batch, _, p in self._pending:
-            if not (wait or inflight > self.cfg.max_inflight_windows or p.ready):
-                break
-            inflight -= len(batch)
-            done += 1
-        collect, self._pending = self._pending[:done], self._pending[done:]
-        self._num_inflight = inflight
+        ones while too many windows are in flight); returns the keys collected."""
         keys = set()
-        for batch, reqs, p in collect:
-            for (key, job), req, pcm in zip(batch, reqs, p.get()):
+        for (batch, reqs), rows in self._launches.collect(wait, self.cfg.max_inflight_windows):
+            for (key, job), req, pcm in zip(batch, reqs, rows):
                 # by identity: an aborted request's key may belong to a newer request by now
                 if self._reqs.get(key) is req:
                     self._inflight[key] -= 1
