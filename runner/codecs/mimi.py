@@ -31,9 +31,11 @@ import json
 import math
 import os
 import tempfile
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,6 +53,8 @@ from transformers.models.mimi.modeling_mimi import (
 )
 
 from runner.codecs.config import CodecError
+from runner.codecs.decoder import PendingPCM, float_to_s16
+from runner.utils.host_staging import staging_for
 
 
 def load_mimi(source: str | Path | MimiModel, device: torch.device, dtype: torch.dtype = torch.float32) -> MimiModel:
@@ -132,8 +136,15 @@ class MimiStreamingDecoder:
     """Decodes the next frames of many streams in one call; each stream holds a slot of state.
 
     decode(slots, codes): codes (B, K, m) long, the next m frames of the streams in `slots`
-    (distinct) -> float PCM (B, m * samples_per_frame), and the streams' state advanced. The
-    pools grow by doubling up to `max_streams` slots.
+    (distinct) -> float PCM (B, m * samples_per_frame), and the streams' state advanced;
+    launch(slots, codes) the same as int16 PCM on its way to the host (what the codec stage
+    runs). The pools grow by doubling up to `max_streams` slots.
+
+    On CUDA every use of the state pools (decodes, a new stream's reset, growth) is queued on the
+    decoder's own stream, so they take effect in the order they were issued whatever the host
+    does meanwhile: a stream's chunks decode in order, and a slot freed while a launch that
+    writes it is still in flight is reset for its next stream only after that launch (see
+    new_stream).
     """
 
     def __init__(self, model: MimiModel, num_codebooks: int | None = None, max_streams: int = 1024,
@@ -152,6 +163,7 @@ class MimiStreamingDecoder:
         self.samples_per_frame = self.upsample_stride * math.prod(cfg.upsampling_ratios)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.max_streams = max_streams
         self._window = int(cfg.sliding_window)
         self._pool_shapes: list[tuple[int, ...]] = []  # per-stream state shapes
@@ -172,6 +184,12 @@ class MimiStreamingDecoder:
         self.scratch_slot = -1  # reserve_all(): the slot padding rows of a graph decode into
         self.graphs = None  # runner/codecs/mimi_graphs.py MimiGraphs, attached by the codec stage on CUDA
         self._grow(min(initial_streams, max_streams))
+        if self.stream is not None:  # the weights and tables above were written on the caller's stream
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _on_stream(self):
+        """The decoder's stream as the current one (CUDA), else nothing to switch."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
     # -- codes -> latents ------------------------------------------------------------------
 
@@ -235,13 +253,17 @@ class MimiStreamingDecoder:
         if extra <= 0:
             return
         kw = dict(device=self.device, dtype=self.dtype)
-        if old == 0:
-            self._pools = [torch.zeros((capacity, *shape), **kw) for shape in self._pool_shapes]
-        else:
-            self._pools = [torch.cat([p, torch.zeros((extra, *p.shape[1:]), **kw)]) for p in self._pools]
-        self._ring_pos = torch.cat([self._ring_pos, torch.full((extra, self._window), -1, dtype=torch.int64,
-                                                               device=self.device)])
-        self._latent_pos = torch.cat([self._latent_pos, torch.zeros(extra, dtype=torch.int64, device=self.device)])
+        # on the decoder's stream: the old pools are read after the launches in flight wrote
+        # them, and their memory (the stream's) is not reused before the copies have run
+        with self._on_stream():
+            if old == 0:
+                self._pools = [torch.zeros((capacity, *shape), **kw) for shape in self._pool_shapes]
+            else:
+                self._pools = [torch.cat([p, torch.zeros((extra, *p.shape[1:]), **kw)]) for p in self._pools]
+            self._ring_pos = torch.cat([self._ring_pos, torch.full((extra, self._window), -1, dtype=torch.int64,
+                                                                   device=self.device)])
+            self._latent_pos = torch.cat([self._latent_pos,
+                                          torch.zeros(extra, dtype=torch.int64, device=self.device)])
         self._free.extend(range(capacity - 1, old - 1, -1))  # pop() hands out the lowest slot first
         self._capacity = capacity
 
@@ -260,10 +282,14 @@ class MimiStreamingDecoder:
         self._free.remove(self.scratch_slot)
 
     def reset_scratch(self) -> None:
-        for p in self._pools:
-            p[self.scratch_slot].zero_()
-        self._ring_pos[self.scratch_slot] = -1
-        self._latent_pos[self.scratch_slot] = 0
+        self._reset(self.scratch_slot)
+
+    def _reset(self, slot: int) -> None:
+        with self._on_stream():
+            for p in self._pools:
+                p[slot].zero_()
+            self._ring_pos[slot] = -1
+            self._latent_pos[slot] = 0
 
     def new_stream(self) -> int:
         """A fresh slot, its state zero (the start of an utterance)."""
@@ -272,13 +298,15 @@ class MimiStreamingDecoder:
                 raise CodecError(f"max_streams: all {self.max_streams} Mimi codec streams are in use")
             self._grow(min(self.max_streams, max(1, 2 * self._capacity)))
         slot = self._free.pop()
-        for p in self._pools:
-            p[slot].zero_()
-        self._ring_pos[slot] = -1
-        self._latent_pos[slot] = 0
+        # Queued on the decoder's stream, behind every launch issued before: a launch of the
+        # slot's previous stream (aborted or ended while in flight) writes its state first, the
+        # reset then, and this stream's first decode after it.
+        self._reset(slot)
         return slot
 
     def free(self, slot: int) -> None:
+        """The slot may go to a new stream at once, launches of its old one still in flight (see
+        new_stream); their PCM is the caller's to drop."""
         self._free.append(slot)
 
     # -- decoding ------------------------------------------------------------------------
@@ -286,12 +314,50 @@ class MimiStreamingDecoder:
     @torch.inference_mode()
     def decode(self, slots: list[int], codes: torch.Tensor) -> torch.Tensor:
         """codes (B, K, m) long of the streams in `slots` -> float PCM (B, m * samples_per_frame)
-        (a graph replay where one is captured for the shape: valid until the next decode)."""
-        codes = codes.to(self.device)
-        bucket = self.graphs.bucket_for(len(slots), codes.shape[2]) if self.graphs is not None else None
-        if bucket is not None:
-            return self.graphs.run(bucket, slots, codes)
-        return self._decode_into(torch.tensor(slots, dtype=torch.int64, device=self.device), codes)
+        (a graph replay where one is captured for the shape: valid until the next decode). On
+        CUDA the decode runs on the decoder's stream and the caller's stream waits for it."""
+        if self.stream is None:
+            return self._decode_into(torch.tensor(slots, dtype=torch.int64), codes)
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)  # the codes may come from the caller's stream
+        with torch.cuda.stream(self.stream):
+            codes = codes.to(self.device)
+            bucket = self.graphs.bucket_for(len(slots), codes.shape[2]) if self.graphs is not None else None
+            if bucket is not None:
+                out = self.graphs.run(bucket, slots, codes)[0]
+            else:
+                out = self._decode_into(staging_for(self.device).to_device(np.asarray(slots, dtype=np.int64)), codes)
+                out.record_stream(caller)  # the decoder stream's memory, read on the caller's
+        caller.wait_stream(self.stream)
+        return out
+
+    @torch.inference_mode()
+    def launch(self, slots: list[int], codes: np.ndarray) -> PendingPCM:
+        """Start decoding codes (B, K, m) int64, the next m frames of the streams in `slots`
+        (distinct): their int16 PCM (B, m * samples_per_frame) on its way to the host. On the
+        CPU it has landed on return. On CUDA all of it is queued on the decoder's stream: the
+        inputs staged through the pinned ring, the decode (a graph replay where one is captured
+        for the shape), the int16 PCM copied into pinned host memory right behind it (stream
+        order: before a later replay of the same graph overwrites its output), then an event;
+        neither the host nor the model's stream waits here."""
+        n, m = len(slots), codes.shape[2]
+        cuts = [(0, m * self.samples_per_frame)] * n
+        if self.stream is None:
+            return PendingPCM(float_to_s16(self.decode(slots, torch.from_numpy(codes))), cuts, None)
+        staging = staging_for(self.device)
+        with torch.cuda.stream(self.stream):
+            bucket = self.graphs.bucket_for(n, m) if self.graphs is not None else None
+            if bucket is not None:
+                pcm = self.graphs.launch(bucket, slots, codes, staging)
+            else:
+                idx = staging.to_device(np.asarray(slots, dtype=np.int64))
+                pcm = float_to_s16(self._decode_into(idx, staging.to_device(codes)))
+            # the PCM stays here until the stage collects it (steps later): a block of its own
+            host = torch.empty((n, m * self.samples_per_frame), dtype=torch.int16, pin_memory=True)
+            host.copy_(pcm, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return PendingPCM(host, cuts, event)
 
     def _decode_into(self, idx: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """The decode of streams idx (B,) int64 on the device: the eager path and every graph's body."""

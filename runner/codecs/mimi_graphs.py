@@ -6,8 +6,10 @@ stream as for hundreds; at hundreds of streams the engine loop spent most of its
 them. A replay is one launch.
 
 A graph decodes m frames of up to `rows` streams: persistent inputs (the streams' slots, their
-codes) are filled by two copies, padding rows decode zeros into a scratch slot that no stream
-owns (their state and PCM are discarded), and the output PCM is a persistent buffer. The
+codes) are filled by two copies from the pinned staging ring, padding rows decode stale (valid)
+codes into a scratch slot that no stream owns (their state and PCM are discarded), and the output
+PCM, float and int16, is a persistent buffer. Replays run on the decoder's stream, so a launch's
+input copies land after the previous replay has read them. The
 decoder's state pools must not move, so they are allocated for every stream up front
 (`MimiStreamingDecoder.reserve_all`). Chunk lengths without a graph (the last, shorter chunk of
 an utterance) and row counts past the largest bucket decode eagerly; both paths run the same
@@ -18,10 +20,13 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
+from runner.codecs.decoder import float_to_s16
 from runner.codecs.mimi import MimiStreamingDecoder
 from runner.utils.capture import no_gc_while_capturing
+from runner.utils.host_staging import PinnedStaging, staging_for
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +40,13 @@ class MimiGraphs:
         self.slots = torch.full((top,), decoder.scratch_slot, dtype=torch.int64, device=dev)
         self.codes = {m: torch.zeros(top, k, m, dtype=torch.int64, device=dev) for m in self.lengths}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.out: dict[tuple[int, int], torch.Tensor] = {}
+        # (rows, m) -> (float PCM, its int16 rounding): (rows, m * samples_per_frame)
+        self.out: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = None
 
-    def _forward(self, b: int, m: int) -> torch.Tensor:
-        return self.decoder._decode_into(self.slots[:b], self.codes[m][:b])
+    def _forward(self, b: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pcm = self.decoder._decode_into(self.slots[:b], self.codes[m][:b])
+        return pcm, float_to_s16(pcm)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -71,16 +78,28 @@ class MimiGraphs:
                 return b
         return None
 
-    def run(self, b: int, slots: list[int], codes: torch.Tensor) -> torch.Tensor:
-        """Replay (b, m) for n <= b streams: codes (n, K, m) -> PCM (n, m * samples_per_frame),
-        a view of the graph's output valid until its next replay."""
+    def _fill_slots(self, b: int, slots: list[int], staging: PinnedStaging) -> None:
+        idx = np.full(b, self.decoder.scratch_slot, dtype=np.int64)
+        idx[: len(slots)] = slots
+        staging.copy_into(self.slots, idx)
+
+    def run(self, b: int, slots: list[int], codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay (b, m) on the current stream for n <= b streams: codes (n, K, m) on the device
+        -> PCM (n, m * samples_per_frame), float and int16, views of the graph's outputs valid
+        until its next replay."""
         n, m = codes.shape[0], codes.shape[2]
-        idx = torch.full((b,), self.decoder.scratch_slot, dtype=torch.int64)
-        idx[:n] = torch.as_tensor(slots, dtype=torch.int64)
-        self.slots[:b].copy_(idx, non_blocking=False)
-        buf = self.codes[m]
-        buf[:n].copy_(codes)
-        if n < b:
-            buf[n:b].zero_()
+        self._fill_slots(b, slots, staging_for(self.decoder.device))
+        self.codes[m][:n].copy_(codes, non_blocking=True)
         self.graphs[(b, m)].replay()
-        return self.out[(b, m)][:n]
+        pcm, pcm16 = self.out[(b, m)]
+        return pcm[:n], pcm16[:n]
+
+    def launch(self, b: int, slots: list[int], codes: np.ndarray, staging: PinnedStaging) -> torch.Tensor:
+        """run() from host codes (n, K, m) int64: both inputs go through the pinned ring, nothing
+        waits. Returns the int16 PCM (n, m * samples_per_frame), a view valid until the graph's
+        next replay (copy it out on the same stream)."""
+        n, m = codes.shape[0], codes.shape[2]
+        self._fill_slots(b, slots, staging)
+        staging.copy_into(self.codes[m].view(-1), codes)  # rows [0, n): the buffer is (rows, K, m)
+        self.graphs[(b, m)].replay()
+        return self.out[(b, m)][1][:n]

@@ -8,6 +8,11 @@ frame is decoded once, when it arrives, and its samples are emitted once, in ord
 concatenated PCM of a request equals transformers' offline `MimiModel.decode` of its codes up to
 float rounding (at most 1 int16 LSB, tests/codecs/test_mimi.py). Requests with the same number of
 new frames decode together in one batched call.
+
+On CUDA decoding is asynchronous, as in the SNAC stage: a decode call is launched on the codec's
+own stream (runner/codecs/mimi.py `launch`) and its PCM returned by the first step() after it
+has landed, so the engine's host thread neither waits for the decode nor, behind it, for the
+model's step. On the CPU a launch has finished when it returns (chosen once, at construction).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import numpy as np
 import torch
 
 from runner.codecs.config import CodecError
-from runner.codecs.decoder import float_to_s16
+from runner.codecs.decoder import Launches
 from runner.codecs.mimi import MimiStreamingDecoder, load_mimi
 from runner.codecs.mimi_graphs import MimiGraphs
 from runner.codecs.stage import StageResult
@@ -46,13 +51,17 @@ class MimiCodecConfig:
     # Frames pushed and not decoded yet, per request: past this the request fails (a producer
     # that outruns step() must not grow memory without bound).
     max_pending_frames: int = 4096
+    # CUDA: decode calls launched and not yet collected; past this, step() waits for the oldest.
+    # Bounds the pinned PCM blocks held and how far the codec may fall behind the model (the
+    # engine then slows to the codec's pace instead of queueing without end).
+    max_inflight_launches: int = 32
     # On CUDA, decode calls replay graphs captured per (rows up to max_batch_rows, chunk length
     # of the doubling schedule); the decoder's state is then allocated for max_streams up front.
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("sample_rate", "max_streams", "max_batch_rows", "first_chunk_frames", "max_chunk_frames",
-                     "max_pending_frames"):
+                     "max_pending_frames", "max_inflight_launches"):
             if getattr(self, name) < 1:
                 raise CodecError(f"MimiCodecConfig.{name}: must be >= 1, got {getattr(self, name)}")
         if self.num_codebooks is not None and self.num_codebooks < 1:
@@ -80,6 +89,7 @@ class _Request:
     ended: bool = False  # close() called: no more frames
     error: str | None = None
     chunk: int = 1  # frames the next decode waits for (unless the request ended)
+    inflight: int = 0  # launches holding frames of it, not yet collected (it is done only at 0)
 
 
 class MimiCodecStage:
@@ -110,6 +120,11 @@ class MimiCodecStage:
         self.samples_per_frame = self.decoder.samples_per_frame
         self._reqs: dict[object, _Request] = {}
         self._dirty: set = set()  # keys with new frames, an end or an error since the last step()
+        # decode calls launched, each with its rows' (key, request) and frames per row, the PCM
+        # on its way
+        self._launches: Launches[tuple[list[tuple[object, _Request]], int]] = Launches()
+        self._launched_frames = 0  # frames in those launches
+        self.asynchronous = self.decoder.stream is not None  # else a launch has landed on return
 
     # -- request lifecycle -------------------------------------------------------------
 
@@ -172,9 +187,13 @@ class MimiCodecStage:
             self._dirty.add(key)
 
     def abort(self, key: object) -> None:
-        """Drop the request and free its decoder state; nothing more is emitted for it."""
+        """Drop the request and free its decoder state; nothing more is emitted for it (its
+        launches in flight are dropped when they land, by request identity: the key may belong
+        to a newer request by then)."""
         req = self._reqs.pop(key, None)
         if req is not None:
+            # at once, launches of it in flight: the decoder resets a slot for its next stream
+            # behind them on its stream (MimiStreamingDecoder.new_stream)
             self.decoder.free(req.slot)
         self._dirty.discard(key)
 
@@ -198,12 +217,16 @@ class MimiCodecStage:
     # -- decoding ----------------------------------------------------------------------
 
     def step(self, wait: bool = False) -> dict[object, StageResult]:
-        """Decode the pushed frames of every request holding its next chunk (or ended; at most
-        cfg.max_chunk_frames per request per call, calls repeated until its backlog is done) and
-        return results for keys with news: PCM in order, an error, or completion. Keys reported
-        done are forgotten. Decoding is synchronous, so `wait` (the SNAC stage's "collect
-        everything in flight") has nothing to wait for; a request short of its chunk waits for
-        its next frame, whose push marks it again."""
+        """Launch a decode of the pushed frames of every request holding its next chunk (or
+        ended; at most cfg.max_chunk_frames per request per call, calls repeated until its
+        backlog is launched), collect the PCM of launches that have landed, and return results
+        for keys with news: PCM in order, an error, or completion (once every frame it was
+        pushed is collected). Keys reported done are forgotten. A request short of its chunk
+        waits for its next frame, whose push marks it again.
+
+        On CUDA the host waits for the codec only when `wait` (the caller has nothing else to
+        do: everything launched is collected) or past cfg.max_inflight_launches; on the CPU
+        every launch has landed when step() returns."""
         results: dict[object, StageResult] = {}
         pieces: dict[object, list[np.ndarray]] = defaultdict(list)
         dirty, self._dirty = self._dirty, set()
@@ -218,31 +241,50 @@ class MimiCodecStage:
                 by_len[min(len(req.pending), self.cfg.max_chunk_frames)].append((key, req))
             for m, group in by_len.items():
                 for i in range(0, len(group), self.cfg.max_batch_rows):
-                    self._decode(group[i : i + self.cfg.max_batch_rows], m, pieces)
+                    self._launch(group[i : i + self.cfg.max_batch_rows], m)
             todo = [(key, req) for key, req in todo if req.pending]
+        # after the launches: the in-flight bound then holds when step() returns
+        touched = self._collect(pieces, wait or not self.asynchronous)
         for key, parts in pieces.items():
-            # a copy either way: a row must not pin its whole batch's block
+            # a copy either way: a row must not pin its launch's block
             results[key] = StageResult(parts[0].copy() if len(parts) == 1 else np.concatenate(parts), done=False)
-        for key, req in live:
+        for key, req in live + touched:  # only these can have failed or become done
+            if self._reqs.get(key) is not req:
+                continue  # reported done above (a key both dirty and collected)
             if req.error is not None:
                 results[key] = StageResult(np.zeros(0, dtype=np.int16), done=True, error=req.error)
-            elif not (req.ended and not req.pending):
+            elif not (req.ended and not req.pending and req.inflight == 0):
                 continue
             results.setdefault(key, StageResult(np.zeros(0, dtype=np.int16), done=True)).done = True
             self.abort(key)
         return results
 
-    def _decode(self, group: list[tuple[object, _Request]], m: int, pieces: dict[object, list[np.ndarray]]) -> None:
-        """The next m frames of each request in `group`, in one decoder call."""
-        codes = np.stack([np.stack(req.pending[:m]) for _, req in group])  # (B, m, K)
+    def _launch(self, group: list[tuple[object, _Request]], m: int) -> None:
+        """Launch the decode of the next m frames of each request in `group`, in one call."""
+        codes = np.stack([np.stack(req.pending[:m], axis=1) for _, req in group])  # (B, K, m)
         for _, req in group:
             del req.pending[:m]
-        pcm = self.decoder.decode([req.slot for _, req in group], torch.from_numpy(codes).transpose(1, 2))
-        pcm = float_to_s16(pcm).cpu().numpy()
-        for (key, _), row in zip(group, pcm):
-            pieces[key].append(row)
+            req.inflight += 1
+        self._launches.add((group, m), self.decoder.launch([req.slot for _, req in group], codes))
+        self._launched_frames += m * len(group)
+
+    def _collect(self, pieces: dict[object, list[np.ndarray]], wait: bool) -> list[tuple[object, _Request]]:
+        """PCM of landed launches (of all when `wait`, of the oldest while too many are in
+        flight) into `pieces`, in launch order, which is each stream's frame order; returns the
+        (key, request) of their rows still open."""
+        touched = []
+        for (group, m), rows in self._launches.collect(wait, self.cfg.max_inflight_launches):
+            self._launched_frames -= m * len(group)
+            for (key, req), pcm in zip(group, rows):
+                req.inflight -= 1
+                # by identity: an aborted request's key may belong to a newer request by now
+                if self._reqs.get(key) is req and req.error is None:
+                    pieces[key].append(pcm)
+                    touched.append((key, req))
+        return touched
 
     @property
     def num_inflight(self) -> int:
-        """Frames pushed and not decoded yet (decoding is synchronous: 0 after step())."""
-        return sum(len(r.pending) for r in self._reqs.values())
+        """Frames pushed whose PCM has not been returned yet: waiting for their chunk, or
+        launched and not collected."""
+        return sum(len(r.pending) for r in self._reqs.values()) + self._launched_frames

@@ -276,3 +276,149 @@ def test_limits_are_named_errors(stage_factory, mimi_dir: Path) -> None:
         MimiCodecStage(MimiCodecConfig(path=str(mimi_dir), sample_rate=16000), CPU)
     with pytest.raises(CodecError, match="MimiCodecConfig.max_batch_rows"):
         MimiCodecConfig(path=str(mimi_dir), max_batch_rows=0)
+
+
+# ---------------------------------------------------------------- asynchronous launches (CUDA's bookkeeping)
+
+
+class _LateEvent:
+    """A CUDA event stand-in: lands when the test says so; a host wait on it is counted."""
+
+    def __init__(self, waits: list) -> None:
+        self.landed = False
+        self.waits = waits
+
+    def query(self) -> bool:
+        return self.landed
+
+    def synchronize(self) -> None:
+        if not self.landed:
+            self.waits.append(self)
+            self.landed = True
+
+
+def _late(stage: MimiCodecStage) -> tuple[list[_LateEvent], list[_LateEvent]]:
+    """The stage as on CUDA, on the CPU: a launch decodes at once (state advances in launch
+    order, as on the codec's stream) but its PCM lands only when the test lands its event, in
+    launch order. Returns (events in launch order, host waits)."""
+    events: list[_LateEvent] = []
+    waits: list[_LateEvent] = []
+    launch = stage.decoder.launch
+
+    def late(slots, codes):
+        pending = launch(slots, codes)
+        pending.event = _LateEvent(waits)
+        events.append(pending.event)
+        return pending
+
+    stage.decoder.launch = late
+    stage.asynchronous = True
+    return events, waits
+
+
+def _land(events: list[_LateEvent], n: int) -> None:
+    """The oldest n launches not landed yet land (a stream finishes in order)."""
+    for e in [e for e in events if not e.landed][:n]:
+        e.landed = True
+
+
+def test_async_launches_deliver_the_synchronous_pcm_in_order(stage_factory, model: MimiModel) -> None:
+    """Streams of different lengths join at different steps; launches land a few steps late,
+    in launch order. Each stream's PCM equals the synchronous stage's (same calls) and the
+    offline decode, each sample once; done comes after its last chunk is collected, and the
+    host never waits below the in-flight bound."""
+    plan = {"a": (0, 11), "b": (1, 3), "c": (1, 16), "d": (4, 1), "e": (6, 7)}  # key: (first step, frames)
+    frames = {k: _codes(40 + i, n) for i, (k, (_, n)) in enumerate(plan.items())}
+
+    def run(stage: MimiCodecStage, events: list[_LateEvent] | None) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(0)
+        out: dict = {}
+        done: dict = {}
+        sent = dict.fromkeys(plan, 0)
+        for step in range(60):
+            for k, (start, n) in plan.items():
+                if step == start:
+                    stage.open(k)
+                if start <= step and sent[k] < n:
+                    stage.push_many([(k, frames[k][sent[k]])])
+                    sent[k] += 1
+                    if sent[k] == n:
+                        stage.close(k)
+            if events is not None:
+                _land(events, int(rng.integers(0, 3)))
+            for k, r in stage.step().items():
+                assert r.error is None and k not in done, (k, r)
+                out.setdefault(k, []).append(r.pcm)
+                if r.done:
+                    # every frame it was pushed has come back by now
+                    assert sum(p.size for p in out[k]) == plan[k][1] * SPF, k
+                    done[k] = True
+            if len(done) == len(plan):
+                break
+        assert done == dict.fromkeys(plan, True) and len(stage) == 0 and stage.num_inflight == 0
+        return {k: _pcm(v) for k, v in out.items()}
+
+    stage = stage_factory(max_chunk_frames=4, max_batch_rows=2, max_inflight_launches=1000)
+    events, waits = _late(stage)
+    got = run(stage, events)
+    assert len(events) > 10 and waits == []  # launched late-landing, and the host never waited
+    want = run(stage_factory(max_chunk_frames=4, max_batch_rows=2), None)
+    for k in plan:
+        assert np.array_equal(got[k], want[k]), k
+        _assert_s16_close(got[k], _offline(model, frames[k]))
+
+
+def test_async_done_only_after_the_last_launch_lands(stage_factory, model: MimiModel) -> None:
+    stage = stage_factory()
+    events, waits = _late(stage)
+    frames = _codes(50, 5)
+    stage.open("a")
+    stage.push_many([("a", f) for f in frames])
+    stage.close("a")
+    assert stage.step() == {}  # launched, not landed: nothing yet, not done
+    assert len(events) == 1 and "a" in stage and stage.num_inflight == 5
+    assert stage.step() == {}
+    events[0].landed = True
+    res = stage.step()
+    assert res["a"].done and res["a"].error is None and "a" not in stage
+    _assert_s16_close(res["a"].pcm, _offline(model, frames))
+    assert waits == [] and stage.step() == {}
+
+
+def test_async_abort_mid_flight_delivers_nothing_for_it_nor_to_a_new_request_on_its_key(
+        stage_factory, model: MimiModel) -> None:
+    stage = stage_factory(max_streams=1)  # one slot: the new request must take the aborted one's
+    events, _ = _late(stage)
+    stage.open("a")
+    stage.push_many([("a", f) for f in _codes(60, 3)])
+    stage.step()  # launched
+    stage.push_many([("a", f) for f in _codes(61, 2)])
+    stage.abort("a")  # launch in flight, frames pending
+    assert stage.step() == {} and stage.num_inflight == 3
+    frames = _codes(62, 4)
+    stage.open("a")  # the same key, a new request, the same slot
+    stage.push_many([("a", f) for f in frames])
+    stage.close("a")
+    assert stage.step() == {}  # the old launch has not landed, the new one neither
+    events[0].landed = True
+    assert stage.step() == {}  # the old request's PCM is dropped; the new launch is still out
+    out = stage.step(wait=True)  # the caller has nothing else to do: everything is collected
+    assert out["a"].done
+    _assert_s16_close(out["a"].pcm, _offline(model, frames))
+    assert stage.num_inflight == 0 and stage.step() == {}
+
+
+def test_async_inflight_launches_are_bounded(stage_factory) -> None:
+    stage = stage_factory(max_chunk_frames=1, max_inflight_launches=2)
+    events, waits = _late(stage)
+    stage.open("a")
+    got = []
+    for i, f in enumerate(_codes(70, 6)):
+        stage.push_many([("a", f)])
+        got += [r.pcm for r in stage.step().values()]
+        assert len(events) == i + 1 and len(stage._launches) == min(i + 1, 2)
+        assert len(waits) == max(0, i - 1)  # past the bound the host waits for the oldest
+    assert sum(p.size for p in got) == 4 * SPF and stage.num_inflight == 2
+    stage.close("a")
+    res = stage.step(wait=True)
+    assert res["a"].done and res["a"].pcm.size == 2 * SPF and len(stage._launches) == 0
