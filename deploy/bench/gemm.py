@@ -49,11 +49,12 @@ SHAPE_SETS = {
     "orpheus": {"qkv": (5120, 3072, False), "o": (3072, 3072, False), "gate_up": (16384, 3072, True),
                 "down": (3072, 8192, False)},
     # CSM-1B: the backbone (Llama 1B) and the depth decoder (hidden 1024, 8 / 2 heads of 128,
-    # intermediate 8192) with its input projector (backbone width -> 1024, position 0 each frame)
+    # intermediate 8192) with its input projector (backbone width -> 1024, position 0 each frame);
+    # the heads of codebook 0 (backbone) and of codebooks 1..31 (depth decoder, one per sub-step)
     "csm": {"qkv": (3072, 2048, False), "o": (2048, 2048, False), "gate_up": (16384, 2048, True),
             "down": (2048, 8192, False), "depth_qkv": (1536, 1024, False), "depth_o": (1024, 1024, False),
             "depth_gate_up": (16384, 1024, True), "depth_down": (1024, 8192, False),
-            "depth_projector": (1024, 2048, False)},
+            "depth_projector": (1024, 2048, False), "lm_head": (2051, 2048, False), "depth_head": (2051, 1024, False)},
 }
 SHAPES = SHAPE_SETS["orpheus"]
 MS = (1, 16, 32, 64)  # bucket thresholds of the linear table's rows

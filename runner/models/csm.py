@@ -25,7 +25,6 @@ The end rule is transformers' generate: a frame whose codebooks 0..K-2 all equal
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runner.layers import make_attention, make_ops
@@ -71,10 +70,10 @@ class CsmModel(nn.Module):
 
     def allocate_depth_kv(self, max_rows: int) -> DepthKV:
         """The depth decoder's per-frame KV and metadata for up to max_rows rows, and its
-        projected codebook table (CsmDepthDecoder.project_codebooks), once the weights are loaded."""
+        decode-time weight layouts (CsmDepthDecoder.prepare_decode), once the weights are loaded."""
         w = self.lm_head.weight
         self.depth_kv = DepthKV(self.cfg.depth, self.num_codebooks, max_rows, w.device, w.dtype)
-        self.depth.project_codebooks()
+        self.depth.prepare_decode()
         return self.depth_kv
 
     # ---- input embeddings --------------------------------------------------------------------
@@ -119,7 +118,7 @@ class CsmModel(nn.Module):
 
     def head(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, H] last hidden states -> (the same, codebook-0 logits [B, V] float32)."""
-        return last, F.linear(last, self.lm_head.weight).float()
+        return last, self.backbone.ops.head(last, self.lm_head.weight, None).float()
 
     def backbone_step(self, embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                       meta: AttentionMetadata, last_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

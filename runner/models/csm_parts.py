@@ -114,19 +114,24 @@ class CsmDepthDecoder(DecoderStack):
         self.inputs_embeds_projector = nn.Linear(backbone_hidden, cfg.hidden_size, bias=False)
         # [K - 1, H, V]: codebook k's logits are h @ codebooks_head[k - 1] (transformers' layout)
         self.codebooks_head = nn.Parameter(torch.empty(k - 1, cfg.hidden_size, v))
-        self.projected_codes: torch.Tensor | None = None  # [K * V, H_depth]: project_codebooks()
+        self.projected_codes: torch.Tensor | None = None  # [K * V, H_depth]: prepare_decode()
 
-    def project_codebooks(self) -> None:
-        """The codebook table through the input projector, [K * V, H_depth], computed once from
-        the loaded weights: a sub-step's input is then a row gather instead of a gather and a
-        GEMM reading the projector (the projector is linear, so row c of the product is
-        projector(embed(c)); it differs from the per-step product only in the GEMM's summation
-        order). Call again if the weights change."""
+    def prepare_decode(self) -> None:
+        """Layouts of the loaded weights for decoding, computed once (again if the weights change):
+        * the codebook table through the input projector, [K * V, H_depth]: a sub-step's input is
+          a row gather instead of a gather and a GEMM reading the projector (the projector is
+          linear, so row c is projector(embed(c)); it differs from the per-step product only in
+          the GEMM's summation order);
+        * the heads stored [K - 1, V, H] (the parameter keeps its [K - 1, H, V] shape and values
+          as a transposed view): head k is then a row-major [V, H] weight, the layout of every
+          other GEMM, instead of a column-major one cuBLAS ran in a slow kernel at 64 rows."""
         self.projected_codes = F.linear(self.embed_tokens.weight, self.inputs_embeds_projector.weight)
+        heads = self.codebooks_head.detach().transpose(1, 2).contiguous()
+        self.codebooks_head.data = heads.transpose(1, 2)
 
     def codebook_logits(self, h: torch.Tensor, codebook: int) -> torch.Tensor:
         """[B, H] depth hidden at position `codebook` -> [B, V] float32 (model-dtype matmul, as transformers)."""
-        return F.linear(h, self.codebooks_head[codebook - 1].T).float()
+        return self.ops.head(h, self.codebooks_head[codebook - 1].T, None).float()
 
     def decode(self, hidden: torch.Tensor, code0: torch.Tensor, sampler: CodebookSampler, kv: DepthKV) -> torch.Tensor:
         """hidden [B, H_backbone] (the backbone's last hidden state of each row), code0 [B] int64
@@ -137,7 +142,7 @@ class CsmDepthDecoder(DecoderStack):
             raise ValueError(f"depth decode of {b} rows: its KV holds {kv.max_rows} (allocate_depth_kv(max_rows))")
         table = self.projected_codes
         if table is None:
-            raise RuntimeError("depth decode: call project_codebooks() (CsmModel.allocate_depth_kv) first")
+            raise RuntimeError("depth decode: call prepare_decode() (CsmModel.allocate_depth_kv) first")
         frames = torch.empty(b, k, dtype=torch.int64, device=hidden.device)
         frames[:, 0] = code0
         # positions 0 and 1: [projector(hidden_r), projector(embed(code0_r))] interleaved per row
