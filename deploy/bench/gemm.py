@@ -41,6 +41,7 @@ from runner.kernels.tuning import (
     dumps_table,
     linear_to_json,
     with_linear_rows,
+    with_split_rows,
 )
 
 # name: (weight rows, K, whether the gated kind is timed too), per model whose decode GEMMs a
@@ -200,6 +201,9 @@ def run_gemm_sweep(workers: int = 14, shapes: dict = SHAPES) -> dict:
 
 
 SPLITK_SHAPES = {"o": (3072, 3072), "down": (3072, 8192)}
+# the GEMMs whose output only feeds the add + RMSNorm (TritonOps.linear(into_norm=True)), per set
+SPLIT_NAMES = ("o", "down", "depth_o", "depth_down")
+SPLIT_GAIN = 0.9  # a split row must beat cuBLAS by 10%: its consumer reads the fp32 partials too
 
 
 def splitk_candidates(m: int, k: int) -> list[tuple[LinearTile, int]]:
@@ -226,23 +230,27 @@ def _compile_splitk(job) -> str | None:
     return None
 
 
-def run_splitk_sweep(workers: int = 14, ms: tuple[int, ...] = (16, 32, 64)) -> dict:
+def run_splitk_sweep(workers: int = 14, ms: tuple[int, ...] = (16, 32, 64), shapes: dict = SPLITK_SHAPES) -> dict:
     """Split-K variants of o_proj and down (fp32 partials [S, M, N], summed by the consumer)
-    against cuBLAS at M = 16, 32, 64: the GEMM alone (the consumer's extra reads are not in it)."""
-    jobs = [(n, k, m, t, sp) for n, k in SPLITK_SHAPES.values() for m in ms for t, sp in splitk_candidates(m, k)]
+    against cuBLAS at M = 16, 32, 64: the GEMM alone (the consumer's extra reads are not in it).
+    "rows": the split section's entries, (N, K) -> [[M, tile or None, splits]]."""
+    jobs = [(n, k, m, t, sp) for n, k in shapes.values() for m in ms for t, sp in splitk_candidates(m, k)]
     errors = _compile_all("split-K sweep", _compile_splitk, jobs, workers)
-    out: dict = {}
-    for name, (n, k) in SPLITK_SHAPES.items():
+    out: dict = {"rows": {}}
+    for name, (n, k) in shapes.items():
         copies = max(2, math.ceil(256e6 / (n * k * 2)))
         for m in ms:
             ws, x = _inputs(n, k, m, copies)
             cublas = _time_graph(lambda i: F.linear(x, ws[i]), copies)
-            res = {}
+            res, tiles = {}, {}
             for t, sp in splitk_candidates(m, k):
                 if errors[(n, k, m, t, sp)] is None:
-                    res[f"{_tile_key(t)} s{sp}"] = _time_graph(
-                        lambda i, t=t, sp=sp: skinny_linear(x, ws[i], None, t, split_k=sp), copies)
+                    key = f"{_tile_key(t)} s{sp}"
+                    tiles[key] = (t, sp)
+                    res[key] = _time_graph(lambda i, t=t, sp=sp: skinny_linear(x, ws[i], None, t, split_k=sp), copies)
             best = min(res, key=res.get) if res else None
+            won = best is not None and res[best] < SPLIT_GAIN * cublas
+            out["rows"].setdefault((n, k), []).append((m, *tiles[best]) if won else (m, None, 1))
             top = sorted(res.items(), key=lambda kv: kv[1])[:5]
             out[f"{name}_M{m}"] = {"cublas_us": cublas, "best": best, "best_us": res.get(best), "top5": top,
                                    "wbytes": n * k * 2}
@@ -300,8 +308,15 @@ def main() -> int:
                     help=f"write the winners as the linear section of this tuning table (e.g. {TABLES_DIR}/NAME.json)")
     ap.add_argument("--shapes", default="orpheus", choices=sorted(SHAPE_SETS),
                     help="the model whose decode GEMMs are swept (the table keeps other shapes' rows)")
+    ap.add_argument("--split", action="store_true",
+                    help="also sweep split-K for the GEMMs feeding the add + RMSNorm and write the split rows")
     args = ap.parse_args()
     res = run_gemm_sweep(args.workers, SHAPE_SETS[args.shapes])
+    split = None
+    if args.split:
+        names = [nm for nm in SPLIT_NAMES if nm in SHAPE_SETS[args.shapes]]
+        split = run_splitk_sweep(args.workers, shapes={nm: SHAPE_SETS[args.shapes][nm][:2] for nm in names})
+        res["split"] = {key: val for key, val in split.items() if key != "rows"}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gemm_sweep.json").write_text(json.dumps(res, indent=1))
@@ -314,6 +329,12 @@ def main() -> int:
         added = (f"{torch.cuda.get_device_name()}, bf16: {args.shapes} decode GEMMs ({swept}) swept alone against "
                  "cuBLAS (python -m deploy.bench.gemm --shapes " + args.shapes + "), the faster per row; null rows: cuBLAS")
         write_table(path, res["tuned"], added if before is None or args.shapes == "orpheus" else f"{before}; {added}")
+        if split is not None:
+            raw = json.loads(path.read_text())
+            line = raw.get("split", {}).get("provenance")
+            added = (f"{torch.cuda.get_device_name()}: {args.shapes} split-K rows where the GEMM alone beat cuBLAS "
+                     f"by {round(100 * (1 - SPLIT_GAIN))}% (gemm --shapes {args.shapes} --split)")
+            path.write_text(dumps_table(with_split_rows(raw, split["rows"], f"{line}; {added}" if line else added)))
         print(f"wrote the linear section of {args.write_table}")
     return 0
 

@@ -211,3 +211,20 @@ def test_a_sweep_writes_its_rows_into_the_table():
     assert out.attention == old.attention and out.snac == old.snac and out.gpu_names == old.gpu_names
     fresh = tables_from_json(with_linear_rows({"name": "new_gpu", "gpu_names": ["New GPU"]}, swept, "a sweep"))
     assert dict(fresh.linear.tuned) == swept and fresh.attention == GENERIC.attention
+
+
+def test_a_split_sweep_writes_its_rows_into_the_table():
+    """What deploy/bench/gemm.py --split --write-table does to the split section: the swept
+    (N, K) entries added or replaced, the others and every other section kept."""
+    from runner.kernels.tuning import with_split_rows
+
+    raw = json.loads((TABLES_DIR / "nvidia_h200.json").read_text())
+    swept = {(1024, 8192): ((16, LinearTile(16, 32, 128, 4, 4), 4), (32, None, 1), (64, None, 1)),
+             (3072, 3072): ((64, LinearTile(64, 64, 128, 4, 6, tma=True), 2),)}
+    out = tables_from_json(with_split_rows(raw, swept, "a split sweep"))
+    old = read_table("nvidia_h200")
+    assert out.provenance["split"] == "a split sweep"
+    assert dict(out.linear.split) == {**old.linear.split, **swept}
+    assert out.linear.split_tile(1024, 8192, 9) == (LinearTile(16, 32, 128, 4, 4), 4)
+    assert out.linear.split_tile(1024, 8192, 20) is None and out.linear.split_tile(1024, 8192, 1) is None
+    assert out.linear.tuned == old.linear.tuned and out.linear.fold == old.linear.fold

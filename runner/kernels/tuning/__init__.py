@@ -333,6 +333,12 @@ def with_linear_rows(raw: dict, tuned: Mapping[tuple[int, int, int], Rows], prov
     return {**raw, "linear": linear}
 
 
+def with_split_rows(raw: dict, split: Mapping[tuple[int, int], SplitRows], provenance: str) -> dict:
+    """`with_linear_rows` for the split section: the swept (N, K) entries replaced, the rest kept."""
+    rows = linear_to_json(LinearTables(split=split))["split"]["tiles"]
+    return {**raw, "split": {"provenance": provenance, "tiles": {**raw.get("split", {}).get("tiles", {}), **rows}}}
+
+
 def dumps_table(raw: dict) -> str:
     """A table file's text: one tile row per line, so a diff shows which rows changed."""
 
