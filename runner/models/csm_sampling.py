@@ -1,12 +1,17 @@
 """Per-codebook sampling of a multi-codebook frame: the callable `CsmModel.frame_step` and
 `CsmModel.depth_decode` call once per codebook, on the device, with no host sync.
 
-A `CodebookSampler` maps logits [B, V] float32 of codebook `k` to ids [B] int64. Greedy is an
-argmax; `RaceCodebooks` runs the project's sampler (runner/layers/sampler.py: temperature,
-top-k / top-p / min-p, the counter-keyed exponential race) with the race counter of codebook k of
-frame n set to n * K + k: each code of a request gets its own noise key, so a seeded request's
-frames do not depend on the batch (the same argument as for tokens). Penalties and logit bias
-(the sampler's stages 1-2) do not apply to codes.
+A `CodebookSampler` maps logits [B, V] (float32, or the head's bf16 / fp16: drawn as their
+float32 values) of codebook `k` to ids [B] int64, written into `out` when given (a column of the
+frames, say). Greedy is an argmax; `RaceCodebooks` runs the project's sampler
+(runner/layers/sampler.py: temperature, top-k / top-p / min-p, the counter-keyed exponential race)
+with the race counter of codebook k of frame n set to n * K + k: each code of a request gets its
+own noise key, so a seeded request's frames do not depend on the batch (the same argument as for
+tokens). Penalties and logit bias (the sampler's stages 1-2) do not apply to codes.
+
+`FusedCodebooks` draws the same ids as `CodecRange(RaceCodebooks(...))` in one Triton launch per
+codebook (runner/kernels/codebook_sampling.py: CUDA, a vocabulary of at most MAX_VOCAB codes);
+the frame runner picks it once, at construction, where it applies.
 """
 
 from __future__ import annotations
@@ -17,21 +22,30 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from runner.layers.noise import NOISE_SALTS
 from runner.layers.sampler import Sampler
 from runner.layers.sampling_batch import SamplingBatch
 
 
 class CodebookSampler(Protocol):
-    def __call__(self, logits: Tensor, codebook: int) -> Tensor:
-        """logits [B, V] float32 of codebook `codebook` (may be modified in place) -> ids [B] int64."""
+    def __call__(self, logits: Tensor, codebook: int, out: Tensor | None = None) -> Tensor:
+        """logits [B, V] float of codebook `codebook` (may be modified in place) -> ids [B]
+        int64: `out` ([B] int64, any stride) when given, else a new tensor."""
         ...
+
+
+def _into(ids: Tensor, out: Tensor | None) -> Tensor:
+    if out is None:
+        return ids
+    out.copy_(ids)
+    return out
 
 
 class GreedyCodebooks:
     """argmax of every codebook (transformers' do_sample=False, depth_decoder_do_sample=False)."""
 
-    def __call__(self, logits: Tensor, codebook: int) -> Tensor:
-        return logits.argmax(dim=-1)
+    def __call__(self, logits: Tensor, codebook: int, out: Tensor | None = None) -> Tensor:
+        return _into(logits.argmax(dim=-1), out)
 
 
 class RaceCodebooks:
@@ -47,8 +61,10 @@ class RaceCodebooks:
         self.batch = batch
         self._base = batch.counters * num_codebooks  # [B] int64, on the batch's device
 
-    def __call__(self, logits: Tensor, codebook: int) -> Tensor:
-        return self.sampler.sample(logits, replace(self.batch, counters=self._base + codebook))
+    def __call__(self, logits: Tensor, codebook: int, out: Tensor | None = None) -> Tensor:
+        # the sampler scales in place and works in float32 (.float() is a no-op on float32)
+        ids = self.sampler.sample(logits.float(), replace(self.batch, counters=self._base + codebook))
+        return _into(ids, out)
 
 
 class CodecRange:
@@ -61,6 +77,43 @@ class CodecRange:
         over = torch.arange(vocab, device=rows.device) >= limit
         self.mask = rows[:, None] & over[None, :]  # [B, V], built once per frame step
 
-    def __call__(self, logits: Tensor, codebook: int) -> Tensor:
+    def __call__(self, logits: Tensor, codebook: int, out: Tensor | None = None) -> Tensor:
         logits.masked_fill_(self.mask, float("-inf"))
-        return self.inner(logits, codebook)
+        return self.inner(logits, codebook, out)
+
+
+class FusedCodebooks:
+    """`CodecRange(RaceCodebooks(sampler, batch, K), limit, rows, V)` (or the bare
+    `RaceCodebooks` when `limit` is None) in one launch per codebook: the codec range, the
+    sampler's stages 3-5 and the race noise computed inline
+    (runner/kernels/codebook_sampling.py). Same ids as the torch sampler up to fp32 rounding
+    (a mass within rounding of its top-p bound, a race tie within an ulp). Logits are read,
+    never written, in their own dtype. CUDA with Triton, V <= `max_vocab()`.
+
+    Built once per frame step like RaceCodebooks; a call allocates at most its output (none
+    with `out`), reads no device value and launches one kernel (CUDA-graph safe)."""
+
+    def __init__(self, batch: SamplingBatch, num_codebooks: int, limit: int | None = None,
+                 rows: Tensor | None = None):
+        if (limit is None) != (rows is None):
+            raise ValueError("limit and rows come together (the codec range) or not at all")
+        from runner.kernels.codebook_sampling import codebook_sample  # needs triton: CUDA only
+
+        self._sample = codebook_sample
+        self.batch = batch
+        self.num_codebooks = num_codebooks
+        self.limit = limit
+        self.rows = rows
+
+    @staticmethod
+    def max_vocab() -> int:
+        """The largest vocabulary the kernel holds in registers (imports triton)."""
+        from runner.kernels.codebook_sampling import MAX_VOCAB
+
+        return MAX_VOCAB
+
+    def __call__(self, logits: Tensor, codebook: int, out: Tensor | None = None) -> Tensor:
+        b = self.batch
+        return self._sample(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.counters,
+                            self.num_codebooks, codebook, NOISE_SALTS, rows=self.rows,
+                            limit=self.limit or 0, out=out)

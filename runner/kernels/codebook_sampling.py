@@ -1,0 +1,197 @@
+"""One launch per codebook: the codec range, stages 3-5 of the sampler and the race noise, fused
+for a small vocabulary (a multi-codebook talker's codes: CSM's 2051, Qwen3-TTS's ~2050).
+
+Why: the general path (runner/kernels/sampling.py, built for 156k-token rows) costs a codebook
+a .float() cast, the codec range's masked_fill_, a counter add, the race-noise launch writing
+[B, V] and the multi-pass filter kernel: ~8 launches, and a CSM frame draws 32 codebooks in a
+row. Here one program per row holds the whole row in registers (V <= MAX_VOCAB) and does:
+
+  load       x = float(logits) (bf16 / fp16 / fp32, any row stride); on rows flagged in
+             `rows`, columns >= limit are -inf (models/csm_sampling.CodecRange);
+  greedy     temperature 0: the first index of the maximum (torch.argmax), nothing else;
+  scale      y = x / T (IEEE division, as torch's), e = exp(y - max y);
+  top-k      keep key(y) > t_k with t_k the largest key such that count(key > t_k) >= k
+             (so every token tied with the k-th value survives);
+  top-p      over what top-k kept: keep key > t_p, the largest key with mass(key > t_p) >=
+             p * Z (Z = the mass top-k kept): the smallest upper set reaching p, top token kept;
+  min-p      e >= min_p;
+  race       argmax over the kept tokens of e / q, q = -log(u) with u the bits of
+             runner/layers/noise.race_noise for (seed, counter * K + codebook, column),
+             computed in place of a [B, V] noise tensor.
+
+Keys are `_order_key` (an order-preserving int32 image of the float, -0.0 = +0.0), as in the
+general kernel and the torch backend. A threshold search keeps (lo, hi] with stat(lo) >= bound
+> stat(hi) and evaluates the statistic at NP pivots per round in one reduction over the row in
+registers: lo and hi - 1 (their difference says whether any token lies strictly between, the
+end of the search), the key midpoint (at most 33 rounds whatever the values) and values evenly
+spaced between value(lo) and value(hi) (which adapt to where the logits are: a few rounds in
+practice). Masses are fp32 sums over a fixed reduction tree per row, so a row never depends on
+the other rows of the batch; they differ from the torch backend's only in summation order (a
+kept set can differ only where a cumulative mass is within fp32 rounding of its bound).
+
+Importing this module needs `triton` (tests run it under TRITON_INTERPRET=1 on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from runner.kernels.hashing import hash32, uniform24
+from runner.kernels.sampling import _key_value, _order_key
+
+MAX_VOCAB = 4096  # the row lives in registers: BLOCK = next_power_of_2(V) lanes per program
+_NP = 4  # pivots per search round (2 probes, the key midpoint, NP - 3 value-spaced); a power of 2
+
+_KEY_NEG_INF = -0x7F800000  # _order_key(-inf)
+
+
+@triton.jit
+def _pivots(lo, hi, NP: tl.constexpr):
+    """[NP] int32 keys in [lo, hi - 1] (requires hi - lo >= 2): lo, hi - 1, the key midpoint,
+    then NP - 3 values evenly spaced strictly between value(lo) and value(hi)."""
+    j = tl.arange(0, NP)
+    lo64 = lo.to(tl.int64)
+    hi64 = hi.to(tl.int64)
+    mid = lo64 + (hi64 - lo64) // 2
+    # Clamp to finite keys first (the key below -FLT_MAX would decode to NaN bits).
+    vlo = _key_value(tl.maximum(lo, -0x7F7FFFFF))
+    vhi = _key_value(tl.minimum(hi, 0x7F7FFFFF))
+    f = (j - 2).to(tl.float32) / (NP - 2)
+    v = vlo * (1.0 - f) + vhi * f  # no overflow: each term is finite
+    piv = tl.where(j == 0, lo64, tl.where(j == 1, hi64 - 1, tl.where(j == 2, mid, _order_key(v).to(tl.int64))))
+    piv = tl.minimum(tl.maximum(piv, lo64), hi64 - 1)
+    return piv.to(tl.int32)
+
+
+@triton.jit
+def _search(key, e, lo, hi, bound, frac, MASS: tl.constexpr, NP: tl.constexpr):
+    """The largest key lo' with stat(key > lo') >= bound: keep key > lo'.
+
+    In: stat(lo) >= bound > stat(hi) (hi: the key of the row max, where stat is 0); key / e
+    [BLOCK] the row's keys and masses (padding lanes: key(-inf), never above lo). stat: count
+    (MASS False) or sum of e. MASS with bound < 0: bound = frac * mass(key > lo), measured in
+    the first round (so it comes from the same reduction tree as every pivot's mass).
+    """
+    k2 = key[:, None]
+    e2 = e[:, None]
+    go = hi.to(tl.int64) - lo.to(tl.int64) > 1
+    while go:
+        piv = _pivots(lo, hi, NP)  # [NP]
+        gt = k2 > piv[None, :]  # [BLOCK, NP]
+        if MASS:
+            stat = tl.sum(tl.where(gt, e2, 0.0), axis=0)
+        else:
+            stat = tl.sum(tl.where(gt, 1.0, 0.0), axis=0)  # counts in fp32: exact below 2^24
+        # column 0 is lo: its stat is mass(key > lo) = Z on the first round
+        s_lo = tl.sum(tl.where(tl.arange(0, NP) == 0, stat, 0.0), axis=0)
+        s_hi1 = tl.sum(tl.where(tl.arange(0, NP) == 1, stat, 0.0), axis=0)
+        bound = tl.where(bound < 0, frac * s_lo, bound)
+        # Stats are monotone in the pivot (termwise >=, one reduction tree), so every pivot
+        # with stat >= bound lies below every pivot with stat < bound.
+        drop = stat >= bound
+        new_hi = tl.min(tl.where(drop, hi, piv), axis=0)
+        new_lo = tl.max(tl.where(drop, piv, lo), axis=0)
+        # stat(lo) == stat(hi - 1): no token (with mass) strictly inside (lo, hi), so keep
+        # key > lo is the answer already.
+        go = (s_lo != s_hi1) & (new_hi.to(tl.int64) - new_lo.to(tl.int64) > 1)
+        lo = new_lo
+        hi = new_hi
+    return lo
+
+
+@triton.jit(do_not_specialize=["stride_x", "limit", "num_codebooks", "codebook", "stride_o"],
+            do_not_specialize_on_alignment=["x_ptr", "out_ptr"])
+def _codebook_sample_kernel(
+    x_ptr, stride_x,  # logits [B, V] bf16 / fp16 / fp32 (read only)
+    rows_ptr, limit,  # [B] bool: rows whose codes stay below `limit` (HAS_RANGE)
+    temp_ptr, topk_ptr, topp_ptr, minp_ptr,  # [B] f32, i64, f32, f32
+    seed_ptr, ctr_ptr, num_codebooks, codebook,  # [B] i64 noise seeds and frame counters
+    out_ptr, stride_o,  # ids [B] int64 (any stride)
+    V,
+    HAS_RANGE: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr,
+    SALT0: tl.constexpr, SALT1: tl.constexpr, SALT2: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    valid = cols < V
+    x = tl.load(x_ptr + row * stride_x + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    if HAS_RANGE:
+        x = tl.where((tl.load(rows_ptr + row) != 0) & (cols >= limit), float("-inf"), x)
+    mx = tl.max(x, axis=0)
+    gid = tl.min(tl.where(x == mx, cols, BLOCK), axis=0)
+    gid = tl.where(gid < V, gid, 0)  # a NaN maximum matches no column
+    t_raw = tl.load(temp_ptr + row)
+    ids = gid
+    if t_raw != 0.0:
+        y = tl.div_rn(x, tl.where(valid, t_raw, 1.0))  # IEEE division, as torch's
+        m = tl.max(y, axis=0)
+        e = tl.exp(y - m)  # padding and -inf: 0
+        key = _order_key(y)
+        finite = y > float("-inf")
+        n_fin = tl.sum(finite.to(tl.int32), axis=0)
+        v_min = tl.min(tl.where(finite, y, float("inf")), axis=0)
+        hi = _order_key(m)
+        lo = _order_key(v_min) - 1  # every finite token lies above lo, -inf below
+        k = tl.load(topk_ptr + row)
+        no_frac = tl.full([], 0.0, tl.float32)
+        if (k > 0) & (k < n_fin):  # k >= #finite keeps every finite token
+            lo = _search(key, e, lo, hi, k.to(tl.float32), no_frac, False, NP)
+        p = tl.load(topp_ptr + row)
+        if p < 1.0:
+            # Tokens more than 120 below the max have e == 0 in fp32: massless, they never
+            # cross the bound; starting above them narrows the value range of the pivots.
+            lo = tl.maximum(lo, _order_key(m - 120.0) - 1)
+            lo = _search(key, e, lo, hi, tl.full([], -1.0, tl.float32), p, True, NP)
+        min_p = tl.load(minp_ptr + row)
+        keep = (key > lo) & (e >= min_p) & valid
+        # the race noise of runner/layers/noise.race_noise, column by column
+        seed = tl.load(seed_ptr + row)
+        ctr = tl.load(ctr_ptr + row) * num_codebooks + codebook
+        s0 = tl.full([], SALT0, tl.int64).to(tl.uint32)
+        s1 = tl.full([], SALT1, tl.int64).to(tl.uint32)
+        s2 = tl.full([], SALT2, tl.int64).to(tl.uint32)
+        hkey = hash32(hash32((seed & 0xFFFFFFFF).to(tl.uint32) ^ s0) ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+        hkey = hash32(hkey ^ hash32((ctr & 0xFFFFFFFF).to(tl.uint32) ^ s1))
+        hkey2 = hash32(hkey ^ s2)
+        q = -tl.log(uniform24(hash32(hash32(cols.to(tl.uint32) ^ hkey) ^ hkey2)))  # > 0
+        score = tl.where(keep, e / q, -1.0)
+        top = tl.max(score, axis=0)
+        win = tl.min(tl.where(score == top, cols, BLOCK), axis=0)
+        ids = tl.where(win < V, win, gid)  # NaN rows: a valid column still
+    tl.store(out_ptr + row * stride_o, ids.to(tl.int64))
+
+
+def num_warps(block: int) -> int:
+    """Warps of a program holding `block` lanes: 8 to 16 values per thread keeps a search
+    round's [BLOCK, NP] tile in registers (no spills: the offline compile test checks)."""
+    return max(4, min(16, block // 256))
+
+
+def codebook_sample(logits, temperature, top_k, top_p, min_p, seeds, counters, num_codebooks: int, codebook: int,
+                    salts: tuple[int, int, int], rows=None, limit: int = 0, out=None,
+                    np_pivots: int = _NP, warps: int | None = None):
+    """ids [B] int64 of codebook `codebook` from logits [B, V] (V <= MAX_VOCAB, unit column
+    stride); the sampling rows' parameters and race keys are [B] device tensors (SamplingBatch's
+    fields; the race counter is counters * num_codebooks + codebook); `salts`:
+    runner.layers.noise.NOISE_SALTS. rows [B] bool / limit: the codec range (None: off).
+    out: a [B] int64 view to write (e.g. a column of the frames), else a new tensor. No host
+    sync, no allocation besides the output."""
+    b, v = logits.shape
+    if v > MAX_VOCAB or logits.stride(1) != 1:
+        raise ValueError(f"logits {tuple(logits.shape)} with column stride {logits.stride(1)}: "
+                         f"need V <= {MAX_VOCAB} and unit column stride")
+    block = triton.next_power_of_2(v)
+    if out is None:
+        out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    if b:
+        _codebook_sample_kernel[(b,)](
+            logits, logits.stride(0), rows if rows is not None else temperature, limit,
+            temperature, top_k, top_p, min_p, seeds, counters, num_codebooks, codebook,
+            out, out.stride(0), v,
+            HAS_RANGE=rows is not None, BLOCK=block, NP=np_pivots,
+            SALT0=salts[0], SALT1=salts[1], SALT2=salts[2], num_warps=warps or num_warps(block),
+        )
+    return out
+
