@@ -119,7 +119,11 @@ class MimiCodecStage:
         self.codebook_size = self.decoder.codebook_size
         self.samples_per_frame = self.decoder.samples_per_frame
         self._reqs: dict[object, _Request] = {}
-        self._dirty: set = set()  # keys with new frames, an end or an error since the last step()
+        # Keys that reached their next chunk, ended or failed since the last step(): only they can
+        # launch, fail or become done there (one in max_chunk_frames steps per stream once its
+        # chunks are long, so step() does not visit every stream every step). A launch takes all
+        # of a request's pending frames, so a request not marked holds less than its chunk.
+        self._dirty: set = set()
         # decode calls launched, each with its rows' (key, request) and frames per row, the PCM
         # on its way
         self._launches: Launches[tuple[list[tuple[object, _Request]], int]] = Launches()
@@ -143,25 +147,33 @@ class MimiCodecStage:
         # One range check over the whole step's frames (a per-frame check cost ~3 us a frame, a
         # few ms a step at hundreds of streams); a frame it flags, or a batch that is not one
         # [N, K] integer array, is judged frame by frame for the error message.
+        # The loop runs for every request of every step: the batch's rows and flags as Python
+        # lists (an index into a numpy array costs more than the rest of an item's work).
         batch = _as_batch(items, self.num_codebooks)
-        ok = None if batch is None else ~((batch < 0) | (batch >= self.codebook_size)).any(axis=1)
-        for i, (key, frame) in enumerate(items):
-            req = self._reqs.get(key)
+        if batch is None:
+            rows, ok = [None] * len(items), [False] * len(items)
+        else:
+            rows, ok = list(batch), (~((batch < 0) | (batch >= self.codebook_size)).any(axis=1)).tolist()
+        reqs, dirty, cap = self._reqs, self._dirty, self.cfg.max_pending_frames
+        for (key, frame), codes, good in zip(items, rows, ok):
+            req = reqs.get(key)
             if req is None or req.ended or req.error is not None:
                 continue
-            if ok is not None and ok[i]:
-                codes, why = batch[i], None
-            else:
-                codes, why = self._check_frame(frame, req.n_frames)
-            if why is None and len(req.pending) >= self.cfg.max_pending_frames:
-                why = (f"MimiCodecConfig.max_pending_frames: more than {self.cfg.max_pending_frames} frames "
-                       "waiting to be decoded")
-            self._dirty.add(key)
-            if why is not None:
-                req.error = why
-                continue
-            req.pending.append(codes)
+            pending = req.pending
+            if not good or len(pending) >= cap:
+                why = None
+                if not good:
+                    codes, why = self._check_frame(frame, req.n_frames)
+                if why is None and len(pending) >= cap:
+                    why = f"MimiCodecConfig.max_pending_frames: more than {cap} frames waiting to be decoded"
+                if why is not None:
+                    req.error = why
+                    dirty.add(key)
+                    continue
+            pending.append(codes)
             req.n_frames += 1
+            if len(pending) >= req.chunk:
+                dirty.add(key)  # it holds its next chunk: the next step() launches it
 
     def _check_frame(self, frame: object, index: int) -> tuple[np.ndarray | None, str | None]:
         """The frame as (K,) int64 codes, or why it is invalid (naming frame and codebook)."""
@@ -222,7 +234,7 @@ class MimiCodecStage:
         backlog is launched), collect the PCM of launches that have landed, and return results
         for keys with news: PCM in order, an error, or completion (once every frame it was
         pushed is collected). Keys reported done are forgotten. A request short of its chunk
-        waits for its next frame, whose push marks it again.
+        waits for the push that completes it, which marks it.
 
         On CUDA the host waits for the codec only when `wait` (the caller has nothing else to
         do: everything launched is collected) or past cfg.max_inflight_launches; on the CPU
@@ -261,10 +273,13 @@ class MimiCodecStage:
 
     def _launch(self, group: list[tuple[object, _Request]], m: int) -> None:
         """Launch the decode of the next m frames of each request in `group`, in one call."""
-        codes = np.stack([np.stack(req.pending[:m], axis=1) for _, req in group])  # (B, K, m)
+        # one stack of all B * m frames: a stack per request costs more than its copy
+        frames = []
         for _, req in group:
+            frames += req.pending[:m]
             del req.pending[:m]
             req.inflight += 1
+        codes = np.ascontiguousarray(np.stack(frames).reshape(len(group), m, -1).transpose(0, 2, 1))  # (B, K, m)
         self._launches.add((group, m), self.decoder.launch([req.slot for _, req in group], codes))
         self._launched_frames += m * len(group)
 

@@ -20,7 +20,7 @@ from runner.engine.model_runner import ModelRunner
 from runner.engine.output_copier import AsyncOutput, StepResult
 from runner.engine.phase_timer import PhaseTimer
 from runner.engine.frame_runner import FrameRunner
-from runner.engine.request import FinishReason, FrameLog, Request
+from runner.engine.request import FinishReason, FrameLog, Request, Status
 from runner.engine.warm_up import WarmUp
 from runner.engine.scheduler import Scheduler, SchedulerOutput
 from runner.families.base import CodecStageLike, ModelFamily
@@ -230,17 +230,19 @@ class Engine(WarmUp):
         by_req: dict[int, RequestOutput] = {}
         audio: list[tuple[int, object]] = []  # (codec key, token or frame), handed over in one call
         closed: list[int] = []
+        # this loop runs for every row of every step: locals, and status read directly
+        frames, finished, stop = self.frames, Status.FINISHED, FinishReason.STOP
         for req, tok in accepted:
             if req.audio:
                 # Tokens of an audio request travel with its next audio chunk or its finish
                 # (_codec_step): a message per token would be ~40x the traffic for no reader.
-                if self.frames:  # the frame just appended; the frame that ends the audio is not audio
-                    if not (req.is_finished and req.finish_reason is FinishReason.STOP):
-                        audio.append((id(req), req.frames.rows(req.frames.num_rows - 1, req.frames.num_rows)[0]))
-                else:
-                    audio.append((id(req), tok))
-                if req.is_finished:
-                    closed.append(id(req))
+                key = id(req)
+                if req.status is finished:
+                    closed.append(key)
+                    if frames and req.finish_reason is stop:
+                        continue  # the frame that ends the audio is not audio
+                # a multi-codebook request's frame just accepted (the last row of its FrameLog)
+                audio.append((key, req.frames.last() if frames else tok))
                 continue
             o = by_req[id(req)] = self._output(req, [tok], finished=False)
             if req.is_finished:

@@ -58,12 +58,18 @@ class FrameLog:
         return self._rows.shape[1]
 
     def append(self, frame: np.ndarray) -> None:
-        if self.num_rows == len(self._rows):
-            grown = np.empty((2 * len(self._rows), self.width), dtype=np.int64)
-            grown[: self.num_rows] = self._rows[: self.num_rows]
-            self._rows = grown
-        self._rows[self.num_rows] = frame
-        self.num_rows += 1
+        # once per request per step: locals over repeated attribute reads
+        n, rows = self.num_rows, self._rows
+        if n == len(rows):
+            rows = np.empty((2 * n, self.width), dtype=np.int64)
+            rows[:n] = self._rows[:n]
+            self._rows = rows
+        rows[n] = frame
+        self.num_rows = n + 1
+
+    def last(self) -> np.ndarray:
+        """(K,) view of the latest position's row (the frame just accepted)."""
+        return self._rows[self.num_rows - 1]
 
     def rows(self, start: int, end: int) -> np.ndarray:
         """[end - start, K] view of positions start .. end - 1 (all known)."""
