@@ -54,6 +54,7 @@ class MimiGraphs:
         with no_gc_while_capturing():
             stream = torch.cuda.Stream(self.decoder.device)
             stream.wait_stream(torch.cuda.current_stream())
+            stream.wait_stream(self.decoder.stream)  # the pools were allocated and zeroed there
             with torch.cuda.stream(stream):
                 for b, m in keys:  # kernels load and workspaces grow outside any capture
                     self._forward(b, m)

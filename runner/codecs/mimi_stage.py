@@ -301,5 +301,5 @@ class MimiCodecStage:
     @property
     def num_inflight(self) -> int:
         """Frames pushed whose PCM has not been returned yet: waiting for their chunk, or
-        launched and not collected."""
+        launched and not collected (an aborted request's too, until they land)."""
         return sum(len(r.pending) for r in self._reqs.values()) + self._launched_frames
