@@ -35,7 +35,7 @@ from runner.engine.scheduler import SchedulerOutput
 from runner.engine.step_inputs import StepInputs, pack_step_inputs
 from runner.layers.sampling_batch import SamplingBatch, SamplingTable
 from runner.models.csm import CsmModel
-from runner.models.csm_sampling import CodebookSampler, CodecRange, GreedyCodebooks, RaceCodebooks
+from runner.models.csm_sampling import CodebookSampler, CodecRange, FusedCodebooks, GreedyCodebooks, RaceCodebooks
 
 
 class FrameRunner(ModelRunner):
@@ -54,6 +54,9 @@ class FrameRunner(ModelRunner):
         self.last_frame = torch.zeros(S + 1, k, dtype=torch.int64, device=self.device)
         # whether each slot's request feeds the codec (its codes are kept below code_limit); row S: padding
         self.slot_audio = torch.zeros(S + 1, dtype=torch.bool, device=self.device)
+        # one launch per codebook (csm_sampling.FusedCodebooks) where it applies, else the sampler's path
+        self._fused_codebooks = (self.device.type == "cuda" and self.sampler.backend == "triton"
+                                 and model.cfg.codebook_size <= FusedCodebooks.max_vocab())
         model.allocate_depth_kv(S)
         self._frames_in: torch.Tensor | None = None  # the frame step's output when a graph ran it
         self.frame_graphs: FrameGraphs | None = None
@@ -165,10 +168,14 @@ class FrameRunner(ModelRunner):
         return tab.floats[sl], tab.top_k[sl], sl, tab.seeds[sl], np.asarray(st.sample.out_index, dtype=np.int64)
 
     def codebook_sampler(self, batch: SamplingBatch) -> CodebookSampler:
+        rows = None  # the rows feeding the codec (their codes stay below code_limit)
+        if self.code_limit is not None:
+            rows = self.slot_audio[torch.where(batch.slots >= 0, batch.slots, self.slot_audio.shape[0] - 1)]
+        if self._fused_codebooks:
+            return FusedCodebooks(batch, self.num_codebooks, self.code_limit, rows)
         race = RaceCodebooks(self.sampler, batch, self.num_codebooks)
-        if self.code_limit is None:
+        if rows is None:
             return race
-        rows = self.slot_audio[torch.where(batch.slots >= 0, batch.slots, self.slot_audio.shape[0] - 1)]
         return CodecRange(race, self.code_limit, rows, self.model.cfg.codebook_size)
 
     def frame_ids(self, frames: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ row. Here one program per row holds the whole row in registers (V <= MAX_VOCAB) 
   load       x = float(logits) (bf16 / fp16 / fp32, any row stride); on rows flagged in
              `rows`, columns >= limit are -inf (models/csm_sampling.CodecRange);
   greedy     temperature 0: the first index of the maximum (torch.argmax), nothing else;
-  scale      y = x / T (IEEE division, as torch's), e = exp(y - max y);
+  scale      y = x / T (correctly rounded, as torch's division), e = exp(y - max y);
   top-k      keep key(y) > t_k with t_k the largest key such that count(key > t_k) >= k
              (so every token tied with the k-th value survives);
   top-p      over what top-k kept: keep key > t_p, the largest key with mass(key > t_p) >=
@@ -18,16 +18,19 @@ row. Here one program per row holds the whole row in registers (V <= MAX_VOCAB) 
   race       argmax over the kept tokens of e / q, q = -log(u) with u the bits of
              runner/layers/noise.race_noise for (seed, counter * K + codebook, column),
              computed in place of a [B, V] noise tensor.
+A greedy row stops after its argmax; a row with a filter off skips its search (a uniform branch).
 
 Keys are `_order_key` (an order-preserving int32 image of the float, -0.0 = +0.0), as in the
 general kernel and the torch backend. A threshold search keeps (lo, hi] with stat(lo) >= bound
-> stat(hi) and evaluates the statistic at NP pivots per round in one reduction over the row in
-registers: lo and hi - 1 (their difference says whether any token lies strictly between, the
-end of the search), the key midpoint (at most 33 rounds whatever the values) and values evenly
-spaced between value(lo) and value(hi) (which adapt to where the logits are: a few rounds in
-practice). Masses are fp32 sums over a fixed reduction tree per row, so a row never depends on
-the other rows of the batch; they differ from the torch backend's only in summation order (a
-kept set can differ only where a cumulative mass is within fp32 rounding of its bound).
+> stat(hi). A round evaluates the statistic at NP pivots in one pass over the row in registers
+(the key midpoint, which bounds the search at 33 rounds whatever the values, and values evenly
+spaced between value(lo) and value(hi), which adapt to where the logits are) and, in the same
+pass, the smallest and largest key strictly inside the interval, to which it shrinks; it ends
+when those two are equal (bf16 logits often tie at the threshold). 2051 random bf16 logits
+take about 6 rounds at k = 50 and 4 at p = 0.8 with NP = 4. Masses are fp32 sums over a fixed
+reduction tree per row, so a row never depends on the other rows of the batch; they differ
+from the torch backend's only in summation order (a kept set can differ only where a
+cumulative mass is within fp32 rounding of its bound).
 
 Importing this module needs `triton` (tests run it under TRITON_INTERPRET=1 on CPU).
 """
@@ -37,20 +40,21 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from runner.kernels.hashing import hash32, uniform24
 from runner.kernels.sampling import _key_value, _order_key
 
 MAX_VOCAB = 4096  # the row lives in registers: BLOCK = next_power_of_2(V) lanes per program
-_NP = 4  # pivots per search round (2 probes, the key midpoint, NP - 3 value-spaced); a power of 2
+_NP = 4  # pivots per search round (a power of 2): more spill the [BLOCK, NP] tile out of registers
 
-_KEY_NEG_INF = -0x7F800000  # _order_key(-inf)
+_KEY_NEG_INF = tl.constexpr(-0x7F800000)  # _order_key(-inf)
 
 
 @triton.jit
 def _pivots(lo, hi, NP: tl.constexpr):
-    """[NP] int32 keys in [lo, hi - 1] (requires hi - lo >= 2): lo, hi - 1, the key midpoint,
-    then NP - 3 values evenly spaced strictly between value(lo) and value(hi)."""
+    """[NP] int32 keys strictly inside (lo, hi) (requires hi - lo >= 2): the key midpoint, then
+    NP - 1 values evenly spaced between value(lo) and value(hi)."""
     j = tl.arange(0, NP)
     lo64 = lo.to(tl.int64)
     hi64 = hi.to(tl.int64)
@@ -58,47 +62,68 @@ def _pivots(lo, hi, NP: tl.constexpr):
     # Clamp to finite keys first (the key below -FLT_MAX would decode to NaN bits).
     vlo = _key_value(tl.maximum(lo, -0x7F7FFFFF))
     vhi = _key_value(tl.minimum(hi, 0x7F7FFFFF))
-    f = (j - 2).to(tl.float32) / (NP - 2)
+    f = j.to(tl.float32) / NP
     v = vlo * (1.0 - f) + vhi * f  # no overflow: each term is finite
-    piv = tl.where(j == 0, lo64, tl.where(j == 1, hi64 - 1, tl.where(j == 2, mid, _order_key(v).to(tl.int64))))
-    piv = tl.minimum(tl.maximum(piv, lo64), hi64 - 1)
+    piv = tl.where(j == 0, mid, _order_key(v).to(tl.int64))
+    piv = tl.minimum(tl.maximum(piv, lo64 + 1), hi64 - 1)
     return piv.to(tl.int32)
 
 
 @triton.jit
-def _search(key, e, lo, hi, bound, frac, MASS: tl.constexpr, NP: tl.constexpr):
+def _span(lo_a, hi_a, z_a, lo_b, hi_b, z_b):
+    return tl.minimum(lo_a, lo_b), tl.maximum(hi_a, hi_b), z_a + z_b
+
+
+@triton.jit
+def _search(key, e, lo, hi, bound, frac, MASS: tl.constexpr, NP: tl.constexpr, SPAN_REDUCE: tl.constexpr):
     """The largest key lo' with stat(key > lo') >= bound: keep key > lo'.
 
-    In: stat(lo) >= bound > stat(hi) (hi: the key of the row max, where stat is 0); key / e
-    [BLOCK] the row's keys and masses (padding lanes: key(-inf), never above lo). stat: count
-    (MASS False) or sum of e. MASS with bound < 0: bound = frac * mass(key > lo), measured in
-    the first round (so it comes from the same reduction tree as every pivot's mass).
+    In: (lo, hi] with stat(lo) >= bound > stat(hi) (hi: the key of the row max, where stat is
+    0); key / e [BLOCK] the row's keys and masses (padding lanes: key(-inf), never above lo).
+    stat: count (MASS False) or sum of e. MASS: bound = frac * mass(key > lo).
+    A round evaluates stat at NP pivots and, in the same pass, the smallest and largest key of
+    the tokens in (lo, hi]: stat does not change between lo and that smallest key - 1, nor
+    between that largest key and hi, so the interval shrinks to the tokens themselves, and the
+    search ends when they all share one key (e.g. bf16 logits tied at the threshold).
     """
     k2 = key[:, None]
-    e2 = e[:, None]
+    if MASS:
+        w2 = e[:, None]
+    else:
+        w2 = tl.full([1, 1], 1.0, tl.float32)  # counts in fp32: exact below 2^24
     go = hi.to(tl.int64) - lo.to(tl.int64) > 1
     while go:
         piv = _pivots(lo, hi, NP)  # [NP]
-        gt = k2 > piv[None, :]  # [BLOCK, NP]
-        if MASS:
-            stat = tl.sum(tl.where(gt, e2, 0.0), axis=0)
+        stat = tl.sum(tl.where(k2 > piv[None, :], w2, 0.0), axis=0)  # [NP]
+        inside = (key > lo) & (key <= hi)
+        if SPAN_REDUCE:
+            kmin, kmax, z = tl.reduce((tl.where(inside, key, 0x7FFFFFFF), tl.where(inside, key, -0x7FFFFFFF),
+                                       tl.where(inside, e, 0.0)), 0, _span)
         else:
-            stat = tl.sum(tl.where(gt, 1.0, 0.0), axis=0)  # counts in fp32: exact below 2^24
-        # column 0 is lo: its stat is mass(key > lo) = Z on the first round
-        s_lo = tl.sum(tl.where(tl.arange(0, NP) == 0, stat, 0.0), axis=0)
-        s_hi1 = tl.sum(tl.where(tl.arange(0, NP) == 1, stat, 0.0), axis=0)
-        bound = tl.where(bound < 0, frac * s_lo, bound)
+            kmin = tl.min(tl.where(inside, key, 0x7FFFFFFF), axis=0)
+            kmax = tl.max(tl.where(inside, key, -0x7FFFFFFF), axis=0)
+            z = tl.sum(tl.where(inside, e, 0.0), axis=0)
+        if MASS:
+            bound = tl.where(bound < 0, frac * z, bound)  # first round: z = mass(key > lo) (hi is the max)
         # Stats are monotone in the pivot (termwise >=, one reduction tree), so every pivot
         # with stat >= bound lies below every pivot with stat < bound.
         drop = stat >= bound
         new_hi = tl.min(tl.where(drop, hi, piv), axis=0)
         new_lo = tl.max(tl.where(drop, piv, lo), axis=0)
-        # stat(lo) == stat(hi - 1): no token (with mass) strictly inside (lo, hi), so keep
-        # key > lo is the answer already.
-        go = (s_lo != s_hi1) & (new_hi.to(tl.int64) - new_lo.to(tl.int64) > 1)
-        lo = new_lo
-        hi = new_hi
+        some = kmin <= kmax  # (always: stat(lo) > stat(hi) puts a token inside)
+        lo = tl.where(some, tl.maximum(new_lo, kmin - 1), new_lo)
+        hi = tl.where(some, tl.minimum(new_hi, kmax), new_hi)
+        go = hi.to(tl.int64) - lo.to(tl.int64) > 1
     return lo
+
+
+@triton.jit
+def _div(x, t, r):
+    """x / t correctly rounded (as torch's division) for finite x and normal quotients, from
+    r = 1 / t: one Newton correction with FMAs. (div_rn's full-range path cost a program
+    several microseconds.)"""
+    q = x * r
+    return tl.fma(tl.fma(-q, t, x), r, q)
 
 
 @triton.jit(do_not_specialize=["stride_x", "limit", "num_codebooks", "codebook", "stride_o"],
@@ -110,42 +135,37 @@ def _codebook_sample_kernel(
     seed_ptr, ctr_ptr, num_codebooks, codebook,  # [B] i64 noise seeds and frame counters
     out_ptr, stride_o,  # ids [B] int64 (any stride)
     V,
-    HAS_RANGE: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr,
+    HAS_RANGE: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr, SPAN_REDUCE: tl.constexpr,
     SALT0: tl.constexpr, SALT1: tl.constexpr, SALT2: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     valid = cols < V
     x = tl.load(x_ptr + row * stride_x + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    x = tl.where(x == x, x, float("-inf"))  # NaN (broken weights): never drawn, ids stay in range
     if HAS_RANGE:
         x = tl.where((tl.load(rows_ptr + row) != 0) & (cols >= limit), float("-inf"), x)
-    mx = tl.max(x, axis=0)
-    gid = tl.min(tl.where(x == mx, cols, BLOCK), axis=0)
-    gid = tl.where(gid < V, gid, 0)  # a NaN maximum matches no column
-    t_raw = tl.load(temp_ptr + row)
-    ids = gid
-    if t_raw != 0.0:
-        y = tl.div_rn(x, tl.where(valid, t_raw, 1.0))  # IEEE division, as torch's
-        m = tl.max(y, axis=0)
+    mx, ids = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)  # torch.argmax
+    t = tl.load(temp_ptr + row)
+    if t != 0.0:
+        r = tl.div_rn(1.0, t)
+        y = tl.where(x > float("-inf"), _div(x, t, r), float("-inf"))
+        m = _div(mx, t, r)  # = max y: correctly rounded division is monotone
         e = tl.exp(y - m)  # padding and -inf: 0
         key = _order_key(y)
-        finite = y > float("-inf")
-        n_fin = tl.sum(finite.to(tl.int32), axis=0)
-        v_min = tl.min(tl.where(finite, y, float("inf")), axis=0)
+        lo = tl.full([], _KEY_NEG_INF, tl.int32)  # every finite token lies above lo
         hi = _order_key(m)
-        lo = _order_key(v_min) - 1  # every finite token lies above lo, -inf below
         k = tl.load(topk_ptr + row)
-        no_frac = tl.full([], 0.0, tl.float32)
-        if (k > 0) & (k < n_fin):  # k >= #finite keeps every finite token
-            lo = _search(key, e, lo, hi, k.to(tl.float32), no_frac, False, NP)
+        if (k > 0) & (k < V):
+            # (k >= #finite tokens: no pivot reaches k, the search keeps every finite token)
+            lo = _search(key, e, lo, hi, k.to(tl.float32), 0.0, False, NP, SPAN_REDUCE)
         p = tl.load(topp_ptr + row)
         if p < 1.0:
             # Tokens more than 120 below the max have e == 0 in fp32: massless, they never
             # cross the bound; starting above them narrows the value range of the pivots.
             lo = tl.maximum(lo, _order_key(m - 120.0) - 1)
-            lo = _search(key, e, lo, hi, tl.full([], -1.0, tl.float32), p, True, NP)
-        min_p = tl.load(minp_ptr + row)
-        keep = (key > lo) & (e >= min_p) & valid
+            lo = _search(key, e, lo, hi, tl.full([], -1.0, tl.float32), p, True, NP, SPAN_REDUCE)
+        keep = (key > lo) & (e >= tl.load(minp_ptr + row))
         # the race noise of runner/layers/noise.race_noise, column by column
         seed = tl.load(seed_ptr + row)
         ctr = tl.load(ctr_ptr + row) * num_codebooks + codebook
@@ -156,11 +176,15 @@ def _codebook_sample_kernel(
         hkey = hash32(hkey ^ hash32((ctr & 0xFFFFFFFF).to(tl.uint32) ^ s1))
         hkey2 = hash32(hkey ^ s2)
         q = -tl.log(uniform24(hash32(hash32(cols.to(tl.uint32) ^ hkey) ^ hkey2)))  # > 0
-        score = tl.where(keep, e / q, -1.0)
-        top = tl.max(score, axis=0)
-        win = tl.min(tl.where(score == top, cols, BLOCK), axis=0)
-        ids = tl.where(win < V, win, gid)  # NaN rows: a valid column still
-    tl.store(out_ptr + row * stride_o, ids.to(tl.int64))
+        score = tl.where(keep, e / q, -1.0)  # the top token is always kept, with a score > 0
+        ids = tl.argmax(score, axis=0, tie_break_left=True)
+    tl.store(out_ptr + row * stride_o, tl.where(ids < V, ids, 0).to(tl.int64))
+
+
+# Triton's interpreter runs a tl.reduce combine function in Python, element by element (about a
+# second per search round on CPU): there the span is three built-in reductions, the same values
+# up to the summation order of z. Compiled kernels reduce the three in one pass.
+_SPAN_REDUCE = type(_codebook_sample_kernel).__name__ != "InterpretedFunction"
 
 
 def num_warps(block: int) -> int:
@@ -169,15 +193,17 @@ def num_warps(block: int) -> int:
     return max(4, min(16, block // 256))
 
 
-def codebook_sample(logits, temperature, top_k, top_p, min_p, seeds, counters, num_codebooks: int, codebook: int,
-                    salts: tuple[int, int, int], rows=None, limit: int = 0, out=None,
-                    np_pivots: int = _NP, warps: int | None = None):
+def codebook_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, seeds: Tensor,
+                    counters: Tensor, num_codebooks: int, codebook: int, salts: tuple[int, int, int],
+                    rows: Tensor | None = None, limit: int = 0, out: Tensor | None = None,
+                    np_pivots: int = _NP, warps: int | None = None, span_reduce: bool | None = None) -> Tensor:
     """ids [B] int64 of codebook `codebook` from logits [B, V] (V <= MAX_VOCAB, unit column
     stride); the sampling rows' parameters and race keys are [B] device tensors (SamplingBatch's
     fields; the race counter is counters * num_codebooks + codebook); `salts`:
     runner.layers.noise.NOISE_SALTS. rows [B] bool / limit: the codec range (None: off).
     out: a [B] int64 view to write (e.g. a column of the frames), else a new tensor. No host
-    sync, no allocation besides the output."""
+    sync, no allocation besides the output. np_pivots / warps / span_reduce override the launch
+    configuration (tests and sweeps)."""
     b, v = logits.shape
     if v > MAX_VOCAB or logits.stride(1) != 1:
         raise ValueError(f"logits {tuple(logits.shape)} with column stride {logits.stride(1)}: "
@@ -191,6 +217,7 @@ def codebook_sample(logits, temperature, top_k, top_p, min_p, seeds, counters, n
             temperature, top_k, top_p, min_p, seeds, counters, num_codebooks, codebook,
             out, out.stride(0), v,
             HAS_RANGE=rows is not None, BLOCK=block, NP=np_pivots,
+            SPAN_REDUCE=_SPAN_REDUCE if span_reduce is None else span_reduce,
             SALT0=salts[0], SALT1=salts[1], SALT2=salts[2], num_warps=warps or num_warps(block),
         )
     return out

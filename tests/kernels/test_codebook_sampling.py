@@ -32,7 +32,10 @@ from tests.support.triton_interpreter import (
 _CUDA = interpret_without_cuda()
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
 
-from runner.kernels.codebook_sampling import MAX_VOCAB, _codebook_sample_kernel  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from runner.kernels.codebook_sampling import MAX_VOCAB, _codebook_sample_kernel, _div, codebook_sample  # noqa: E402
+from runner.layers.noise import NOISE_SALTS  # noqa: E402
 from runner.layers.sampler import Sampler  # noqa: E402
 from runner.layers.sampling_batch import SamplingBatch  # noqa: E402
 from runner.models.csm_sampling import CodecRange, FusedCodebooks, RaceCodebooks  # noqa: E402
@@ -187,6 +190,50 @@ def test_padded_rows_and_degenerate_rows():
     assert ((got >= 0) & (got < v)).all(), got
 
 
+def test_one_pass_span_reduction():
+    """The compiled kernels' one-pass (min, max, mass) reduction of a search round; the
+    interpreter otherwise runs three built-in ones (module note at _SPAN_REDUCE)."""
+    v = 1000
+    params = [SP(temperature=0.9, top_k=50), SP(top_p=0.8), SP(temperature=0.7, top_k=20, top_p=0.9)]
+    batch = _batch(params, seed0=8, counter0=3, device=DEVICE)
+    x = _logits(len(params), v, torch.bfloat16, seed=8)
+    b = batch
+    got = codebook_sample(x, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.counters, K, 4, NOISE_SALTS,
+                          span_reduce=True)
+    assert got.tolist() == _reference(x, batch, 4, None, None).tolist()
+
+
+@triton.jit
+def _div_kernel(x_ptr, t, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(out_ptr + offs, _div(x, t, tl.div_rn(1.0, t)), mask=offs < n)
+
+
+def test_scaling_is_torchs_division():
+    """y = x / T bit for bit (a last-ulp difference would move a threshold or a race only
+    rarely, so the sampler tests alone would not see it)."""
+    probe = torch.tensor([1.0 + 2.0**-23], dtype=torch.float32)  # fma(a, a, -RN(a*a)) is exact only without a second rounding
+    sq = torch.empty(1, device=DEVICE)
+    _fma_probe[(1,)](probe.to(DEVICE), sq)
+    if sq.item() == 0.0:
+        pytest.skip("this Triton interpreter's fma rounds twice")
+    g = torch.Generator().manual_seed(12)
+    x = torch.cat([torch.randn(1 << 15, generator=g) * 10.0 ** torch.randint(-3, 4, (1 << 15,), generator=g),
+                   (torch.randn(1 << 15, generator=g) * 4).to(torch.bfloat16).float()]).to(DEVICE)
+    out = torch.empty_like(x)
+    for t in (0.05, 0.3, 0.7, 0.9, 1.0, 1.3, 1.7, 7.0, 99.5, 0.123456789):
+        t32 = float(torch.tensor(t, dtype=torch.float32))
+        _div_kernel[(triton.cdiv(x.numel(), 1024),)](x, t32, out, x.numel(), BLOCK=1024)
+        assert torch.equal(out, x / t32), t
+
+
+@triton.jit
+def _fma_probe(a_ptr, out_ptr):
+    a = tl.load(a_ptr)
+    tl.store(out_ptr, tl.fma(a, a, -(a * a)))
+
+
 def test_rejects_what_the_kernel_cannot_hold():
     batch = _batch([SP()], seed0=0, counter0=0, device=DEVICE)
     with pytest.raises(ValueError, match="V <="):
@@ -218,13 +265,13 @@ _COMPILE_SCRIPT = textwrap.dedent(
     sig = dict(x_ptr="*bf16", stride_x="i32", rows_ptr="*i1", limit="i32", temp_ptr="*fp32", topk_ptr="*i64",
                topp_ptr="*fp32", minp_ptr="*fp32", seed_ptr="*i64", ctr_ptr="*i64", num_codebooks="i32",
                codebook="i32", out_ptr="*i64", stride_o="i32", V="i32")
-    for x_type, block in (("*bf16", m.MAX_VOCAB), ("*fp32", 1024)):
-        for rng in (True, False):
-            k = compile_sm90(m._codebook_sample_kernel, dict(sig, x_ptr=x_type),
-                             dict(HAS_RANGE=rng, BLOCK=block, NP=m._NP, SALT0=NOISE_SALTS[0], SALT1=NOISE_SALTS[1],
-                                  SALT2=NOISE_SALTS[2]),
-                             num_warps=m.num_warps(block))
-            assert local_memory_ops(k.asm["cubin"]) == 0, (x_type, block, rng)
+    for x_type, block, rng in (("*bf16", m.MAX_VOCAB, True), ("*fp32", m.MAX_VOCAB, False), ("*fp16", 2048, True),
+                               ("*bf16", 1024, False)):
+        k = compile_sm90(m._codebook_sample_kernel, dict(sig, x_ptr=x_type),
+                         dict(HAS_RANGE=rng, BLOCK=block, NP=m._NP, SPAN_REDUCE=True, SALT0=NOISE_SALTS[0],
+                              SALT1=NOISE_SALTS[1], SALT2=NOISE_SALTS[2]),
+                         num_warps=m.num_warps(block))
+        assert local_memory_ops(k.asm["cubin"]) == 0, (x_type, block, rng)
     print("compiled")
     """
 )
