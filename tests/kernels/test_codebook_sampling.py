@@ -11,7 +11,8 @@ greedy, temperature alone, top-k 1 / 50 / V, top-p, min-p and their combinations
 seeds, frame counters and codebooks (the race key); bf16 rows full of ties at the top-k and
 top-p thresholds; a row's id alone, in 3 rows and in 17; the codec range (flagged rows never
 draw a code >= limit, unflagged rows can); a strided output written in its column only; padded
-rows (row stride > V); rows of -inf / NaN still give a column of the row.
+rows (row stride > V); rows of -inf / NaN still give a column of the row; the scaling x / T bit
+for bit against torch's division; the compiled kernels' one-pass span reduction.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ triton = pytest.importorskip("triton", reason="triton not installed (CPU torch w
 import triton.language as tl  # noqa: E402
 
 from runner.kernels.codebook_sampling import MAX_VOCAB, _codebook_sample_kernel, _div, codebook_sample  # noqa: E402
+from runner.kernels.sampling import _order_key  # noqa: E402
 from runner.layers.noise import NOISE_SALTS  # noqa: E402
 from runner.layers.sampler import Sampler  # noqa: E402
 from runner.layers.sampling_batch import SamplingBatch  # noqa: E402
@@ -43,6 +45,7 @@ from streaming.sampling_params import SamplingParams as SP  # noqa: E402
 
 DEVICE = torch.device("cuda" if _CUDA else "cpu")
 if not _CUDA:
+    interpreted_or_skip(_order_key, "runner.kernels.sampling")  # the kernel calls its key helpers
     interpreted_or_skip(_codebook_sample_kernel, "runner.kernels.codebook_sampling")
 
 K = 32  # codebooks per frame (CSM)
@@ -69,8 +72,8 @@ def _batch(params: list[SP], seed0: int, counter0: int, device: torch.device) ->
 def _reference(x: torch.Tensor, batch: SamplingBatch, codebook: int, limit: int | None,
                rows: torch.Tensor | None) -> torch.Tensor:
     """The torch sampler on the CPU over the float32 values of x."""
-    cpu = SamplingBatch(**{f: (getattr(batch, f).cpu() if isinstance(getattr(batch, f), torch.Tensor) else getattr(batch, f))
-                           for f in batch.__dataclass_fields__})
+    fields = {f: getattr(batch, f) for f in batch.__dataclass_fields__}
+    cpu = SamplingBatch(**{f: v.cpu() if isinstance(v, torch.Tensor) else v for f, v in fields.items()})
     sampler = RaceCodebooks(Sampler("cpu", backend="torch"), cpu, K)
     if limit is not None:
         assert rows is not None
@@ -143,7 +146,8 @@ def test_codec_range_keeps_flagged_rows_below_the_limit():
     """The spare codes above the limit get the highest logits: unflagged rows draw them (greedy
     always, sampling nearly always), flagged rows never."""
     v, limit = 2051, 2048
-    params = [SP(temperature=0.0), SP(temperature=1.0), SP(temperature=1.0, top_k=3), SP(temperature=2.0, top_p=0.9)] * 2
+    params = [SP(temperature=0.0), SP(temperature=1.0), SP(temperature=1.0, top_k=3), SP(temperature=2.0, top_p=0.9)]
+    params = params * 2
     batch = _batch(params, seed0=1, counter0=0, device=DEVICE)
     x = torch.randn(len(params), v, generator=torch.Generator().manual_seed(2))
     x[:, limit:] = 12.0
@@ -213,7 +217,8 @@ def _div_kernel(x_ptr, t, out_ptr, n, BLOCK: tl.constexpr):
 def test_scaling_is_torchs_division():
     """y = x / T bit for bit (a last-ulp difference would move a threshold or a race only
     rarely, so the sampler tests alone would not see it)."""
-    probe = torch.tensor([1.0 + 2.0**-23], dtype=torch.float32)  # fma(a, a, -RN(a*a)) is exact only without a second rounding
+    # fma(a, a, -RN(a * a)) = 2^-46 with one rounding, 0 with two
+    probe = torch.tensor([1.0 + 2.0**-23], dtype=torch.float32)
     sq = torch.empty(1, device=DEVICE)
     _fma_probe[(1,)](probe.to(DEVICE), sq)
     if sq.item() == 0.0:
