@@ -52,9 +52,11 @@ class MimiCodecConfig:
     # that outruns step() must not grow memory without bound).
     max_pending_frames: int = 4096
     # CUDA: decode calls launched and not yet collected; past this, step() waits for the oldest.
-    # Bounds the pinned PCM blocks held and how far the codec may fall behind the model (the
-    # engine then slows to the codec's pace instead of queueing without end).
-    max_inflight_launches: int = 32
+    # Bounds the pinned PCM blocks held and how far the codec may fall behind the model: the
+    # engine then slows to the codec's pace instead of queueing without end, and a new stream's
+    # first chunk, which queues behind every launch in flight, keeps its time to first audio
+    # (a step launches about one call per chunk length in use, so this is a few steps of slack).
+    max_inflight_launches: int = 16
     # On CUDA, decode calls replay graphs captured per (rows up to max_batch_rows, chunk length
     # of the doubling schedule); the decoder's state is then allocated for max_streams up front.
     cuda_graphs: bool = True
