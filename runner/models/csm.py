@@ -117,14 +117,15 @@ class CsmModel(nn.Module):
     # ---- the frame step ----------------------------------------------------------------------
 
     def head(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, H] last hidden states -> (the same, codebook-0 logits [B, V] float32)."""
-        return last, self.backbone.ops.head(last, self.lm_head.weight, None).float()
+        """[B, H] last hidden states -> (the same, codebook-0 logits [B, V] in the model dtype;
+        a CodebookSampler takes them as they are: the fused one reads bf16, the others cast)."""
+        return last, self.backbone.ops.head(last, self.lm_head.weight, None)
 
     def backbone_step(self, embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                       meta: AttentionMetadata, last_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """embeds [T, H] of a flattened batch (positions [T], the paged KV and its metadata as
         for LlamaForCausalLM), last_rows [B] int64: the row of each sequence's last new token
-        -> (its final hidden state [B, H], codebook-0 logits [B, V] float32)."""
+        -> (its final hidden state [B, H], codebook-0 logits [B, V], model dtype)."""
         h = self.backbone(embeds, positions, kv_caches, meta)
         return self.head(h.index_select(0, last_rows))
 

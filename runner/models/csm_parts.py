@@ -130,8 +130,8 @@ class CsmDepthDecoder(DecoderStack):
         self.codebooks_head.data = heads.transpose(1, 2)
 
     def codebook_logits(self, h: torch.Tensor, codebook: int) -> torch.Tensor:
-        """[B, H] depth hidden at position `codebook` -> [B, V] float32 (model-dtype matmul, as transformers)."""
-        return self.ops.head(h, self.codebooks_head[codebook - 1].T, None).float()
+        """[B, H] depth hidden at position `codebook` -> [B, V] in the model dtype (as transformers)."""
+        return self.ops.head(h, self.codebooks_head[codebook - 1].T, None)
 
     def decode(self, hidden: torch.Tensor, code0: torch.Tensor, sampler: CodebookSampler, kv: DepthKV) -> torch.Tensor:
         """hidden [B, H_backbone] (the backbone's last hidden state of each row), code0 [B] int64
@@ -150,8 +150,7 @@ class CsmDepthDecoder(DecoderStack):
         h = self(x.reshape(2 * b, -1), kv.pair_positions[: 2 * b], kv.caches, kv.pair_meta(b))
         h = h.view(b, 2, -1)[:, 1]  # position 1 predicts codebook 1
         for p in range(1, k):
-            code = sampler(self.codebook_logits(h, p), p)
-            frames[:, p] = code
+            code = sampler(self.codebook_logits(h, p), p, out=frames[:, p])
             if p == k - 1:
                 break
             # codebook p's code sits at position p + 1, embedded at offset p * V

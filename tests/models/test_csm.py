@@ -161,9 +161,9 @@ class RecordingGreedy(GreedyCodebooks):
     def __init__(self):
         self.logits: dict[int, torch.Tensor] = {}
 
-    def __call__(self, logits, codebook):
+    def __call__(self, logits, codebook, out=None):
         self.logits[codebook] = logits.clone()
-        return super().__call__(logits, codebook)
+        return super().__call__(logits, codebook, out)
 
 
 @torch.no_grad()
