@@ -254,7 +254,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_serving(streams: str, ramps: str, max_frames: int, max_num_seqs: int, out: Path) -> str:
+def dump_stacks(pid: int, path: Path) -> None:
+    """Where the server and its engine process are (py-spy, when installed) and what the GPU is
+    doing, into `path`: the serving run outlasted --stall-dump-s (one run once stalled with no
+    engine step logged; a dump says whether the host waits on the GPU or on itself)."""
+    parts = []
+    spy = shutil.which("py-spy")
+    if spy is None:
+        parts.append("py-spy is not installed: no Python stacks")
+    else:
+        r = subprocess.run([spy, "dump", "--pid", str(pid), "--subprocesses"], capture_output=True, text=True, timeout=60)
+        parts.append(r.stdout + r.stderr)
+    r = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv"], capture_output=True,
+                       text=True)
+    parts.append(r.stdout + r.stderr)
+    path.write_text("\n".join(parts))
+    log(f"serving outlasted its stall deadline: stacks in {path}")
+
+
+def run_serving(streams: str, ramps: str, max_frames: int, max_num_seqs: int, out: Path, stall_s: float) -> str:
     folder = csm_folder(scratch("csm1b-random"))
     mimi = mimi_folder(scratch("mimi-random"))
     port = free_port()
@@ -283,9 +301,15 @@ def run_serving(streams: str, ramps: str, max_frames: int, max_num_seqs: int, ou
                 time.sleep(1)
             log(f"server up in {time.time() - t0:.0f} s")
             table = out / "csm-serving.md"
-            subprocess.run([sys.executable, "-m", "server.cli", "bench", "--url", f"http://127.0.0.1:{port}",
-                            "--streams", streams, "--ramp-s", ramps, "--max-tokens", str(max_frames),
-                            "--out", str(table)], cwd=ROOT, check=True)
+            bench = subprocess.Popen([sys.executable, "-m", "server.cli", "bench", "--url", f"http://127.0.0.1:{port}",
+                                      "--streams", streams, "--ramp-s", ramps, "--max-tokens", str(max_frames),
+                                      "--out", str(table)], cwd=ROOT)
+            try:
+                bench.wait(stall_s)
+            except subprocess.TimeoutExpired:
+                dump_stacks(srv.pid, out / "csm-stall.txt")
+            if bench.wait() != 0:
+                raise RuntimeError(f"bench exited with {bench.returncode}")
             return table.read_text()
         finally:
             os.killpg(srv.pid, signal.SIGTERM)
@@ -336,6 +360,8 @@ def main() -> int:
     ap.add_argument("--ramp-s", default="2")
     ap.add_argument("--max-frames", type=int, default=150, help="frames per utterance (12 s)")
     ap.add_argument("--max-num-seqs", type=int, default=1024)
+    ap.add_argument("--stall-dump-s", type=float, default=300,
+                    help="serving: dump the server's stacks (py-spy) if the bench runs longer than this")
     add_out_arg(ap, "csm")
     args = ap.parse_args()
     out = Path(args.out)
@@ -358,7 +384,7 @@ def main() -> int:
         res["profile"] = run_profile([int(x) for x in args.profile_batches.split(",")])
         write_results(out, res, render(res))
     if "serving" in sections:
-        res["serving"] = run_serving(args.streams, args.ramp_s, args.max_frames, args.max_num_seqs, out)
+        res["serving"] = run_serving(args.streams, args.ramp_s, args.max_frames, args.max_num_seqs, out, args.stall_dump_s)
     write_results(out, res, render(res))
     return 0
 
