@@ -22,7 +22,7 @@ A greedy row stops after its argmax; a row with a filter off skips its search (a
 
 Keys are `_order_key` (an order-preserving int32 image of the float, -0.0 = +0.0), as in the
 general kernel and the torch backend. A threshold search keeps (lo, hi] with stat(lo) >= bound
-> stat(hi). A round evaluates the statistic at NP pivots in one pass over the row in registers
+> stat(hi). A round evaluates the statistic at NP pivots (the general kernel's `_pivots`) in one pass over the row in registers
 (the key midpoint, which bounds the search at 33 rounds whatever the values, and values evenly
 spaced between value(lo) and value(hi), which adapt to where the logits are) and, in the same
 pass, the smallest and largest key strictly inside the interval, to which it shrinks; it ends
@@ -43,30 +43,12 @@ import triton.language as tl
 from torch import Tensor
 
 from runner.kernels.hashing import hash32, uniform24
-from runner.kernels.sampling import _key_value, _order_key
+from runner.kernels.sampling import _order_key, _pivots
 
 MAX_VOCAB = 4096  # the row lives in registers: BLOCK = next_power_of_2(V) lanes per program
 _NP = 4  # pivots per search round (a power of 2): more spill the [BLOCK, NP] tile out of registers
 
 _KEY_NEG_INF = tl.constexpr(-0x7F800000)  # _order_key(-inf)
-
-
-@triton.jit
-def _pivots(lo, hi, NP: tl.constexpr):
-    """[NP] int32 keys strictly inside (lo, hi) (requires hi - lo >= 2): the key midpoint, then
-    NP - 1 values evenly spaced between value(lo) and value(hi)."""
-    j = tl.arange(0, NP)
-    lo64 = lo.to(tl.int64)
-    hi64 = hi.to(tl.int64)
-    mid = lo64 + (hi64 - lo64) // 2
-    # Clamp to finite keys first (the key below -FLT_MAX would decode to NaN bits).
-    vlo = _key_value(tl.maximum(lo, -0x7F7FFFFF))
-    vhi = _key_value(tl.minimum(hi, 0x7F7FFFFF))
-    f = j.to(tl.float32) / NP
-    v = vlo * (1.0 - f) + vhi * f  # no overflow: each term is finite
-    piv = tl.where(j == 0, mid, _order_key(v).to(tl.int64))
-    piv = tl.minimum(tl.maximum(piv, lo64 + 1), hi64 - 1)
-    return piv.to(tl.int32)
 
 
 @triton.jit
