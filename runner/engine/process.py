@@ -30,6 +30,7 @@ from runner.config import EngineConfig, parse_dtype
 from runner.engine.args import EngineProcArgs
 from runner.engine.compile_log import install
 from runner.engine.engine import Engine
+from runner.engine.watchdog import LoopWatchdog
 from runner.families import family_for
 from runner.layers import make_backends
 from streaming import ipc
@@ -39,6 +40,7 @@ from streaming.sampling_params import InvalidRequest
 log = logging.getLogger("omnistream.engine")
 
 SLOW_STEP_S = 0.1  # steps longer than this are logged one by one
+STALL_S = 20.0  # a loop without progress for this long logs its stack (runner/engine/watchdog.py)
 
 
 def build_engine(args: EngineProcArgs):
@@ -126,6 +128,12 @@ class EngineLoop:
         elif isinstance(msg, ipc.Shutdown):
             self.stop.set()
 
+    def _describe(self) -> str:
+        """The loop's state for the watchdog's report (read from its thread)."""
+        eng = self.engine
+        return (f"{len(eng.scheduler.running)} running, {len(eng.scheduler.waiting)} waiting, "
+                f"{self.outbound.qsize()} output batches queued of {self.outbound.maxsize}")
+
     def _log_slow(self, dt: float, ph0: list[float]) -> None:
         """One line per step slower than SLOW_STEP_S: its phases and what it ran."""
         eng = self.engine
@@ -185,8 +193,10 @@ class EngineLoop:
             codes_per_frame=eng.family.codes_per_frame,
         )
         self.outbound.put(ipc.encode_outbound(ready))
+        watchdog = LoopWatchdog(STALL_S, self._describe)
         try:
             while not self.stop.is_set():
+                watchdog.beat()
                 # block only when idle; otherwise drain without waiting
                 try:
                     msg = self.inbound.get(timeout=0.05) if not eng.has_unfinished else self.inbound.get_nowait()
@@ -214,6 +224,7 @@ class EngineLoop:
                 self.outbound.put(ipc.encode_outbound(ipc.EngineDead(reason)))
             raise
         finally:
+            watchdog.close()
             self.stop.set()
             self.outbound.put(None)
             writer.join(timeout=5)
