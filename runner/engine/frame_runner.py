@@ -29,11 +29,11 @@ import torch
 from runner.config import EngineConfig
 from runner.engine.frame_graphs import FrameGraphs
 from runner.engine.model_runner import MAX_TOKEN_ROW_QUERY, ExecuteState, ModelRunner
-from runner.engine.output_copier import AsyncOutput, output_copier_for
+from runner.engine.output_copier import AsyncOutput
 from runner.engine.request import Request
 from runner.engine.scheduler import SchedulerOutput
 from runner.engine.step_inputs import StepInputs, pack_step_inputs
-from runner.layers.sampling_batch import SamplingBatch, SamplingTable
+from runner.layers.sampling_batch import SamplingBatch
 from runner.models.csm import CsmModel
 from runner.models.csm_sampling import CodebookSampler, CodecRange, FusedCodebooks, GreedyCodebooks, RaceCodebooks
 
@@ -47,9 +47,6 @@ class FrameRunner(ModelRunner):
         self.num_codebooks = k
         self.audio_token_id = model.cfg.audio_token_id
         self.audio_eos_token_id = model.cfg.audio_eos_token_id
-        # codebook draws mask no stop ids (the end is a frame rule, not an id)
-        self.sampling_table = SamplingTable(S, ())
-        self.copier = output_copier_for(self.device, S, k)
         # every slot's latest frame (row S: the scratch row padding rows write)
         self.last_frame = torch.zeros(S + 1, k, dtype=torch.int64, device=self.device)
         # whether each slot's request feeds the codec (its codes are kept below code_limit); row S: padding
@@ -63,6 +60,12 @@ class FrameRunner(ModelRunner):
         if self.device.type == "cuda" and cfg.runner.cuda_graphs:
             self.frame_graphs = FrameGraphs(self, min(cfg.runner.max_graph_batch_size, S))
             self.frame_graphs.capture()
+
+    def _stop_ids(self) -> tuple[int, ...]:
+        return ()  # codebook draws mask no stop ids (the end is a frame rule, not an id)
+
+    def _frame_width(self) -> int:
+        return self.model.num_codebooks
 
     def _build_graphs(self) -> None:
         """The token decode graphs do not apply: FrameGraphs captures the frame step."""

@@ -71,9 +71,9 @@ class ModelRunner:
         self.slots = SlotState(S, cfg.model.vocab_size, cfg.scheduler.max_model_len, self.device,
                                backend=self.sampler.backend, tuning=cfg.runner.tuning)
         self.slot_owner: list[Request | None] = [None] * S
-        self.sampling_table = SamplingTable(S, cfg.model.eos_token_ids)
+        self.sampling_table = SamplingTable(S, self._stop_ids())
         self._seed_rng = random.Random()
-        self.copier = output_copier_for(self.device, S)
+        self.copier = output_copier_for(self.device, S, self._frame_width())
         if constraint is not None and not (0 <= constraint.vocab_span[0] < constraint.vocab_span[1] <= cfg.model.vocab_size):
             raise ValueError(f"the model's logits constraint spans ids {constraint.vocab_span}, outside the "
                              f"vocabulary of {cfg.model.vocab_size} (codec audio_token_offset / codebook_size?)")
@@ -94,6 +94,14 @@ class ModelRunner:
         self.record_timeline = False
         self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._t0: torch.cuda.Event | None = None
+
+    def _stop_ids(self) -> tuple[int, ...]:
+        """Ids the sampling table masks while a request is short of its min_tokens: the EOS ids."""
+        return self.cfg.model.eos_token_ids
+
+    def _frame_width(self) -> int:
+        """Codes a sampling row yields beside its id, for the output copier (0: tokens only)."""
+        return 0
 
     def _build_graphs(self) -> None:
         cfg, model, S, num_blocks = self.cfg, self.model, self.cfg.scheduler.max_num_seqs, self.num_blocks
