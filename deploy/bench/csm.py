@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -272,7 +273,10 @@ def dump_stacks(pid: int, path: Path) -> None:
     log(f"serving outlasted its stall deadline: stacks in {path}")
 
 
-def run_serving(streams: str, ramps: str, max_frames: int, max_num_seqs: int, out: Path, stall_s: float) -> str:
+def run_serving(streams: str, ramps: str, max_frames: int, max_num_seqs: int, out: Path, stall_s: float,
+                server_args: list[str] = ()) -> str:
+    """The serving benchmark against a real server; `server_args` are appended to its command
+    line (e.g. ["--ws-max-inflight-utterances", "1"] for an A/B of a server setting)."""
     folder = csm_folder(scratch("csm1b-random"))
     mimi = mimi_folder(scratch("mimi-random"))
     port = free_port()
@@ -280,7 +284,7 @@ def run_serving(streams: str, ramps: str, max_frames: int, max_num_seqs: int, ou
     log_path = out / "csm-server.log"
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(folder), "--codec", str(mimi), "--random-weights",
            "--device", "cuda", "--max-num-seqs", str(max_num_seqs), "--max-concurrent-requests", str(2 * max_num_seqs),
-           "--max-open-sessions", str(2 * max_num_seqs), "--port", str(port), "--zmq-endpoint", "none"]
+           "--max-open-sessions", str(2 * max_num_seqs), "--port", str(port), "--zmq-endpoint", "none", *server_args]
     with open(log_path, "wb") as logf:
         srv = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -360,6 +364,7 @@ def main() -> int:
     ap.add_argument("--ramp-s", default="2")
     ap.add_argument("--max-frames", type=int, default=150, help="frames per utterance (12 s)")
     ap.add_argument("--max-num-seqs", type=int, default=1024)
+    ap.add_argument("--server-args", default="", help="serving: more `omnistream serve` arguments, one string")
     ap.add_argument("--stall-dump-s", type=float, default=300,
                     help="serving: dump the server's stacks (py-spy) if the bench runs longer than this")
     add_out_arg(ap, "csm")
@@ -384,7 +389,8 @@ def main() -> int:
         res["profile"] = run_profile([int(x) for x in args.profile_batches.split(",")])
         write_results(out, res, render(res))
     if "serving" in sections:
-        res["serving"] = run_serving(args.streams, args.ramp_s, args.max_frames, args.max_num_seqs, out, args.stall_dump_s)
+        res["serving"] = run_serving(args.streams, args.ramp_s, args.max_frames, args.max_num_seqs, out, args.stall_dump_s,
+                                     shlex.split(args.server_args))
     write_results(out, res, render(res))
     return 0
 
