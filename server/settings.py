@@ -91,8 +91,11 @@ class ServerSettings:
     # reader before the engine client gives up on it).
     output_queue_size: int = 256
     # WebSocket TTS: engine requests in flight per session (the one being sent + prefetched
-    # ones), pending text segments before the reader stops reading the socket.
-    ws_max_inflight_utterances: int = 2
+    # ones), pending text segments before the reader stops reading the socket. Prefetch makes
+    # the next sentence's audio ready early; at many sessions it also multiplies the rows the
+    # engine and the codec carry (with 2, CSM at 512 sessions runs ~1000 requests).
+    ws_max_inflight_utterances: int = knob(2, "WebSocket TTS: engine requests in flight per session (the one "
+                                              "being sent plus prefetched ones)")
     ws_max_pending_segments: int = 64
     ws_heartbeat_s: float | None = 20.0
     # Text segmentation for streamed text (see server.tts.text_segmenter).
