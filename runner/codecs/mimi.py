@@ -23,28 +23,21 @@ the state is kept here, per stream, in slot pools that batch by index:
 
 Equal to the offline decode up to float rounding (other matmul and conv shapes), not bit-exact:
 measured on the tiny test codec, max |difference| ~1e-6 of a unit-scale signal (tests/codecs/test_mimi.py).
+Loading the codec (a Mimi folder or CSM's checkpoint) and its streaming checks: runner/codecs/mimi_loader.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
-from safetensors import safe_open
-from safetensors.torch import save_file
-from transformers import MimiConfig, MimiModel
+from transformers import MimiModel
 from transformers.models.mimi.modeling_mimi import (
     MimiConv1d,
-    MimiDecoder,
     MimiConvTranspose1d,
     MimiResnetBlock,
     MimiTransformerModel,
@@ -54,72 +47,8 @@ from transformers.models.mimi.modeling_mimi import (
 
 from runner.codecs.config import CodecError
 from runner.codecs.decoder import PendingPCM, float_to_s16
+from runner.codecs.mimi_loader import decoder_modules
 from runner.utils.host_staging import staging_for
-
-
-def load_mimi(source: str | Path | MimiModel, device: torch.device, dtype: torch.dtype = torch.float32) -> MimiModel:
-    """A MimiModel from a local folder (config.json + safetensors, as save_pretrained writes it) or
-    an already built one (CSM's `codec_model`), in eval mode on `device`; checks that its decoder
-    can stream (see the module doc), naming the config field otherwise."""
-    if isinstance(source, MimiModel):
-        model = source
-    else:
-        path = Path(source)
-        if not (path / "config.json").is_file():
-            raise CodecError(f"Mimi codec path: no config.json in {str(path)!r}")
-        model = MimiModel.from_pretrained(path, dtype=dtype, local_files_only=True)
-    cfg = model.config
-    if model.decoder is None:
-        raise CodecError("MimiConfig.decoder_config: the codec has no decoder")
-    checks = (
-        ("use_causal_conv", cfg.use_causal_conv, True),
-        ("pad_mode", cfg.pad_mode, "constant"),
-        ("trim_right_ratio", cfg.trim_right_ratio, 1.0),
-        ("audio_channels", cfg.audio_channels, 1),
-    )
-    for name, got, want in checks:
-        if got != want:
-            raise CodecError(f"MimiConfig.{name}: streaming decode needs {want!r}, got {got!r}")
-    if not cfg.sliding_window or cfg.sliding_window < 1:
-        raise CodecError(f"MimiConfig.sliding_window: streaming decode needs a window >= 1, got {cfg.sliding_window!r}")
-    return model.to(device=device, dtype=dtype).eval()
-
-
-_CSM_CODEC = "codec_model."  # CsmForConditionalGeneration's codec tensors
-
-
-def load_csm_codec(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32) -> MimiModel:
-    """The Mimi codec at `path`: a MimiModel folder, or a CSM folder (CsmForConditionalGeneration
-    keeps its codec as `codec_config` and the `codec_model.*` tensors of its safetensors)."""
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CodecError(f"Mimi codec path: no config.json in {str(path)!r}")
-    raw = json.loads(cfg_file.read_text())
-    if "codec_config" not in raw:
-        return load_mimi(path, device, dtype)
-    state = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            state.update({k.removeprefix(_CSM_CODEC): st.get_tensor(k) for k in st.keys() if k.startswith(_CSM_CODEC)})
-    if not state:
-        raise CodecError(f"codec in {str(path)!r}: the checkpoint holds no {_CSM_CODEC}* tensors")
-    # Through a Mimi folder, so transformers' loader maps the checkpoint's names onto its modules
-    # (it renames several) and checks them, as it does for a Mimi checkpoint.
-    with tempfile.TemporaryDirectory() as tmp:
-        MimiConfig(**raw["codec_config"]).save_pretrained(tmp)
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        return load_mimi(tmp, device, dtype)
-
-
-def decoder_modules(model: MimiModel) -> tuple[MimiConvTranspose1d | None, MimiTransformerModel, nn.ModuleList]:
-    """(latent upsampling conv or None, decoder transformer, SEANet layers). transformers 5.2x
-    groups them in `model.decoder` (a MimiDecoderModel); earlier 5.x keep the first two on the
-    model and `model.decoder` is the SEANet itself (MimiDecoder)."""
-    dec = model.decoder
-    if isinstance(dec, MimiDecoder):
-        return model.upsample, model.decoder_transformer, dec.layers
-    return dec.upsample, dec.decoder_transformer, dec.decoder_seanet.layers
 
 
 @dataclass

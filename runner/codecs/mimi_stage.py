@@ -25,7 +25,8 @@ import torch
 
 from runner.codecs.config import CodecError
 from runner.codecs.decoder import Launches
-from runner.codecs.mimi import MimiStreamingDecoder, load_mimi
+from runner.codecs.mimi import MimiStreamingDecoder
+from runner.codecs.mimi_loader import load_mimi
 from runner.codecs.mimi_graphs import MimiGraphs
 from runner.codecs.stage import StageResult
 

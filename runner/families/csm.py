@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runner.codecs.mimi import load_csm_codec
+from runner.codecs.mimi_loader import load_csm_codec
 from runner.codecs.mimi_stage import MimiCodecConfig, MimiCodecStage
 from runner.config import EngineConfig
 from runner.families.base import CodecStageLike, LogitsConstraint, ModelFamily

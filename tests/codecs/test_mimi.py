@@ -12,7 +12,8 @@ from transformers import MimiModel
 
 from runner.codecs.config import CodecError
 from runner.codecs.decoder import float_to_s16
-from runner.codecs.mimi import MimiStreamingDecoder, load_mimi
+from runner.codecs.mimi import MimiStreamingDecoder
+from runner.codecs.mimi_loader import load_mimi
 from runner.codecs.mimi_stage import MimiCodecConfig, MimiCodecStage
 from tests.support.tiny_models import make_tiny_mimi, tiny_mimi_config
 

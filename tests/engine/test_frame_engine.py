@@ -150,7 +150,7 @@ def test_bad_requests_name_the_field(csm_dir):
 
 
 def test_audio_streams_mimi_pcm_equal_to_offline_decode(csm_dir):
-    from runner.codecs.mimi import load_csm_codec
+    from runner.codecs.mimi_loader import load_csm_codec
 
     eng = make_engine(csm_dir, async_scheduling=True, codec=True)
     sp = SamplingParams(temperature=0.9, top_k=20, max_tokens=9, seed=5)

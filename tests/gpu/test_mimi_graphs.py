@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runner.codecs.decoder import float_to_s16
-from runner.codecs.mimi import load_mimi
+from runner.codecs.mimi_loader import load_mimi
 from runner.codecs.mimi_stage import MimiCodecConfig, MimiCodecStage
 from tests.support.tiny_models import make_tiny_mimi
 

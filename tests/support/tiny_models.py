@@ -161,7 +161,7 @@ def make_tiny_mimi(path, *, seed: int = 0, **overrides) -> Path:
     for name, p in model.named_parameters():
         if name.endswith("layer_scale.scale"):
             p.fill_(0.5)
-    from runner.codecs.mimi import decoder_modules
+    from runner.codecs.mimi_loader import decoder_modules
 
     last = decoder_modules(model)[2][-1].conv
     codes = torch.randint(0, model.config.codebook_size, (1, model.config.num_quantizers, 8), generator=gen)
