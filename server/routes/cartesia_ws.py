@@ -25,7 +25,6 @@ Server messages:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -33,25 +32,13 @@ import numpy as np
 from aiohttp import WSCloseCode, web
 
 from server.context import ServerContext, get_ctx
-from server.errors import APIError
 from server.tts.cartesia_messages import CancelRequest, GenerationRequest, audio_format, judge, voice_id
-from server.tts.contexts import ContextLimits, ContextWork, SharedWork
+from server.tts.contexts import ContextLimits, ContextSocket, ContextWork
 from server.tts.encoding import EncodedStream
 from server.tts.speaker import Refusal, Sink, Speaker, Utterance, Voicing
 from server.tts.text_segmenter import TextSegmenter
 from server.tts.timings import CharTime, SegmentTimer, SpeakingRate, words
-from server.ws_common import (
-    BadMessage,
-    CloseRequest,
-    SessionActivity,
-    bad_message,
-    dispatch_text,
-    guard_session,
-    new_websocket,
-    read_message,
-    send_json,
-    session_activity,
-)
+from server.ws_common import BadMessage, SessionActivity, guard_session, new_websocket, session_activity
 from streaming.encoders import AudioFormat, b64
 from streaming.schema import UNKNOWN, SchemaError, check_text, convert
 
@@ -177,59 +164,27 @@ class CartesiaContext(Sink):
         self.socket.closer.request(WSCloseCode.INTERNAL_ERROR, b"internal error")
 
 
-class CartesiaSocket:
+class CartesiaSocket(ContextSocket):
     def __init__(self, ctx: ServerContext, ws: web.WebSocketResponse, activity: SessionActivity,
                  limits: ContextLimits = ContextLimits()):
-        self.ctx = ctx
-        self.ws = ws
-        self.activity = activity
-        self.limits = limits
-        self.shared_work = SharedWork(activity)
-        self.closer = CloseRequest()
+        super().__init__(ctx, ws, activity, ENDPOINT, limits)
         self.contexts: dict[str, CartesiaContext] = {}
-
-    async def send(self, event: dict) -> None:
-        if not self.ws.closed:
-            await send_json(self.ws, event)
 
     async def send_error(self, code: str, message: str, param: str | None, context_id: str | None = None) -> None:
         await self.send({"type": "error", "context_id": context_id, "error": message, "code": code, "param": param,
                          "done": True, "status_code": 400})
 
-    async def run(self) -> None:
-        self.ctx.metrics.active_streams.labels(ENDPOINT).inc()
-        try:
-            await dispatch_text(self.ws, self.activity, self.closer, ENDPOINT, self._on_text, self._on_binary)
-        finally:
-            # Every context is stopped before the first await: this finally may itself be
-            # cancelled (a server with handler_cancellation), which would skip the rest.
-            stopped = [task for c in self.contexts.values() for task in c.speaker.stop()]
-            self.ctx.metrics.active_streams.labels(ENDPOINT).dec()
-            await asyncio.gather(*stopped, return_exceptions=True)
-
     async def _on_binary(self) -> None:
         await self.send_error("binary_not_allowed", "Binary frames are not accepted; send JSON.", None)
 
-    async def _on_text(self, data: str) -> None:
-        context_id = None
-        try:
-            obj = read_message(data, self.ctx.settings)
-            context_id = obj.get("context_id") if isinstance(obj.get("context_id"), str) else None
-            if "cancel" in obj:
-                await self._cancel(convert(obj, CancelRequest))
-            else:
-                await self._generate(convert(obj, GenerationRequest))
-        except SchemaError as e:
-            await self._reject(bad_message(e), context_id)
-        except APIError as e:
-            await self._reject(BadMessage("invalid_field", e.message, e.param), context_id)
-        except BadMessage as e:
-            await self._reject(e, context_id)
+    def _context_id(self, obj: dict) -> str | None:
+        return obj.get("context_id") if isinstance(obj.get("context_id"), str) else None
 
-    async def _reject(self, e: BadMessage, context_id: str | None) -> None:
-        await self.send_error(e.code, e.message, e.param, context_id)
-        if e.close is not None and not self.ws.closed:
-            await self.ws.close(code=e.close, message=e.code.encode())
+    async def _on_object(self, obj: dict) -> None:
+        if "cancel" in obj:
+            await self._cancel(convert(obj, CancelRequest))
+        else:
+            await self._generate(convert(obj, GenerationRequest))
 
     async def _cancel(self, req: CancelRequest) -> None:
         context = self.contexts.pop(req.context_id, None)

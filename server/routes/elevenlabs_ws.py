@@ -52,9 +52,8 @@ import numpy as np
 from aiohttp import WSCloseCode, web
 
 from server.context import ServerContext, get_ctx
-from server.errors import APIError
 from server.sampling import SPEECH_FIELDS, request_limits
-from server.tts.contexts import ContextLimits, ContextWork, SharedWork
+from server.tts.contexts import ContextLimits, ContextSocket, ContextWork
 from server.auth import presented_key
 from server.tts.elevenlabs_messages import (
     ElevenLabsInput,
@@ -68,18 +67,7 @@ from server.tts.encoding import EncodedStream
 from server.tts.speaker import Refusal, Sink, Speaker, Utterance, Voicing
 from server.tts.text_segmenter import TextSegmenter
 from server.tts.timings import CharTime, SegmentTimer, SpeakingRate
-from server.ws_common import (
-    BadMessage,
-    CloseRequest,
-    SessionActivity,
-    bad_message,
-    dispatch_text,
-    guard_session,
-    new_websocket,
-    read_message,
-    send_json,
-    session_activity,
-)
+from server.ws_common import BadMessage, SessionActivity, guard_session, new_websocket, session_activity
 from streaming.encoders import b64
 from streaming.schema import MISSING, SchemaError, check_text, convert, sampling_params
 
@@ -210,31 +198,21 @@ class Context(Sink):
         self.socket.closer.request(WSCloseCode.INTERNAL_ERROR, b"internal error")
 
 
-class ElevenLabsSocket:
+class ElevenLabsSocket(ContextSocket):
     """One socket: reads messages, routes them to contexts, owns every close (the reader)."""
 
     def __init__(self, ctx: ServerContext, ws: web.WebSocketResponse, voicing: Voicing, activity: SessionActivity,
                  query: ElevenLabsQuery, multi: bool, needs_key: bool, limits: ContextLimits = ContextLimits()):
-        self.ctx = ctx
-        self.ws = ws
+        super().__init__(ctx, ws, activity, MULTI_STREAM_INPUT if multi else STREAM_INPUT, limits)
         self.voicing = voicing
-        self.activity = activity
         self.query = query
         self.multi = multi
         self.needs_key = needs_key
-        self.limits = limits
-        self.endpoint = MULTI_STREAM_INPUT if multi else STREAM_INPUT
-        self.shared_work = SharedWork(activity)
-        self.closer = CloseRequest()
         self.contexts: dict[str, Context] = {}
         self.closing_socket = False
         self.first_message = True
 
     # ---- output ----
-
-    async def send(self, event: dict) -> None:
-        if not self.ws.closed:
-            await send_json(self.ws, event)
 
     async def send_error(self, code: str, message: str, param: str | None = None, context_id: str | None = None) -> None:
         event = {"type": "error", "error": code, "code": code, "message": message, "param": param}
@@ -244,41 +222,20 @@ class ElevenLabsSocket:
 
     # ---- the session ----
 
-    async def run(self) -> None:
-        self.ctx.metrics.active_streams.labels(self.endpoint).inc()
-        sweeper = asyncio.create_task(self._sweep()) if self.multi else None
-        try:
-            await dispatch_text(self.ws, self.activity, self.closer, self.endpoint, self._on_text, self._on_binary)
-        finally:
-            if sweeper is not None:
-                sweeper.cancel()
-            # Every context is stopped before the first await: this finally may itself be
-            # cancelled (a server with handler_cancellation), which would skip the rest.
-            stopped = [task for c in self.contexts.values() for task in c.speaker.stop()]
-            self.ctx.metrics.active_streams.labels(self.endpoint).dec()
-            await asyncio.gather(*stopped, return_exceptions=True)
+    def _side_task(self) -> asyncio.Task | None:
+        return asyncio.create_task(self._sweep()) if self.multi else None
 
     async def _on_binary(self) -> None:
         await self.send_error("binary_not_allowed", "Binary frames are not accepted; send JSON text frames.")
 
-    async def _on_text(self, data: str) -> None:
-        context_id: str | None = None
-        try:
-            obj = read_message(data, self.ctx.settings)
-            raw_id = obj.get("context_id", obj.get("contextId"))
-            context_id = raw_id if isinstance(raw_id, str) else None
-            await self._on_message(convert(obj, ElevenLabsInput))
-        except SchemaError as e:
-            await self._reject(bad_message(e), context_id)
-        except APIError as e:
-            await self._reject(BadMessage("invalid_field", e.message, e.param), context_id)
-        except BadMessage as e:
-            await self._reject(e, context_id)
+    def _context_id(self, obj: dict) -> str | None:
+        if not self.multi:
+            return None  # stream-input errors name no context
+        raw_id = obj.get("context_id", obj.get("contextId"))
+        return raw_id if isinstance(raw_id, str) else None
 
-    async def _reject(self, e: BadMessage, context_id: str | None) -> None:
-        await self.send_error(e.code, e.message, e.param, context_id if self.multi else None)
-        if e.close is not None and not self.ws.closed:
-            await self.ws.close(code=e.close, message=e.code.encode())
+    async def _on_object(self, obj: dict) -> None:
+        await self._on_message(convert(obj, ElevenLabsInput))
 
     def _check_key(self, msg: ElevenLabsInput) -> None:
         key = msg.key
