@@ -18,6 +18,7 @@ from runner.models.csm_config import CsmModelConfig
 from runner.models.csm_loader import load_csm
 from runner.models.csm_sampling import GreedyCodebooks
 from tests.models.test_csm import PROMPTS, drive, hf_generate, one_thread  # noqa: F401 (autouse fixture)
+from tests.support.engine_runs import drive_requests
 from tests.support.tiny_models import CSM_AUDIO_EOS_TOKEN_ID, CSM_AUDIO_TOKEN_ID, load_hf_csm, make_tiny_csm
 
 MAX_FRAMES = 12
@@ -47,30 +48,6 @@ def make_engine(path, *, async_scheduling: bool, codec: bool = False, prefix: bo
     return Engine(cfg, family=family, codec=family.build_codec(torch.device("cpu"), torch.float32) if codec else None)
 
 
-def run(engine: Engine, prompts, sampling, join_every: int = 0, audio: bool = False) -> dict[str, dict]:
-    """Add prompt i at step i * join_every; collect each request's frames, ids and PCM."""
-    got = {f"r{i}": {"ids": [], "frames": [], "pcm": [], "finish": None} for i in range(len(prompts))}
-    pending, step = list(enumerate(prompts)), 0
-    while pending or engine.has_unfinished:
-        while pending and step >= pending[0][0] * join_every:
-            i, p = pending.pop(0)
-            engine.add_request(f"r{i}", p, sampling[i] if isinstance(sampling, list) else sampling, audio=audio)
-        for o in engine.step():
-            g = got[o.request_id]
-            g["ids"] += o.new_token_ids
-            if o.frames is not None:
-                assert o.frames.shape == (len(o.new_token_ids), engine.family.codes_per_frame)
-                g["frames"].append(o.frames)
-            if o.audio is not None:
-                g["pcm"].append(o.audio)
-            if o.finished:
-                g["finish"] = (o.finish_reason, o.error)
-        step += 1
-    for g in got.values():
-        g["frames"] = np.concatenate(g["frames"]) if g["frames"] else np.zeros((0, engine.family.codes_per_frame), np.int64)
-    return got
-
-
 def test_profile_and_family_are_csm(csm_dir):
     profile = read_profile(csm_dir)
     assert profile.family == "csm" and profile.codec["path"] == str(csm_dir)
@@ -83,7 +60,7 @@ def test_profile_and_family_are_csm(csm_dir):
 @pytest.mark.parametrize("join_every", [0, 3])
 def test_greedy_frames_equal_transformers(csm_dir, reference, async_scheduling, join_every):
     eng = make_engine(csm_dir, async_scheduling=async_scheduling)
-    got = run(eng, PROMPTS, GREEDY, join_every=join_every)
+    got = drive_requests(eng, PROMPTS, GREEDY, join_every=join_every)
     for i, ref in enumerate(reference):
         g = got[f"r{i}"]
         np.testing.assert_array_equal(g["frames"], ref)
@@ -95,9 +72,9 @@ def test_greedy_frames_equal_transformers(csm_dir, reference, async_scheduling, 
 
 def test_seeded_sampling_same_alone_and_in_a_busy_batch(csm_dir):
     sp = SamplingParams(temperature=0.9, top_k=20, max_tokens=10, seed=11)
-    alone = run(make_engine(csm_dir, async_scheduling=True), [PROMPTS[1]], sp)["r0"]["frames"]
+    alone = drive_requests(make_engine(csm_dir, async_scheduling=True), [PROMPTS[1]], sp)["r0"]["frames"]
     others = [SamplingParams(temperature=1.0, top_p=0.8, max_tokens=10, seed=s) for s in (1, 2)]
-    busy = run(make_engine(csm_dir, async_scheduling=True), [PROMPTS[0], PROMPTS[1], PROMPTS[2]],
+    busy = drive_requests(make_engine(csm_dir, async_scheduling=True), [PROMPTS[0], PROMPTS[1], PROMPTS[2]],
                [others[0], sp, others[1]], join_every=2)["r1"]["frames"]
     np.testing.assert_array_equal(alone, busy)
     assert len(alone) and len(np.unique(alone[:, 1:])) > 1  # sampled, not a constant
@@ -154,7 +131,7 @@ def test_audio_streams_mimi_pcm_equal_to_offline_decode(csm_dir):
 
     eng = make_engine(csm_dir, async_scheduling=True, codec=True)
     sp = SamplingParams(temperature=0.9, top_k=20, max_tokens=9, seed=5)
-    got = run(eng, PROMPTS[:2], sp, join_every=2, audio=True)
+    got = drive_requests(eng, PROMPTS[:2], sp, join_every=2, audio=True)
     mimi = load_csm_codec(csm_dir, torch.device("cpu"))
     for g in got.values():
         assert g["finish"][1] is None

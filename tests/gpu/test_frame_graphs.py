@@ -16,6 +16,7 @@ from runner.families import family_for
 from streaming.profile import read_profile
 from streaming.sampling_params import SamplingParams
 from tests.models.test_csm import PROMPTS
+from tests.support.engine_runs import drive_requests
 from tests.support.tiny_models import make_tiny_csm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -35,20 +36,6 @@ def engine(path, *, graphs: bool, dtype: str = "bfloat16", async_scheduling: boo
     return Engine(cfg, family=family, codec=family.build_codec(torch.device("cuda"), torch.float32) if codec else None)
 
 
-def run(eng: Engine, prompts, sampling, join_every: int = 2, audio: bool = False) -> dict[str, np.ndarray]:
-    frames: dict[str, list] = {f"r{i}": [] for i in range(len(prompts))}
-    pending, step = list(enumerate(prompts)), 0
-    while pending or eng.has_unfinished:
-        while pending and step >= pending[0][0] * join_every:
-            i, p = pending.pop(0)
-            eng.add_request(f"r{i}", p, sampling[i] if isinstance(sampling, list) else sampling, audio=audio)
-        for o in eng.step():
-            if o.frames is not None:
-                frames[o.request_id].append(o.frames)
-        step += 1
-    return {k: np.concatenate(v) for k, v in frames.items()}
-
-
 def test_graphs_are_used_and_equal_eager(csm_dir):
     sps = [SamplingParams(temperature=0.0, max_tokens=20),
            SamplingParams(temperature=0.9, top_k=20, max_tokens=20, seed=4),
@@ -61,11 +48,11 @@ def test_graphs_are_used_and_equal_eager(csm_dir):
     depth = []
     orig_depth = g.runner.frame_graphs.run_depth
     g.runner.frame_graphs.run_depth = lambda *a: depth.append(a[0]) or orig_depth(*a)
-    got_g = run(g, PROMPTS, sps)
-    got_e = run(engine(csm_dir, graphs=False), PROMPTS, sps)
+    got_g = drive_requests(g, PROMPTS, sps, join_every=2)
+    got_e = drive_requests(engine(csm_dir, graphs=False), PROMPTS, sps, join_every=2)
     assert len(replays) > 10 and depth  # whole steps, and depth halves of the steps prompts joined
     for k in got_e:
-        np.testing.assert_array_equal(got_g[k], got_e[k])
+        np.testing.assert_array_equal(got_g[k]["frames"], got_e[k]["frames"])
 
 
 def test_cuda_audio_requests_stream_pcm(csm_dir):
