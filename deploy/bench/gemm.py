@@ -280,11 +280,18 @@ def tuned_literal(tuned: list) -> str:
     return dumps_table({"linear": section})
 
 
-def write_table(path: str | Path, tuned: list, provenance: str | None = None) -> dict:
-    """Put the sweep's rows into the `linear` section of the tuning table at `path`, with one line
-    of provenance: the swept (kind, N, K) entries are replaced, the table's other entries and
-    sections (split, fold, head, attention, ...) kept. A new file is named after this GPU and
-    serves it by name (provenance None: this GPU and this sweep). Returns the table written."""
+def _joined(old: str | None, line: str) -> str:
+    """A section's provenance with one more sweep's line (a line it already holds is not repeated)."""
+    return line if not old else old if line in old else f"{old}; {line}"
+
+
+def write_table(path: str | Path, tuned: list, provenance: str | None = None, split: dict | None = None,
+                split_provenance: str | None = None) -> dict:
+    """Put the sweep's rows into the `linear` section of the tuning table at `path`, and split-K
+    rows ((N, K) -> rows, run_splitk_sweep's "rows") into its `split` section, each section's
+    provenance extended by one line: the swept entries are replaced, the table's other entries
+    and sections (fold, head, attention, ...) kept. A new file is named after this GPU and serves
+    it by name (provenance None: this GPU and this sweep). Returns the table written."""
     if provenance is None:
         provenance = (f"{torch.cuda.get_device_name()}, bf16: decode GEMMs swept alone against cuBLAS "
                       "(python -m deploy.bench.gemm), the faster per row; null rows: cuBLAS")
@@ -293,7 +300,9 @@ def write_table(path: str | Path, tuned: list, provenance: str | None = None) ->
         raw = json.loads(path.read_text())
     else:
         raw = {"name": path.stem, "gpu_names": [torch.cuda.get_device_name()]}
-    raw = with_linear_rows(raw, load_tuned_rows(tuned), provenance)
+    raw = with_linear_rows(raw, load_tuned_rows(tuned), _joined(raw.get("linear", {}).get("provenance"), provenance))
+    if split is not None:
+        raw = with_split_rows(raw, split, _joined(raw.get("split", {}).get("provenance"), split_provenance))
     path.write_text(dumps_table(raw))
     return raw
 
@@ -323,19 +332,15 @@ def main() -> int:
     (out / "gemm_tuned.json").write_text(json.dumps(res["tuned"]))
     print(tuned_literal(res["tuned"]))
     if args.write_table:
-        path = Path(args.write_table)
-        before = json.loads(path.read_text()).get("linear", {}).get("provenance") if path.is_file() else None
-        swept = ", ".join(f"{name} {n}x{k}" for name, (n, k, _) in SHAPE_SETS[args.shapes].items())
-        added = (f"{torch.cuda.get_device_name()}, bf16: {args.shapes} decode GEMMs ({swept}) swept alone against "
-                 "cuBLAS (python -m deploy.bench.gemm --shapes " + args.shapes + "), the faster per row; null rows: cuBLAS")
-        write_table(path, res["tuned"], added if before is None or args.shapes == "orpheus" else f"{before}; {added}")
-        if split is not None:
-            raw = json.loads(path.read_text())
-            line = raw.get("split", {}).get("provenance")
-            added = (f"{torch.cuda.get_device_name()}: {args.shapes} split-K rows where the GEMM alone beat cuBLAS "
-                     f"by {round(100 * (1 - SPLIT_GAIN))}% (gemm --shapes {args.shapes} --split)")
-            path.write_text(dumps_table(with_split_rows(raw, split["rows"], f"{line}; {added}" if line else added)))
-        print(f"wrote the linear section of {args.write_table}")
+        gpu, shapes = torch.cuda.get_device_name(), args.shapes
+        swept = ", ".join(f"{name} {n}x{k}" for name, (n, k, _) in SHAPE_SETS[shapes].items())
+        write_table(args.write_table, res["tuned"],
+                    f"{gpu}, bf16: {shapes} decode GEMMs ({swept}) swept alone against cuBLAS (python -m "
+                    f"deploy.bench.gemm --shapes {shapes}), the faster per row; null rows: cuBLAS",
+                    split=None if split is None else split["rows"],
+                    split_provenance=f"{gpu}: {shapes} split-K rows where the GEMM alone beat cuBLAS by "
+                                     f"{round(100 * (1 - SPLIT_GAIN))}% (gemm --shapes {shapes} --split)")
+        print(f"wrote the {'linear and split sections' if split else 'linear section'} of {args.write_table}")
     return 0
 
 
