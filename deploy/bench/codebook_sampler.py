@@ -39,26 +39,11 @@ def graph_batch(b: int, fields: dict, dev: torch.device):
     return replace(batch, all_greedy=False, any_top_k=True, any_top_p=True, any_min_p=True, any_greedy=True)
 
 
-def time_graph(fn, reps: int = 50) -> float:
-    """µs per codebook of fn() (K codebooks), replayed from a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(5):
-        g.replay()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(reps):
-        g.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return 1e3 * t0.elapsed_time(t1) / reps / K
+def time_graph(frame) -> float:
+    """µs per codebook of frame() (K codebooks), replayed from a CUDA graph (gemm's timing)."""
+    from deploy.bench.gemm import _time_graph
+
+    return _time_graph(lambda i: frame(), copies=1, launches=1) / K
 
 
 def run(batches: list[int]) -> dict:
