@@ -1,12 +1,15 @@
-"""The layout redesign's acceptance A/B (issue 31): the code before it against this checkout,
-alternated old, new, old, new on one GPU machine in one call, under 10 minutes.
+"""Orpheus A/B of the code before a change against this checkout, alternated old, new, old, new on
+one GPU machine in one call, under 10 minutes: issue 31's acceptance (the layout redesign, old =
+d06bc56) and issue 33's "Orpheus unchanged" (multi-codebook frames, old = 9346da1, the last
+commit before it; `--old-commit`).
 
 Per round, each in its own process: the engine table (greedy decode ms/step at batch 1..256,
 CUDA graphs + async scheduling, `decode` section, with the copy bandwidth) from the old code,
 then from the new; then the serving benchmark (the real server, 400 WebSocket TTS streams
 starting together and read in real time: TTFA p50 / p99, underruns, errors) from the old code,
-then from the new. Two rounds by default. Each side runs its own scripts: the old code
-`deploy/bench_gpu.py` in `.ab/old`, the new `python -m deploy.bench.engine` / `.serving` here.
+then from the new. Two rounds by default. Each side runs its own scripts: an old checkout of the
+flat layout `deploy/bench_gpu.py` in `.ab/old`, one of the package layout (and the new side)
+`python -m deploy.bench.engine` / `.serving`.
 Raw results land in $OUT/ab/<side><round>-<engine|serving>/; the one results file is
 $OUT/ab.md (with ab.json beside it), rewritten after every run so a cut-off call still
 reports what finished.
@@ -15,7 +18,7 @@ Here (with git), once:
 
     python3 -m deploy.bench.ab --prepare --wheels-from /work/shared/gpu-wheels
 
-writes the old code (commit d06bc56, runner / streaming / server and its bench scripts) into
+writes the old code (runner / streaming / server / deploy of `--old-commit`) into
 `.ab/old` and the msgspec / pyzmq / snac wheels into `.whl/` (both git-ignored). Then on the GPU
 machine, carrying `.ab` and `.whl`:
 
@@ -36,9 +39,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-OLD_COMMIT = "d06bc56"  # the last commit before the layout redesign
-OLD_PATHS = ["runner", "streaming", "server", "deploy/bench_gpu.py", "deploy/bench_gemm.py", "deploy/bench_host.py",
-             "deploy/boundary_probe.py"]
+OLD_COMMIT = "9346da1"  # the last commit before issue 33 (frames through the engine); issue 31's: d06bc56
+OLD_PATHS = ["runner", "streaming", "server", "deploy"]
 ENGINE_BATCHES = "1,8,16,32,48,64,128,256"
 SERVING = ["--streams", "400", "--serving-max-seqs", "512", "--serving-ramp-s", "0", "--serving-admission-wait-ms", "20"]
 # seconds a run is expected to take at most on the H200 (compiles included); a run that would
@@ -76,13 +78,14 @@ def site_path(wheels: Path, dry_run: bool) -> str:
 
 def commands(side: str, kind: str, old: Path, batches: str, out: Path) -> tuple[list[str], Path]:
     """(argv, cwd) of one run."""
-    if side == "old":
+    if side == "old" and not (old / "deploy" / "bench" / "engine.py").exists():  # the flat layout
         sections = ["--sections", "bandwidth,decode", "--batches", batches] if kind == "engine" else ["--sections", "serving", *SERVING]
         return [sys.executable, "deploy/bench_gpu.py", *sections, "--out", str(out)], old
+    root = old if side == "old" else ROOT
     if kind == "engine":
         return [sys.executable, "-m", "deploy.bench.engine", "--sections", "bandwidth,decode", "--batches", batches,
-                "--out", str(out)], ROOT
-    return [sys.executable, "-m", "deploy.bench.serving", "--sections", "serving", *SERVING, "--out", str(out)], ROOT
+                "--out", str(out)], root
+    return [sys.executable, "-m", "deploy.bench.serving", "--sections", "serving", *SERVING, "--out", str(out)], root
 
 
 def serving_row(table: str, streams: int = 400) -> dict:
@@ -108,9 +111,9 @@ def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def render(runs: list[dict], batches: str) -> str:
-    lines = ["# A/B: the code before the layout redesign (old) against this checkout (new)", "",
-             "Alternated in one call, each run its own process; old = " + OLD_COMMIT + ".", ""]
+def render(runs: list[dict], batches: str, old_commit: str) -> str:
+    lines = ["# A/B: the code before a change (old) against this checkout (new)", "",
+             "Alternated in one call, each run its own process; old = " + old_commit + ".", ""]
     eng = [r for r in runs if r["kind"] == "engine" and "figures" in r]
     if eng:
         lines += ["Engine, greedy decode ms/step (CUDA graphs + async scheduling, 100-token prompts, 500 new tokens):", "",
@@ -150,6 +153,7 @@ def main() -> int:
     ap.add_argument("--old", default=str(ROOT / ".ab" / "old"), help="the old checkout")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batches", default=ENGINE_BATCHES)
+    ap.add_argument("--kinds", default="engine,serving", help="which runs of a round: engine, serving or both")
     ap.add_argument("--budget-s", type=float, default=570, help="skip runs that would end past this many seconds")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / ".bench"))
@@ -158,13 +162,13 @@ def main() -> int:
     if args.prepare:
         prepare(args.old_commit, old, args.wheels_from)
         return 0
-    if not (old / "deploy" / "bench_gpu.py").exists() and not args.dry_run:
+    if not (old / "runner").exists() and not args.dry_run:
         sys.exit(f"{old}: no old checkout; run `python3 -m deploy.bench.ab --prepare` where git is, and carry .ab")
     t_start = time.perf_counter()
     site = site_path(ROOT / ".whl", args.dry_run)
     out = Path(args.out)
     runs: list[dict] = []
-    plan = [(kind, side, i) for i in range(1, args.rounds + 1) for kind in ("engine", "serving") for side in ("old", "new")]
+    plan = [(kind, side, i) for i in range(1, args.rounds + 1) for kind in args.kinds.split(",") for side in ("old", "new")]
     for kind, side, i in plan:
         label = f"{side}{i}"
         run_out = out / "ab" / f"{label}-{kind}"
@@ -198,7 +202,7 @@ def main() -> int:
         print(f"{label} {kind}: {run['wall_s']:.0f} s {run.get('error', '')}", flush=True)
         out.mkdir(parents=True, exist_ok=True)
         (out / "ab.json").write_text(json.dumps(runs, indent=1))
-        (out / "ab.md").write_text(render(runs, args.batches))
+        (out / "ab.md").write_text(render(runs, args.batches, args.old_commit))
     if not args.dry_run:
         print((out / "ab.md").read_text())
     return 0

@@ -17,6 +17,7 @@ Worker processes compile every variant first (a JIT launch on the real shapes fi
 on-disk cache), then this process times them.
 
     python -m deploy.bench.gemm --out DIR [--shapes csm] [--write-table runner/kernels/tuning/nvidia_h200.json]
+    python -m deploy.bench.gemm --shapes csm --split-only --write-table ...  # split-K rows alone
     python -m deploy.bench.tune --sections gemm     # the same sweep inside the tuning bench
 """
 
@@ -285,9 +286,10 @@ def _joined(old: str | None, line: str) -> str:
     return line if not old else old if line in old else f"{old}; {line}"
 
 
-def write_table(path: str | Path, tuned: list, provenance: str | None = None, split: dict | None = None,
+def write_table(path: str | Path, tuned: list | None, provenance: str | None = None, split: dict | None = None,
                 split_provenance: str | None = None) -> dict:
-    """Put the sweep's rows into the `linear` section of the tuning table at `path`, and split-K
+    """Put the sweep's rows into the `linear` section of the tuning table at `path` (tuned None:
+    that section is left as it is), and split-K
     rows ((N, K) -> rows, run_splitk_sweep's "rows") into its `split` section, each section's
     provenance extended by one line: the swept entries are replaced, the table's other entries
     and sections (fold, head, attention, ...) kept. A new file is named after this GPU and serves
@@ -300,7 +302,8 @@ def write_table(path: str | Path, tuned: list, provenance: str | None = None, sp
         raw = json.loads(path.read_text())
     else:
         raw = {"name": path.stem, "gpu_names": [torch.cuda.get_device_name()]}
-    raw = with_linear_rows(raw, load_tuned_rows(tuned), _joined(raw.get("linear", {}).get("provenance"), provenance))
+    if tuned is not None:
+        raw = with_linear_rows(raw, load_tuned_rows(tuned), _joined(raw.get("linear", {}).get("provenance"), provenance))
     if split is not None:
         raw = with_split_rows(raw, split, _joined(raw.get("split", {}).get("provenance"), split_provenance))
     path.write_text(dumps_table(raw))
@@ -319,8 +322,11 @@ def main() -> int:
                     help="the model whose decode GEMMs are swept (the table keeps other shapes' rows)")
     ap.add_argument("--split", action="store_true",
                     help="also sweep split-K for the GEMMs feeding the add + RMSNorm and write the split rows")
+    ap.add_argument("--split-only", action="store_true",
+                    help="sweep (and write) only the split-K rows; the table's linear rows are kept")
     args = ap.parse_args()
-    res = run_gemm_sweep(args.workers, SHAPE_SETS[args.shapes])
+    args.split |= args.split_only
+    res = {"tuned": None} if args.split_only else run_gemm_sweep(args.workers, SHAPE_SETS[args.shapes])
     split = None
     if args.split:
         names = [nm for nm in SPLIT_NAMES if nm in SHAPE_SETS[args.shapes]]
@@ -329,8 +335,9 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gemm_sweep.json").write_text(json.dumps(res, indent=1))
-    (out / "gemm_tuned.json").write_text(json.dumps(res["tuned"]))
-    print(tuned_literal(res["tuned"]))
+    if res["tuned"] is not None:
+        (out / "gemm_tuned.json").write_text(json.dumps(res["tuned"]))
+        print(tuned_literal(res["tuned"]))
     if args.write_table:
         gpu, shapes = torch.cuda.get_device_name(), args.shapes
         swept = ", ".join(f"{name} {n}x{k}" for name, (n, k, _) in SHAPE_SETS[shapes].items())
@@ -340,7 +347,8 @@ def main() -> int:
                     split=None if split is None else split["rows"],
                     split_provenance=f"{gpu}: {shapes} split-K rows where the GEMM alone beat cuBLAS by "
                                      f"{round(100 * (1 - SPLIT_GAIN))}% (gemm --shapes {shapes} --split)")
-        print(f"wrote the {'linear and split sections' if split else 'linear section'} of {args.write_table}")
+        written = [name for name, part in (("linear", res["tuned"]), ("split", split)) if part is not None]
+        print(f"wrote the {' and '.join(written)} section(s) of {args.write_table}")
     return 0
 
 
