@@ -1,6 +1,6 @@
 """What the benchmark entry points share: the Orpheus-3B shape with random weights, the engine
-each section builds, the kernel A/B switches, the tile-spec parser, the serving model folder and
-the results folder.
+each section builds, the kernel A/B switches, the tile-spec parser, the serving model folder,
+the results folder and the life of a real server process (`served`: serving, csm and dp).
 
 Every entry point writes its raw results (results.json, results.md, logs, profiles) into
 `--out`: $OUT when set (the device machine hands that folder back), else `.bench/<name>/` at
@@ -10,12 +10,20 @@ the repo root (git-ignored).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -234,3 +242,93 @@ def in_process_engine(max_num_seqs: int):
 
     return build_engine(engine_args(str(serving_model_folder()), device="cuda", max_num_seqs=max_num_seqs,
                                     max_model_len=1024, random_weights=True))
+
+
+# ---- a real server process (serving, csm and dp start `omnistream serve`) ------------------------
+
+SERVE = (sys.executable, "-m", "server.cli", "serve")  # `-m` imports from the process's cwd first
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (the kernel picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, timeout: float = 5.0) -> tuple[int, dict]:
+    """(status, JSON body) of a GET, error statuses included; no connection raises OSError."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def serve_command(port: int, args: Sequence[str], program: Sequence[str] = SERVE) -> list[str]:
+    """The command `served` runs: `program --port PORT *args` (a later --port in args would win)."""
+    return [*program, "--port", str(port), *args]
+
+
+def log_tail(path: Path, chars: int = 4000) -> str:
+    try:
+        return Path(path).read_text(errors="replace")[-chars:]
+    except FileNotFoundError:
+        return "<no log>"
+
+
+@dataclass(frozen=True)
+class Served:
+    proc: subprocess.Popen  # the server; its session holds the engines it starts
+    port: int
+    url: str  # http://127.0.0.1:PORT
+    log_path: Path
+    up_s: float  # from the start to the first ready /health
+
+
+@contextlib.contextmanager
+def served(args: Sequence[str], log_path: Path, *, port: int | None = None, program: Sequence[str] = SERVE,
+           cwd: Path | str = ROOT, env: dict[str, str] | None = None, timeout_s: float = 400.0,
+           ready: Callable[[dict], bool] = lambda body: True, stop_s: float = 30.0) -> Iterator[Served]:
+    """Run `program --port PORT *args` (PORT: a free loopback port unless given) in its own session
+    from `cwd`, stdout and stderr into `log_path` (`env`: None inherits this process's), and
+    yield it once GET /health answers 200 with a JSON body `ready` accepts. The process exiting
+    first, or `timeout_s` passing, raises RuntimeError with the log's tail. On exit, however the
+    block ends: SIGTERM to the server (it stops its engines itself), SIGKILL to its whole session
+    after `stop_s` or to whatever it left there."""
+    port = free_port() if port is None else port
+    url, log_path = f"http://127.0.0.1:{port}", Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(serve_command(port, args, program), cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            t0 = time.monotonic()
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with code {proc.returncode} before it was ready "
+                                       f"({log_path}):\n{log_tail(log_path)}")
+                with contextlib.suppress(OSError, ValueError):  # not listening yet, or not JSON
+                    status, body = http_json(url + "/health", timeout=2.0)
+                    if status == 200 and ready(body):
+                        break
+                if time.monotonic() - t0 > timeout_s:
+                    raise RuntimeError(f"server not ready within {timeout_s:.0f} s ({log_path}):\n{log_tail(log_path)}")
+                time.sleep(0.2)
+            yield Served(proc, port, url, log_path, time.monotonic() - t0)
+        finally:
+            stop_session(proc, stop_s)
+
+
+def stop_session(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to `proc` and `grace_s` to exit, then SIGKILL to its session's process group:
+    `proc` if it hung, and any child it left (an engine orphaned by a killed server would hold
+    its GPU)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace_s)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(grace_s)

@@ -29,8 +29,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from deploy.bench.common import ROOT, add_out_arg, bench_bandwidth, log, run_header, scratch, write_results
+from deploy.bench.common import ROOT, add_out_arg, bench_bandwidth, log, run_header, scratch, served, write_results
 
 PROMPT = 32  # text tokens of each request's prompt
 FRAME_S = 0.08  # audio per frame (12.5 frames/s)
@@ -249,12 +247,6 @@ def run_hf(batches: list[int], budget_s: float) -> list[dict]:
     return rows
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def dump_stacks(pid: int, path: Path) -> None:
     """Where the server and its engine process are (py-spy, when installed) and what the GPU is
     doing, into `path`: the serving run outlasted --stall-dump-s (one run once stalled with no
@@ -279,48 +271,22 @@ def run_serving(streams: str, ramps: str, max_frames: int, max_num_seqs: int, ou
     line (e.g. ["--ws-max-inflight-utterances", "1"] for an A/B of a server setting)."""
     folder = csm_folder(scratch("csm1b-random"))
     mimi = mimi_folder(scratch("mimi-random"))
-    port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    log_path = out / "csm-server.log"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(folder), "--codec", str(mimi), "--random-weights",
-           "--device", "cuda", "--max-num-seqs", str(max_num_seqs), "--max-concurrent-requests", str(2 * max_num_seqs),
-           "--max-open-sessions", str(2 * max_num_seqs), "--port", str(port), "--zmq-endpoint", "none", *server_args]
-    with open(log_path, "wb") as logf:
-        srv = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    serve_args = ["--model", str(folder), "--codec", str(mimi), "--random-weights", "--device", "cuda",
+                  "--max-num-seqs", str(max_num_seqs), "--max-concurrent-requests", str(2 * max_num_seqs),
+                  "--max-open-sessions", str(2 * max_num_seqs), "--zmq-endpoint", "none", *server_args]
+    with served(serve_args, out / "csm-server.log", env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout_s=400) as srv:
+        log(f"server up in {srv.up_s:.0f} s")
+        table = out / "csm-serving.md"
+        bench = subprocess.Popen([sys.executable, "-m", "server.cli", "bench", "--url", srv.url,
+                                  "--streams", streams, "--ramp-s", ramps, "--max-tokens", str(max_frames),
+                                  "--out", str(table)], cwd=ROOT)
         try:
-            import urllib.request
-
-            t0 = time.time()
-            while True:
-                if srv.poll() is not None:
-                    raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.time() - t0 > 400:
-                    raise RuntimeError("server did not come up in 400 s")
-                time.sleep(1)
-            log(f"server up in {time.time() - t0:.0f} s")
-            table = out / "csm-serving.md"
-            bench = subprocess.Popen([sys.executable, "-m", "server.cli", "bench", "--url", f"http://127.0.0.1:{port}",
-                                      "--streams", streams, "--ramp-s", ramps, "--max-tokens", str(max_frames),
-                                      "--out", str(table)], cwd=ROOT)
-            try:
-                bench.wait(stall_s)
-            except subprocess.TimeoutExpired:
-                dump_stacks(srv.pid, out / "csm-stall.txt")
-            if bench.wait() != 0:
-                raise RuntimeError(f"bench exited with {bench.returncode}")
-            return table.read_text()
-        finally:
-            os.killpg(srv.pid, signal.SIGTERM)
-            try:
-                srv.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(srv.pid, signal.SIGKILL)
+            bench.wait(stall_s)
+        except subprocess.TimeoutExpired:
+            dump_stacks(srv.proc.pid, out / "csm-stall.txt")
+        if bench.wait() != 0:
+            raise RuntimeError(f"bench exited with {bench.returncode}")
+        return table.read_text()
 
 
 def render(res: dict) -> str:

@@ -26,73 +26,47 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Iterator
 
-from deploy.bench.common import ROOT, add_out_arg, log, run_header, serving_model_folder, write_results
+from deploy.bench.common import (
+    add_out_arg,
+    free_port,
+    http_json,
+    log,
+    run_header,
+    serve_command,
+    served,
+    serving_model_folder,
+    write_results,
+)
 from server.bench import LEVEL_TIMEOUT_S, LevelResult, bench, percentile, run_level
 
 TEXT = "Hello there, this is one sentence of streaming speech for the benchmark."
 STARTUP_TIMEOUT_S = 600.0
 
 
-def _health(url: str, path: str = "/health") -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url + path, timeout=5) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
 @contextlib.contextmanager
 def running_server(dp: int, args: argparse.Namespace, out: Path) -> Iterator[str]:
-    """The real server with `dp` engines; yields its base URL, stops it on exit."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tmp = Path(tempfile.mkdtemp(prefix="omnistream-dp-"))
-    model = (["--device", "cpu", "--cache-dir", str(tmp / "cache")] if args.cpu else
-             ["--model", str(serving_model_folder()), "--random-weights", "--device", "cuda"])
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--zmq-endpoint", "none", *model,
-           "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-           "--max-concurrent-requests", "4096", "--max-open-sessions", "4096", "--data-parallel-size", str(dp),
-           *args.server_args.split()]
-    log(f"  starting: {' '.join(cmd[2:])}")
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"server-dp{dp}.log", "wb") as server_log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=server_log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            t0 = time.monotonic()
-            while True:
-                with contextlib.suppress(OSError):
-                    status, body = _health(url)
-                    if status == 200 and body.get("status") == "ok":
-                        break
-                if proc.poll() is not None or time.monotonic() - t0 > STARTUP_TIMEOUT_S:
-                    raise RuntimeError(f"server with {dp} engines did not start (see {out}/server-dp{dp}.log)")
-                time.sleep(0.5)
-            log(f"  {dp} engine(s) up in {time.monotonic() - t0:.0f} s")
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            shutil.rmtree(tmp, ignore_errors=True)
+    """The real server with `dp` engines; yields its base URL once /health says every engine is
+    up ("ok", not "degraded"), stops it on exit."""
+    with tempfile.TemporaryDirectory(prefix="omnistream-dp-", ignore_cleanup_errors=True) as tmp:
+        model = (["--device", "cpu", "--cache-dir", str(Path(tmp) / "cache")] if args.cpu else
+                 ["--model", str(serving_model_folder()), "--random-weights", "--device", "cuda"])
+        serve_args = ["--zmq-endpoint", "none", *model, "--max-num-seqs", str(args.max_num_seqs),
+                      "--max-model-len", str(args.max_model_len), "--max-concurrent-requests", "4096",
+                      "--max-open-sessions", "4096", "--data-parallel-size", str(dp), *args.server_args.split()]
+        port = free_port()
+        log(f"  starting: {' '.join(serve_command(port, serve_args)[2:])}")
+        with served(serve_args, out / f"server-dp{dp}.log", port=port, timeout_s=STARTUP_TIMEOUT_S,
+                    ready=lambda health: health.get("status") == "ok", stop_s=60) as srv:
+            log(f"  {dp} engine(s) up in {srv.up_s:.0f} s")
+            yield srv.url
 
 
 def _row(dp: int, max_tokens: int, lv: LevelResult) -> dict:
@@ -123,14 +97,14 @@ async def _kill_under_load(url: str, args: argparse.Namespace) -> dict:
     n, max_tokens = args.kill_streams, int(args.max_tokens.split(",")[0])
     level = asyncio.create_task(run_level(url, n, args.text, max_tokens, LEVEL_TIMEOUT_S, float(args.ramp_s.split(",")[0])))
     await asyncio.sleep(args.kill_engine_after_s)
-    _, health = await asyncio.to_thread(_health, url)
+    _, health = await asyncio.to_thread(http_json, url + "/health")
     victim = health["engines"][0]
     in_flight = [e["in_flight"] for e in health["engines"]]
     os.kill(victim["pid"], signal.SIGKILL)
     t_kill = time.perf_counter()
     down_s = back_s = None
     while back_s is None and time.perf_counter() - t_kill < STARTUP_TIMEOUT_S:
-        status, h = await asyncio.to_thread(_health, url)
+        status, h = await asyncio.to_thread(http_json, url + "/health")
         if down_s is None and not h["engines"][0]["healthy"]:
             down_s = time.perf_counter() - t_kill
         elif down_s is not None and h["engines"][0]["healthy"]:
@@ -141,12 +115,12 @@ async def _kill_under_load(url: str, args: argparse.Namespace) -> dict:
     survivors = [s for s in lv.streams if not s.error]
     # new work after the restart: a level of 2 sessions per engine, then the restarted engine's count
     def admitted() -> int:
-        return _health(url, "/v1/engine/stats")[1]["engines"][0]["stats"]["num_requests_total"]
+        return http_json(url + "/v1/engine/stats")[1]["engines"][0]["stats"]["num_requests_total"]
 
     before = await asyncio.to_thread(admitted)
     after = await run_level(url, 2 * len(in_flight), args.text, max_tokens, LEVEL_TIMEOUT_S)
     took_work = await asyncio.to_thread(admitted) > before
-    _, h = await asyncio.to_thread(_health, url)
+    _, h = await asyncio.to_thread(http_json, url + "/health")
     return {
         "streams": n, "max_tokens": max_tokens, "kill_after_s": args.kill_engine_after_s,
         "killed_pid": victim["pid"], "in_flight_per_engine_at_kill": in_flight,

@@ -31,6 +31,7 @@ from deploy.bench.common import (
     in_process_engine,
     log,
     run_header,
+    served,
     serving_model_folder,
     write_results,
 )
@@ -201,48 +202,23 @@ def run_serving(streams: str, max_seqs: int, max_tokens: int, ramps: str = "0", 
     option to A/B; from the checkout `server_root` if given, e.g. the previous version's code)
     and run `omnistream bench` (this checkout's) against it: N concurrent WebSocket TTS sessions
     read in real time."""
-    import socket
     import subprocess
-    import urllib.request
 
-    folder = serving_model_folder()
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
     srv_root = Path(server_root).resolve() if server_root else ROOT
-    out_dir.mkdir(parents=True, exist_ok=True)
     tag = f"-wait{admission_wait_ms:g}{tag}"
-    server_log = open(out_dir / f"server{tag}.log", "wb")  # the engine's per-5 s step / phase / first-audio log
-    srv = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", str(folder), "--random-weights",
-                            "--device", "cuda", "--max-num-seqs", str(max_seqs), "--max-model-len", "1024", "--port", str(port),
-                            "--zmq-endpoint", "none", "--max-concurrent-requests", "4096",
-                            "--admission-wait-ms", str(admission_wait_ms), *server_args.split()], cwd=srv_root,
-                           stdout=server_log, stderr=subprocess.STDOUT)  # `-m` imports from cwd first
-    try:
-        t0 = time.time()
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                if srv.poll() is not None or time.time() - t0 > 300:
-                    raise RuntimeError("server did not start")
-                time.sleep(1)
-        log(f"  server up in {time.time() - t0:.0f}s")
+    serve_args = ["--model", str(serving_model_folder()), "--random-weights", "--device", "cuda", "--max-num-seqs",
+                  str(max_seqs), "--max-model-len", "1024", "--zmq-endpoint", "none", "--max-concurrent-requests",
+                  "4096", "--admission-wait-ms", str(admission_wait_ms), *server_args.split()]
+    # the server's log: the engine's per-5 s step / phase / first-audio lines
+    with served(serve_args, out_dir / f"server{tag}.log", cwd=srv_root, timeout_s=300) as srv:
+        log(f"  server up in {srv.up_s:.0f}s")
         out = out_dir / f"serving{tag}.md"
-        subprocess.run([sys.executable, "-m", "server.cli", "bench", "--url", f"http://127.0.0.1:{port}",
+        subprocess.run([sys.executable, "-m", "server.cli", "bench", "--url", srv.url,
                         "--streams", streams, "--max-tokens", str(max_tokens), "--out", str(out), "--ramp-s", ramps,
                         "--text", "Hello there, this is one sentence of streaming speech for the benchmark."],
                        cwd=ROOT, check=True)
         return {"table": out.read_text(), "admission_wait_ms": admission_wait_ms, "server_args": server_args,
                 "server_root": server_root}
-    finally:
-        srv.terminate()
-        try:
-            srv.wait(30)
-        except subprocess.TimeoutExpired:
-            srv.kill()
-        server_log.close()
 
 
 def render(res: dict) -> str:
