@@ -91,10 +91,14 @@ class ServerSettings:
     # reader before the engine client gives up on it).
     output_queue_size: int = 256
     # WebSocket TTS: engine requests in flight per session (the one being sent + prefetched
-    # ones), pending text segments before the reader stops reading the socket. Prefetch makes
-    # the next sentence's audio ready early; at many sessions it also multiplies the rows the
-    # engine and the codec carry (with 2, CSM at 512 sessions runs ~1000 requests).
-    ws_max_inflight_utterances: int = knob(2, "WebSocket TTS: engine requests in flight per session (the one "
+    # ones), pending text segments before the reader stops reading the socket. 1: the next
+    # sentence starts once the current one is generated and sent, which, generation being
+    # faster than real time, is seconds before its audio has played, so the listener hears no
+    # gap. Prefetch (2 or more) helps only a server that generates slower than real time, and
+    # multiplies the rows the engine and the codec carry: CSM at 512 sessions with 2 ran ~1000
+    # requests and fell behind (every stream failed); with 1, 512 sessions ran in real time
+    # (docs/performance.md).
+    ws_max_inflight_utterances: int = knob(1, "WebSocket TTS: engine requests in flight per session (the one "
                                               "being sent plus prefetched ones)")
     ws_max_pending_segments: int = 64
     ws_heartbeat_s: float | None = 20.0

@@ -33,7 +33,8 @@ async def silent_for(ws, seconds: float) -> list:
 
 async def test_cartesia_cancel_frees_the_request_before_the_next_message_and_sends_nothing_after():
     engine = FakeEngine(samples_per_step=SPS, steps=400, step_delay=STEP_S)
-    async with serve(engine) as s:
+    # prefetch on: the cancel must free the prefetched request too
+    async with serve(engine, ws_max_inflight_utterances=2) as s:
         async with websockets.connect(s.url("/tts/websocket", "ws")) as ws:
             await ws.send(pipecat_msg("A long answer. And more of it. ", "c", cont=True))
             assert (await recv_json(ws))["type"] == "chunk"

@@ -177,7 +177,7 @@ async def test_bad_session_config_names_the_field_and_keeps_the_session(config, 
 
 async def test_disconnect_aborts_in_flight_requests():
     engine = FakeEngine(steps=500, step_delay=0.01, samples_per_step=SPS)
-    async with serve(engine) as s:
+    async with serve(engine, ws_max_inflight_utterances=2) as s:  # a prefetched request is aborted too
         async with websockets.connect(s.url("/v1/audio/speech/stream", "ws")) as ws:
             await recv_json(ws)
             await ws.send(json.dumps({"type": "input.text", "text": "First one. Second one. "}))
