@@ -262,6 +262,15 @@ class ProcessConfig:
     # Tiny models on a shared machine lose badly to oversubscription, hence the cap.
     cpu_threads: int | None = knob(None, "torch threads of a CPU engine (default: half the cores, at most 4)")
     random_weights: bool = knob(False, "benchmarks only: take the shape from --model's config.json, use random weights")
+    # A step that never returns (a GPU kernel that does not end) holds every client until it
+    # times out; exiting instead fails the in-flight requests at once and the front end
+    # starts a new engine. Far above any real step (first-use compiles take seconds).
+    stall_exit_s: float = knob(120.0, "native engine loop without progress this long: report it, fail the in-flight "
+                                      "requests and exit so the server restarts the engine (0: never)")
+
+    def __post_init__(self) -> None:
+        if self.stall_exit_s < 0:
+            raise ConfigError(f"stall_exit_s: must be >= 0 (0: never), got {self.stall_exit_s}")
 
 
 ENGINE_PARTS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig}

@@ -41,6 +41,7 @@ log = logging.getLogger("omnistream.engine")
 
 SLOW_STEP_S = 0.1  # steps longer than this are logged one by one
 STALL_S = 20.0  # a loop without progress for this long logs its stack (runner/engine/watchdog.py)
+EXIT_STALLED = 3  # the process's exit status after giving up on a stalled loop (ProcessConfig.stall_exit_s)
 # The engine's stream priority on CUDA (lower is higher; the codecs' own streams keep the default 0).
 # Why: a frame step is ~1000 short dependent kernels and a codec decode a few large ones; at equal
 # priority each step kernel waits for SMs behind a decode's waves of blocks (CSM serving ~1000
@@ -135,6 +136,21 @@ class EngineLoop:
         elif isinstance(msg, ipc.Shutdown):
             self.stop.set()
 
+    def _give_up(self, stalled_s: float) -> None:
+        """The loop is stuck in a step past ProcessConfig.stall_exit_s (the watchdog's thread):
+        tell the front end (it fails the in-flight requests and restarts the engine), give the
+        writer a moment to send that, and exit; the stuck thread cannot be unwound."""
+        reason = f"engine loop made no progress for {stalled_s:.0f} s (stall_exit_s); exiting for a restart"
+        try:
+            self.outbound.put(ipc.encode_outbound(ipc.EngineDead(reason)), timeout=1.0)
+        except queue.Full:
+            log.error("engine: output queue full, the front end learns of the stall from the exit")
+        deadline = time.monotonic() + 2.0
+        while not self.outbound.empty() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        logging.shutdown()
+        os._exit(EXIT_STALLED)
+
     def _describe(self) -> str:
         """The loop's state for the watchdog's report (read from its thread)."""
         eng = self.engine
@@ -200,7 +216,9 @@ class EngineLoop:
             codes_per_frame=eng.family.codes_per_frame,
         )
         self.outbound.put(ipc.encode_outbound(ready))
-        watchdog = LoopWatchdog(STALL_S, self._describe)
+        give_up_s = self.args.process.stall_exit_s  # 0: never; the stack report comes first either way
+        report_s = min(STALL_S, give_up_s / 2) if give_up_s else STALL_S
+        watchdog = LoopWatchdog(report_s, self._describe, give_up_s, self._give_up)
         try:
             while not self.stop.is_set():
                 watchdog.beat()

@@ -68,3 +68,42 @@ def test_a_second_stall_is_reported_again(caplog):
 def test_the_limit_must_be_positive():
     with pytest.raises(ValueError, match="after_s"):
         LoopWatchdog(0, lambda: "")
+
+
+def test_a_stall_past_the_give_up_limit_is_handed_over_once_after_its_report(caplog):
+    caplog.set_level(logging.ERROR, logger="runner.engine.watchdog")
+    given = []
+
+    def loop():
+        dog = LoopWatchdog(0.1, lambda: "1 running", give_up_s=0.3, give_up=given.append)
+        dog.beat()
+        _stuck_in_a_step(0.9)  # long past the limit: still one hand-over
+        dog.close()
+
+    _run_loop(loop)
+    assert len(given) == 1 and given[0] > 0.3
+    messages = [r.getMessage() for r in caplog.records]
+    report = next(i for i, m in enumerate(messages) if "the loop is at" in m)
+    give_up = next(i for i, m in enumerate(messages) if "giving up" in m)
+    assert report < give_up and "1 running" in messages[give_up]
+
+
+def test_a_beating_loop_is_never_given_up_on():
+    given = []
+
+    def loop():
+        dog = LoopWatchdog(0.05, lambda: "", give_up_s=0.15, give_up=given.append)
+        for _ in range(20):
+            dog.beat()
+            time.sleep(0.03)
+        dog.close()
+
+    _run_loop(loop)
+    assert not given
+
+
+def test_the_give_up_limit_comes_after_the_report_and_needs_a_callback():
+    with pytest.raises(ValueError, match="give_up_s"):
+        LoopWatchdog(1.0, lambda: "", give_up_s=1.0, give_up=lambda s: None)
+    with pytest.raises(ValueError, match="give_up_s"):
+        LoopWatchdog(1.0, lambda: "", give_up_s=5.0)
