@@ -59,29 +59,6 @@ class _Conv:
     transposed: bool
     context: int  # input steps kept per stream
     state: int  # index into the decoder's state pools (-1: no context, no state)
-    depthwise: bool = False  # transposed with one channel per group: run by depthwise_transpose
-
-
-def depthwise_transpose(x: torch.Tensor, conv: torch.nn.ConvTranspose1d) -> torch.Tensor:
-    """conv(x) for a depthwise ConvTranspose1d (groups == in == out channels, weight (C, 1, k)),
-    x (B, C, L) -> (B, C, (L - 1) * s + k), as products and shifted adds in fp32.
-
-    Why: cuDNN runs Mimi's latent upsample (512 groups, k 4, s 2) in bf16 through a generic
-    kernel that took a third of a whole 256-stream decode; this is a handful of elementwise
-    launches. Output step i * s + j gets x[i] * w[j]: with k = q * s (w zero-padded to that),
-    tap j = p * s + r lands in row i + p, column r of a (L + q - 1, s) view of the output."""
-    b, c, n = x.shape
-    k, s = conv.kernel_size[0], conv.stride[0]
-    q = -(-k // s)
-    w = F.pad(conv.weight.float().view(c, k), (0, q * s - k)).view(1, c, 1, q, s)
-    z = x.float()[..., None, None] * w  # (B, C, L, q, s)
-    y = z.new_zeros(b, c, n + q - 1, s)
-    for p in range(q):
-        y[:, :, p : p + n] += z[:, :, :, p]
-    y = y.view(b, c, -1)[..., : (n - 1) * s + k]
-    if conv.bias is not None:
-        y = y + conv.bias.float()[:, None]
-    return y.to(x.dtype)
 
 
 class MimiStreamingDecoder:
@@ -186,8 +163,7 @@ class MimiStreamingDecoder:
                 raise CodecError(f"Mimi decoder conv with stride {s}: streaming decode supports stride 1 only")
             context = (k - 1) * d  # MimiConv1d.padding_total
         state = self._add_pool((conv.in_channels, context)) if context else -1
-        depthwise = transposed and conv.groups == conv.in_channels == conv.out_channels
-        return _Conv(module, transposed, context, state, depthwise)
+        return _Conv(module, transposed, context, state)
 
     def _layer(self, module: torch.nn.Module):
         if isinstance(module, MimiConvTranspose1d):
@@ -326,19 +302,15 @@ class MimiStreamingDecoder:
 
     def _run_conv(self, c: _Conv, x: torch.Tensor, states: list[torch.Tensor]) -> torch.Tensor:
         if c.state < 0:
-            return self._apply(c, x)  # a kernel of one step: no padding offline either
+            return c.module.conv(x)  # a kernel of one step: no padding offline either
         xx = torch.cat([states[c.state], x], dim=-1)
         states[c.state] = xx[..., -c.context :]
-        y = self._apply(c, xx)
+        y = c.module.conv(xx)
         if not c.transposed:
             return y  # (k - 1) * d steps of context in, as many fewer out: x's length
         s = c.module.conv.stride[0]
         # the context's outputs lacked earlier inputs; the right tail is trimmed offline too
         return y[..., c.context * s : (c.context + x.shape[-1]) * s]
-
-    @staticmethod
-    def _apply(c: _Conv, x: torch.Tensor) -> torch.Tensor:
-        return depthwise_transpose(x, c.module.conv) if c.depthwise else c.module.conv(x)
 
     def _run_layers(self, layers: list, x: torch.Tensor, states: list[torch.Tensor]) -> torch.Tensor:
         for layer in layers:

@@ -12,7 +12,7 @@ from transformers import MimiModel
 
 from runner.codecs.config import CodecError
 from runner.codecs.decoder import float_to_s16
-from runner.codecs.mimi import MimiStreamingDecoder, depthwise_transpose
+from runner.codecs.mimi import MimiStreamingDecoder
 from runner.codecs.mimi_loader import load_mimi
 from runner.codecs.mimi_stage import MimiCodecConfig, MimiCodecStage
 from tests.support.tiny_models import make_tiny_mimi, tiny_mimi_config
@@ -91,24 +91,6 @@ def test_streamed_float_pcm_equals_offline_decode(model: MimiModel, chunks: list
     got = torch.cat(got, dim=1)
     for row, f in zip(got, frames):
         assert (row - _offline(model, f)).abs().max().item() <= FLOAT_TOL
-
-
-@pytest.mark.parametrize("k,s,bias", [(4, 2, False), (4, 2, True), (3, 2, False), (5, 5, True), (2, 3, False)])
-def test_depthwise_transpose_equals_the_conv(k: int, s: int, bias: bool) -> None:
-    # Mimi's latent upsample (groups == channels) runs as shifted adds instead of cuDNN's
-    # ConvTranspose1d: the same output, kernels longer and shorter than the stride included
-    torch.manual_seed(k * 10 + s)
-    conv = torch.nn.ConvTranspose1d(6, 6, k, s, groups=6, bias=bias)
-    x = torch.randn(3, 6, 7)
-    torch.testing.assert_close(depthwise_transpose(x, conv), conv(x), rtol=1e-5, atol=1e-6)
-
-
-def test_the_upsample_takes_the_depthwise_path(model: MimiModel) -> None:
-    # the tiny codec has the real topology (upsample_groups == hidden): the streamed-equals-offline
-    # tests above run the depthwise path, and the SEANet transposed convs keep the conv
-    dec = MimiStreamingDecoder(model)
-    assert dec._upsample.depthwise
-    assert not any(layer.depthwise for layer in dec._seanet if hasattr(layer, "depthwise"))
 
 
 def test_the_comparison_sees_the_transformer_and_its_window(mimi_dir: Path, model: MimiModel) -> None:
