@@ -42,11 +42,6 @@ log = logging.getLogger("omnistream.engine")
 SLOW_STEP_S = 0.1  # steps longer than this are logged one by one
 STALL_S = 20.0  # a loop without progress for this long logs its stack (runner/engine/watchdog.py)
 EXIT_STALLED = 3  # the process's exit status after giving up on a stalled loop (ProcessConfig.stall_exit_s)
-# The engine's stream priority on CUDA (lower is higher; the codecs' own streams keep the default 0).
-# Why: a frame step is ~1000 short dependent kernels and a codec decode a few large ones; at equal
-# priority each step kernel waits for SMs behind a decode's waves of blocks (CSM serving ~1000
-# streams: 150-170 ms steps with Mimi decoding beside them, 28 ms alone).
-ENGINE_STREAM_PRIORITY = -1
 
 
 def build_engine(args: EngineProcArgs):
@@ -56,8 +51,6 @@ def build_engine(args: EngineProcArgs):
     dev, proc = cfg.runner.torch_device, args.process
     if dev.type == "cpu":
         torch.set_num_threads(proc.cpu_threads or max(1, min(4, (os.cpu_count() or 2) // 2)))
-    else:  # before anything is allocated or captured: every later launch of this thread goes there
-        torch.cuda.set_stream(torch.cuda.Stream(dev, priority=ENGINE_STREAM_PRIORITY))
     family = family_for(args.profile, args.model_path)
     codec = family.build_codec(dev, parse_dtype(proc.codec_dtype, dev), cfg.runner.tuning)
     model = None
