@@ -245,7 +245,8 @@ class EngineClient:
 
     async def generate(self, req: ipc.AddRequest) -> AsyncIterator[ipc.RequestOutput]:
         """Stream a request's per-step outputs. Raises InvalidRequest (the engine rejected a
-        field), EngineOverloaded, EngineUnavailable."""
+        field), EngineOverloaded (too many in flight here, or the engine had no room for it:
+        its codec's streams all in use), EngineUnavailable."""
         if not self._alive:
             raise EngineUnavailable(self.dead_reason or "engine is not running")
         if len(self._streams) >= self.max_pending:
@@ -263,6 +264,8 @@ class EngineClient:
                     raise st.error or EngineUnavailable("stream ended")
                 if first and out.finished and out.error_field:
                     raise InvalidRequest(out.error_field, out.error.split(": ", 1)[-1] if out.error else "invalid")
+                if first and out.finish_reason == ipc.FINISH_OVERLOADED:
+                    raise EngineOverloaded(out.error or "the engine has no room for this request")
                 first = False
                 yield out
                 if out.finished:

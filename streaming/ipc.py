@@ -66,6 +66,11 @@ EngineInbound = Union[AddRequest, EncodeAudio, AbortRequests, GetStats, Shutdown
 # ---- engine -> front end -------------------------------------------------------------------
 
 
+# finish_reason of a request the engine had no room for (its codec's streams all in use): the
+# front end answers it as overloaded (503 / the protocol's overloaded error), not as a bad field
+FINISH_OVERLOADED = "overloaded"
+
+
 class RequestOutput(msgspec.Struct, omit_defaults=True):
     """One request's news from one engine step: what Engine.step() returns, what crosses the
     process boundary (inside StepOutputs) and what the front end reads."""

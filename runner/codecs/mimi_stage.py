@@ -135,6 +135,10 @@ class MimiCodecStage:
 
     # -- request lifecycle -------------------------------------------------------------
 
+    def can_open(self) -> bool:
+        """A free decoder slot remains (cfg.max_streams streams hold state at once)."""
+        return self.decoder.num_free > 0
+
     def open(self, key: object, seed: int | None = None) -> None:
         """A request that wants audio starts. `seed` is accepted for the interface: Mimi's
         decoder has no noise."""

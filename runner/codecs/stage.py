@@ -75,6 +75,9 @@ class CodecStage:
 
     # -- request lifecycle -------------------------------------------------------------
 
+    def can_open(self) -> bool:
+        return True  # windows carry no per-stream state on the device: any number of requests
+
     def open(self, key: object, seed: int | None = None) -> None:
         """A request that wants audio starts; `seed` overrides cfg.noise_seed for it."""
         if key in self._reqs:

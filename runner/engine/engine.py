@@ -35,6 +35,12 @@ from streaming.sampling_params import InvalidRequest, SamplingParams
 log = logging.getLogger(__name__)
 
 
+class EngineBusy(RuntimeError):
+    """add_request: the request is valid but the engine has no room for it now (its codec's
+    per-stream state is all in use); nothing was registered. The engine process answers it as
+    overloaded (streaming.ipc.FINISH_OVERLOADED)."""
+
+
 @dataclass
 class _Pending:
     sched: SchedulerOutput
@@ -95,8 +101,8 @@ class Engine(WarmUp):
         audio: bool = False,
         prompt_frames: list[list[int]] | np.ndarray | None = None,
     ) -> None:
-        """Validate and queue a request. Raises InvalidRequest naming the field; the engine and
-        the other requests are unaffected. prompt_frames: a multi-codebook model's codes of the
+        """Validate and queue a request. Raises InvalidRequest naming the field, or EngineBusy
+        when there is no room for it; the engine and the other requests are unaffected. prompt_frames: a multi-codebook model's codes of the
         prompt's audio positions ([n, K], ModelFamily.prompt_frames)."""
         sampling = sampling or SamplingParams()
         m, s = self.cfg.model, self.cfg.scheduler
@@ -134,6 +140,8 @@ class Engine(WarmUp):
             frames = FrameLog(rows)
         else:
             self.family.prompt_frames(prompt_token_ids, None if prompt_frames is None else np.asarray(prompt_frames))
+        if audio and not self.codec.can_open():
+            raise EngineBusy("audio: the codec's streams are all in use by other requests; retry later")
         req = Request(request_id, list(prompt_token_ids), sampling, layers, audio, frames=frames)
         self.requests[request_id] = req
         self.scheduler.add(req)

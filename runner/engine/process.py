@@ -29,7 +29,7 @@ import zmq
 from runner.config import EngineConfig, parse_dtype
 from runner.engine.args import EngineProcArgs
 from runner.engine.compile_log import install
-from runner.engine.engine import Engine
+from runner.engine.engine import Engine, EngineBusy
 from runner.engine.watchdog import LoopWatchdog
 from runner.families import family_for
 from runner.layers import make_backends
@@ -112,7 +112,12 @@ class EngineLoop:
                 eng.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.hidden_state_layers, msg.audio,
                                 prompt_frames=msg.prompt_frames)
             except InvalidRequest as e:
+                self._added.pop(msg.request_id, None)
                 out = ipc.RequestOutput(msg.request_id, finished=True, finish_reason="error", error=str(e), error_field=e.field)
+                self.outbound.put(ipc.encode_outputs([out]))
+            except EngineBusy as e:  # no room now: the front end answers overloaded, the engine goes on
+                self._added.pop(msg.request_id, None)
+                out = ipc.RequestOutput(msg.request_id, finished=True, finish_reason=ipc.FINISH_OVERLOADED, error=str(e))
                 self.outbound.put(ipc.encode_outputs([out]))
         elif isinstance(msg, ipc.EncodeAudio):
             try:

@@ -45,6 +45,10 @@ class CodecStageLike(Protocol):
 
     sample_rate: int
 
+    def can_open(self) -> bool:
+        """Whether open() has room for one more request now (a stage with per-stream state
+        holds a bounded number of them)."""
+        ...
     def open(self, key: object, seed: int | None = None) -> None: ...
     def push_many(self, items: list[tuple[object, object]]) -> None:
         """(key, code) pairs: a token id (one code per step) or a frame of K codes."""

@@ -102,3 +102,38 @@ async def test_zmq_and_generate_ws_stream_frames_equal_transformers(csm_server: 
                 break
             frames += event["frames"]
     np.testing.assert_array_equal(np.array(frames), ref)
+
+
+@pytest.fixture(scope="module")
+def one_stream_server(tmp_path_factory) -> ServerProc:
+    # Mimi state for one stream only (the profile's codec.max_streams), utterances running to the
+    # model length (a few seconds here), long enough to overlap a second request
+    folder = make_served_csm(tmp_path_factory.mktemp("csm1") / "csm", seed=1, max_frames=400, ignore_eos=True,
+                             codec={"max_streams": 1})
+    srv = start_server(tmp_path_factory.mktemp("csm1-server") / "srv", "--model", str(folder))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_audio_past_the_codec_streams_is_overloaded_and_the_server_goes_on(one_stream_server: ServerProc):
+    # the engine has no codec stream for a second audio request: the client gets 429 overloaded
+    # with Retry-After (the engine used to die on it), the first stream is untouched, and the
+    # stream is free again once the first ends
+    client = openai.OpenAI(base_url=one_stream_server.base_url + "/v1", api_key="none", max_retries=0)
+    with client.audio.speech.with_streaming_response.create(model="omnistream", voice="0", input="Hello there.",
+                                                            response_format="pcm", extra_body={"seed": 1}) as first:
+        assert first.status_code == 200
+        chunks = first.iter_bytes()
+        got = next(chunks)
+        with pytest.raises(openai.RateLimitError) as busy:
+            client.audio.speech.create(model="omnistream", voice="1", input="Me too.", response_format="pcm")
+        assert busy.value.response.headers["Retry-After"]
+        assert busy.value.body["code"] == "overloaded" and "codec" in busy.value.body["message"]
+        got += b"".join(chunks)
+    assert len(got) % MIMI_FRAME_BYTES == 0 and len(got) >= 100 * MIMI_FRAME_BYTES  # ran on to its end (length)
+    after = client.audio.speech.create(model="omnistream", voice="1", input="Me too.", response_format="pcm",
+                                       extra_body={"max_new_tokens": 5})
+    assert len(after.content) == 5 * MIMI_FRAME_BYTES
+    assert one_stream_server.health() == 200

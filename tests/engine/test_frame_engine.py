@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runner.config import EngineConfig
-from runner.engine.engine import Engine
+from runner.engine.engine import Engine, EngineBusy
 from runner.families import CsmFamily, family_for
 from streaming.profile import read_profile
 from streaming.sampling_params import InvalidRequest, SamplingParams
@@ -172,3 +172,41 @@ def test_hidden_states_equal_transformers_backbone(csm_dir, hf):
     ref = torch.stack([out.hidden_states[i] for i in (0, 1, len(out.hidden_states) - 1)], dim=2)[0].numpy()
     assert hidden.shape == ref.shape
     np.testing.assert_allclose(hidden, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_audio_requests_past_the_codec_streams_are_refused_and_the_engine_goes_on(csm_dir):
+    # Mimi holds state per stream (MimiCodecConfig.max_streams): an audio request past them is
+    # EngineBusy before anything is registered (it used to escape add_request as a CodecError
+    # with the request half-registered, and kill the engine loop); requests without audio and,
+    # once streams are free, new audio requests go on
+    from runner.codecs.mimi_loader import load_csm_codec
+    from runner.codecs.mimi_stage import MimiCodecConfig, MimiCodecStage
+
+    cpu = torch.device("cpu")
+    base = make_engine(csm_dir, async_scheduling=True)
+    codec = MimiCodecStage(MimiCodecConfig(path=str(csm_dir), max_streams=2), cpu, torch.float32,
+                           model=load_csm_codec(csm_dir, cpu))
+    eng = Engine(base.cfg, family=base.family, codec=codec)
+    sp = SamplingParams(temperature=0.9, top_k=20, max_tokens=4, seed=1, ignore_eos=True)
+    eng.add_request("a", PROMPTS[0], sp, audio=True)
+    eng.add_request("b", PROMPTS[1], sp, audio=True)
+    with pytest.raises(EngineBusy, match="audio"):
+        eng.add_request("c", PROMPTS[2], sp, audio=True)
+    assert set(eng.requests) == {"a", "b"} and len(eng.scheduler.waiting) + len(eng.scheduler.running) == 2
+    eng.add_request("d", PROMPTS[2], sp)  # frames only: no codec stream
+
+    def run() -> dict:
+        got: dict = {}
+        while eng.has_unfinished:
+            for o in eng.step():
+                g = got.setdefault(o.request_id, {"pcm": 0, "finish": None})
+                g["pcm"] += 0 if o.audio is None else len(o.audio)
+                if o.finished:
+                    g["finish"] = (o.finish_reason, o.error)
+        return got
+
+    got = run()
+    assert {k: g["finish"] for k, g in got.items()} == {k: ("length", None) for k in "abd"}
+    assert got["a"]["pcm"] == got["b"]["pcm"] == 4 * 1920 and got["d"]["pcm"] == 0
+    eng.add_request("c", PROMPTS[2], sp, audio=True)  # the finished requests gave their streams back
+    assert run()["c"] == {"pcm": 4 * 1920, "finish": ("length", None)}

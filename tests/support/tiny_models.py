@@ -232,10 +232,13 @@ def load_hf_csm(path):
     return CsmForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def make_served_csm(path, *, seed: int = 0, max_frames: int = 40) -> Path:
+def make_served_csm(path, *, seed: int = 0, max_frames: int = 40, ignore_eos: bool = False,
+                    codec: dict | None = None) -> Path:
     """A tiny CSM folder the server runs as it would CSM-1B: the embedded default's byte-level
     tokenizer (BOS 500, end of text 506; text ids < 512, 508 = audio frame, 509 = audio end) and
-    an omnistream.json stating the prompt ids the tiny tokenizer has instead of Llama-3's."""
+    an omnistream.json stating the prompt ids the tiny tokenizer has instead of Llama-3's.
+    ignore_eos: every utterance runs max_frames; codec: the profile's codec settings
+    (MimiCodecConfig fields, e.g. max_streams)."""
     import json
 
     from runner.models.default_model import SPECIALS, write_tokenizer
@@ -243,8 +246,9 @@ def make_served_csm(path, *, seed: int = 0, max_frames: int = 40) -> Path:
     path = make_tiny_csm(path, seed=seed, text_vocab=512, audio_token_id=508, audio_eos_token_id=509,
                          bos_token_id=SPECIALS["<|begin_of_text|>"])
     write_tokenizer(path)
+    sampling = {"temperature": 0.9, "top_k": 20, "max_tokens": max_frames} | ({"ignore_eos": True} if ignore_eos else {})
     (path / "omnistream.json").write_text(json.dumps({
-        "family": "csm", "voices": ["0", "1"], "suffix_token_ids": [SPECIALS["<|eot_id|>"]],
-        "sampling": {"temperature": 0.9, "top_k": 20, "max_tokens": max_frames},
+        "family": "csm", "voices": ["0", "1"], "suffix_token_ids": [SPECIALS["<|eot_id|>"]], "sampling": sampling,
+        **({"codec": codec} if codec else {}),
     }))
     return path
