@@ -11,8 +11,9 @@ codes into a scratch slot that no stream owns (their state and PCM are discarded
 PCM, float and int16, is a persistent buffer. Replays run on the decoder's stream, so a launch's
 input copies land after the previous replay has read them. The
 decoder's state pools must not move, so they are allocated for every stream up front
-(`MimiStreamingDecoder.reserve_all`). Chunk lengths without a graph (the last, shorter chunk of
-an utterance) and row counts past the largest bucket decode eagerly; both paths run the same
+(`MimiStreamingDecoder.reserve_all`). The codec stage launches only captured lengths
+(runner/codecs/mimi_stage.py `chunk_lengths`: a shorter last chunk goes as several) and at most
+the largest row bucket; a direct decode of another shape runs eagerly. Both paths run the same
 code (`MimiStreamingDecoder._decode_into`), so a replay equals the eager decode.
 """
 

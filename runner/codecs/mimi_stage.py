@@ -71,6 +71,16 @@ class MimiCodecConfig:
             raise CodecError(f"MimiCodecConfig.num_codebooks: must be >= 1, got {self.num_codebooks}")
 
 
+def chunk_lengths(cfg: MimiCodecConfig) -> list[int]:
+    """The frames a decode call takes: 1, the doubling schedule first_chunk_frames, 2x, ... below
+    max_chunk_frames, and max_chunk_frames (ascending)."""
+    lengths, m = {1, cfg.max_chunk_frames}, cfg.first_chunk_frames
+    while m < cfg.max_chunk_frames:
+        lengths.add(m)
+        m *= 2
+    return sorted(lengths)
+
+
 def _as_batch(items: list[tuple[object, object]], k: int) -> np.ndarray | None:
     """The items' frames as one [N, K] int64 array, or None when they do not form one."""
     if not items:
@@ -105,14 +115,16 @@ class MimiCodecStage:
         self.cfg = cfg
         self.decoder = MimiStreamingDecoder(load_mimi(model if model is not None else cfg.path, device, dtype),
                                             cfg.num_codebooks, max_streams=cfg.max_streams)
+        # Every launch decodes one of these lengths, the chunk schedule's (and 1): a remainder
+        # (an utterance's last frames, a backlog past max_chunk_frames) goes as several of them.
+        # Why: on CUDA each has a graph, so no launch decodes eagerly mid-serving (an eager
+        # decode is hundreds of launches of host time in the engine loop); the stream state
+        # makes any split exact (the streamed PCM equals the offline decode).
+        self._lengths = chunk_lengths(cfg)
         if device.type == "cuda" and cfg.cuda_graphs:
             self.decoder.reserve_all()
             rows = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if b < cfg.max_batch_rows] + [cfg.max_batch_rows]
-            lengths, m = [], cfg.first_chunk_frames
-            while m < cfg.max_chunk_frames:
-                lengths.append(m)
-                m *= 2
-            self.decoder.graphs = MimiGraphs(self.decoder, rows, [*lengths, cfg.max_chunk_frames])
+            self.decoder.graphs = MimiGraphs(self.decoder, rows, self._lengths)
             self.decoder.graphs.capture()
         if self.decoder.sample_rate != cfg.sample_rate:
             raise CodecError(f"MimiCodecConfig.sample_rate: the codec runs at {self.decoder.sample_rate} Hz, "
@@ -237,8 +249,8 @@ class MimiCodecStage:
 
     def step(self, wait: bool = False) -> dict[object, StageResult]:
         """Launch a decode of the pushed frames of every request holding its next chunk (or
-        ended; at most cfg.max_chunk_frames per request per call, calls repeated until its
-        backlog is launched), collect the PCM of launches that have landed, and return results
+        ended; each call takes the longest of chunk_lengths(cfg) the request holds, calls
+        repeated until its backlog is launched), collect the PCM of launches that have landed, and return results
         for keys with news: PCM in order, an error, or completion (once every frame it was
         pushed is collected). Keys reported done are forgotten. A request short of its chunk
         waits for the push that completes it, which marks it.
@@ -257,7 +269,8 @@ class MimiCodecStage:
         while todo:
             by_len: dict[int, list[tuple[object, _Request]]] = defaultdict(list)
             for key, req in todo:
-                by_len[min(len(req.pending), self.cfg.max_chunk_frames)].append((key, req))
+                n = len(req.pending)
+                by_len[max(m for m in self._lengths if m <= n)].append((key, req))
             for m, group in by_len.items():
                 for i in range(0, len(group), self.cfg.max_batch_rows):
                     self._launch(group[i : i + self.cfg.max_batch_rows], m)

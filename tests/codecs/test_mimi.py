@@ -376,13 +376,16 @@ def test_async_done_only_after_the_last_launch_lands(stage_factory, model: MimiM
     stage.open("a")
     stage.push_many([("a", f) for f in frames])
     stage.close("a")
-    assert stage.step() == {}  # launched, not landed: nothing yet, not done
-    assert len(events) == 1 and "a" in stage and stage.num_inflight == 5
+    assert stage.step() == {}  # launched (4 + 1 frames), not landed: nothing yet, not done
+    assert len(events) == 2 and "a" in stage and stage.num_inflight == 5
     assert stage.step() == {}
     events[0].landed = True
+    first = stage.step()["a"]  # the first 4 frames' PCM; the last launch still out
+    assert not first.done and "a" in stage
+    events[1].landed = True
     res = stage.step()
     assert res["a"].done and res["a"].error is None and "a" not in stage
-    _assert_s16_close(res["a"].pcm, _offline(model, frames))
+    _assert_s16_close(np.concatenate([first.pcm, res["a"].pcm]), _offline(model, frames))
     assert waits == [] and stage.step() == {}
 
 
@@ -423,3 +426,27 @@ def test_async_inflight_launches_are_bounded(stage_factory) -> None:
     stage.close("a")
     res = stage.step(wait=True)
     assert res["a"].done and res["a"].pcm.size == 2 * SPF and len(stage._launches) == 0
+
+
+def test_every_call_takes_a_schedule_length_and_a_remainder_is_split(stage_factory, model: MimiModel) -> None:
+    # schedule 1, 2, 4 (the CUDA graphs' lengths): an utterance of 10 frames pushed at once and
+    # ended decodes as 4 + 4 + 2, one of 7 as 4 + 2 + 1 (no call of 3 or 7 frames, which would
+    # decode eagerly mid-serving on CUDA); the PCM is the offline decode's either way
+    stage = stage_factory(max_chunk_frames=4)
+    calls = []
+    launch = stage.decoder.launch
+    stage.decoder.launch = lambda slots, codes: calls.append((len(slots), codes.shape[2])) or launch(slots, codes)
+    frames = {"a": _codes(8, 10), "b": _codes(9, 7)}
+    out: dict = {}
+    done: dict = {}
+    for key, f in frames.items():
+        stage.open(key)
+        stage.push_many([(key, row) for row in f])
+        stage.close(key)
+    _drain(stage, out, done)
+    assert done == {"a": True, "b": True}
+    # one call per length and pass, both streams' rows together where their lengths agree:
+    # a 4 | b 4, then a 4, b 2, then a 2, b 1
+    assert sorted(calls) == sorted([(2, 4), (1, 4), (1, 2), (1, 2), (1, 1)])
+    for key, f in frames.items():
+        _assert_s16_close(_pcm(out[key]), _offline(model, f))
