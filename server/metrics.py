@@ -31,6 +31,10 @@ _ENGINE_FIELDS = {
     "num_prefix_cache_hit_tokens": ("omnistream_engine_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", True),
     "num_generated_tokens_total": ("omnistream_engine_generated_tokens", "Tokens generated", True),
     "step_count": ("omnistream_engine_steps", "Engine steps", True),
+    "num_codec_streams": ("omnistream_engine_codec_streams", "Codec streams open (audio requests holding decoder "
+                          "state)", False),
+    "num_refused_total": ("omnistream_engine_refused_requests", "Requests refused as overloaded for lack of room "
+                          "(the codec's streams all in use)", True),
 }
 
 

@@ -110,6 +110,8 @@ class EngineStats(msgspec.Struct, tag="stats"):
     # Codec streams open in the codec stage (each holds a decode slot until its request's audio
     # is emitted or aborted): 0 when idle, like a full free-block count.
     num_codec_streams: int = 0
+    # Requests refused for lack of room (the codec's streams all in use: FINISH_OVERLOADED)
+    num_refused_total: int = 0
 
 
 class Ready(msgspec.Struct, tag="ready"):

@@ -88,6 +88,7 @@ class Engine(WarmUp):
         self.last_scheduled = SchedulerOutput()  # what the latest step ran (for the slow-step log)
         self.num_requests_total = 0
         self.num_aborted_total = 0
+        self.num_refused_total = 0  # add_request: EngineBusy (no room), counted for /metrics
         self.num_generated_total = 0
 
     # ---- requests ------------------------------------------------------------------------------
@@ -141,6 +142,7 @@ class Engine(WarmUp):
         else:
             self.family.prompt_frames(prompt_token_ids, None if prompt_frames is None else np.asarray(prompt_frames))
         if audio and not self.codec.can_open():
+            self.num_refused_total += 1
             raise EngineBusy("audio: the codec's streams are all in use by other requests; retry later")
         req = Request(request_id, list(prompt_token_ids), sampling, layers, audio, frames=frames)
         self.requests[request_id] = req
@@ -354,6 +356,7 @@ class Engine(WarmUp):
             step_count=self.step_count,
             active_request_ids=sorted(self.requests),
             num_codec_streams=len(self.codec) if self.codec is not None else 0,
+            num_refused_total=self.num_refused_total,
         )
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:

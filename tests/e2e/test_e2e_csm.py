@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 
 import numpy as np
 import openai
@@ -137,3 +138,7 @@ def test_audio_past_the_codec_streams_is_overloaded_and_the_server_goes_on(one_s
                                        extra_body={"max_new_tokens": 5})
     assert len(after.content) == 5 * MIMI_FRAME_BYTES
     assert one_stream_server.health() == 200
+    with urllib.request.urlopen(one_stream_server.base_url + "/metrics", timeout=WAIT_S) as r:
+        metrics = r.read().decode()
+    assert 'omnistream_engine_refused_requests_total{engine="0"} 1.0' in metrics
+    assert 'omnistream_engine_codec_streams{engine="0"} 0.0' in metrics
