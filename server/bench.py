@@ -35,6 +35,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -345,7 +346,10 @@ def parse_levels(spec: str) -> list[int]:
     return levels
 
 
-async def bench(url: str, levels: list[int], text: str, max_tokens: int, ramps: list[float] = (0.0,)) -> list[LevelResult]:
+async def bench(url: str, levels: list[int], text: str, max_tokens: int, ramps: list[float] = (0.0,),
+                report: Callable[[list[LevelResult]], None] | None = None) -> list[LevelResult]:
+    """The levels in order (each ramp, each N); `report` gets the results so far after each
+    level, so a later level that never ends (a server that stalls) leaves the earlier ones."""
     # Warm-up (first codec call, allocator, prefix cache): not recorded.
     await run_level(url, 1, text, max_tokens, LEVEL_TIMEOUT_S)
     results = []
@@ -354,6 +358,8 @@ async def bench(url: str, levels: list[int], text: str, max_tokens: int, ramps: 
         print(f"  {n} streams: {lv.wall_s:.1f} s, TTFA p99 {_ms(percentile(lv.ttfas, 99))} ms, "
               f"underruns {lv.underruns}, errors {len(lv.errors)}", file=sys.stderr)
         results.append(lv)
+        if report is not None:
+            report(results)
     return results
 
 
@@ -382,14 +388,15 @@ def run_bench(args: argparse.Namespace) -> int:
         meta["load average at start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         pass
+    def write(results: list[LevelResult]) -> None:  # --out holds every finished level
+        if args.out:
+            Path(args.out).write_text(render(results, meta))
+
     if args.url:
-        results = asyncio.run(bench(args.url.rstrip("/"), levels, args.text, args.max_tokens, ramps))
+        results = asyncio.run(bench(args.url.rstrip("/"), levels, args.text, args.max_tokens, ramps, write))
     else:
         print("starting the server on the embedded default model ...", file=sys.stderr)
         with LocalServer(max(levels)) as srv:
-            results = asyncio.run(bench(srv.url, levels, args.text, args.max_tokens, ramps))
-    table = render(results, meta)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table)
+            results = asyncio.run(bench(srv.url, levels, args.text, args.max_tokens, ramps, write))
+    print(render(results, meta))
     return 0

@@ -115,10 +115,14 @@ def test_bench_player_counts_underruns():
 
 
 async def test_bench_level_against_the_server(server: ServerProc):
-    from server.bench import render, run_level
+    from server.bench import bench, render
 
+    reports = []  # the results so far after each level (what --out is rewritten with)
     t0 = time.perf_counter()
-    lv = await run_level(server.base_url, 2, "Hello there. How are you?", 35, WAIT_S, ramp_s=0.4)
+    results = await bench(server.base_url, [1, 2], "Hello there. How are you?", 35, ramps=[0.4],
+                          report=lambda rs: reports.append([lv.n for lv in rs]))
+    assert reports == [[1], [1, 2]]
+    lv = results[-1]
     assert time.perf_counter() - t0 >= 0.2  # the second stream started half the ramp later
     assert not lv.timed_out and lv.errors == []
     for s in lv.streams:
