@@ -69,8 +69,8 @@ class WarmUp:
         n_decodes = min(8, self.cfg.scheduler.max_num_seqs - 1)
         if n_decodes < 1:
             return
-        for i in range(n_decodes):
-            self.add_request(f"__warmup_decode{i}__", prompt(16, 100 + i), decode, audio=audio)
+        for i in range(n_decodes):  # speech while the codec has streams for them (Mimi: max_streams)
+            self.add_request(f"__warmup_decode{i}__", prompt(16, 100 + i), decode, audio=audio and self.codec.can_open())
         self.step()
         self.step()  # the short prompts are decoding now ...
         self.add_request("__warmup_join__", prompt(3 * MAX_TOKEN_ROW_QUERY + 77, 2), text)  # ... and a long one joins

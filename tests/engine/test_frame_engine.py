@@ -210,3 +210,24 @@ def test_audio_requests_past_the_codec_streams_are_refused_and_the_engine_goes_o
     assert got["a"]["pcm"] == got["b"]["pcm"] == 4 * 1920 and got["d"]["pcm"] == 0
     eng.add_request("c", PROMPTS[2], sp, audio=True)  # the finished requests gave their streams back
     assert run()["c"] == {"pcm": 4 * 1920, "finish": ("length", None)}
+
+
+def test_warm_up_with_fewer_codec_streams_than_its_decodes_starts(tmp_path):
+    # the eager-prefill warm-up runs up to 8 decodes as speech; a codec holding fewer streams
+    # (MimiCodecConfig.max_streams = 2) gets speech on those it has, the rest decode without
+    # audio, instead of refusing the engine's own warm-up at start-up. (A text vocabulary whose
+    # audio ids sit where the warm-up's synthetic prompts never reach, as CSM-1B's do.)
+    from runner.codecs.mimi_loader import load_csm_codec
+    from runner.codecs.mimi_stage import MimiCodecConfig, MimiCodecStage
+
+    csm_dir = make_tiny_csm(tmp_path / "csm", seed=3, text_vocab=2048, audio_token_id=2047, audio_eos_token_id=2046)
+    cpu = torch.device("cpu")
+    cfg = EngineConfig.build(csm_dir, device="cpu", dtype="float32", max_model_len=400, max_num_batched_tokens=512,
+                             max_num_seqs=9, block_size=4, num_blocks=512)
+    family = family_for(read_profile(csm_dir), str(csm_dir))
+    codec = MimiCodecStage(MimiCodecConfig(path=str(csm_dir), max_streams=2), cpu, torch.float32,
+                           model=load_csm_codec(csm_dir, cpu))
+    eng = Engine(cfg, family=family, codec=codec)
+    eng.warm_up_eager_prefill()
+    st = eng.stats()
+    assert st.num_running == st.num_waiting == 0 and st.num_refused_total == 0 and len(codec) == 0
