@@ -300,14 +300,10 @@ def _num(v: float | None, fmt: str = "{:.2f}") -> str:
 
 
 def render(levels: list[LevelResult], meta: dict[str, str]) -> str:
-    lines = ["## omnistream serving benchmark", ""]
-    lines += [f"- {k}: {v}" for k, v in meta.items()]
-    lines += [
-        "",
+    lines = ["## omnistream serving benchmark", "", *(f"- {k}: {v}" for k, v in meta.items()), "",
         "| streams | starts spread over s | TTFA p50 ms | TTFA p99 ms | RTF p50 | RTF max | chunks/s | audio s/stream "
         "| utterances/stream | underruns (streams) | stall ms (worst stream) | errors | real time |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
-    ]
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
     for lv in levels:
         rtfs = [s.rtf for s in lv.streams if s.rtf is not None]
         chunks = sum(s.chunks for s in lv.streams)
@@ -348,8 +344,7 @@ def parse_levels(spec: str) -> list[int]:
 
 async def bench(url: str, levels: list[int], text: str, max_tokens: int, ramps: list[float] = (0.0,),
                 report: Callable[[list[LevelResult]], None] | None = None) -> list[LevelResult]:
-    """The levels in order (each ramp, each N); `report` gets the results so far after each
-    level, so a later level that never ends (a server that stalls) leaves the earlier ones."""
+    """The levels (each ramp, each N); `report` gets the results so far after each level."""
     # Warm-up (first codec call, allocator, prefix cache): not recorded.
     await run_level(url, 1, text, max_tokens, LEVEL_TIMEOUT_S)
     results = []
@@ -388,7 +383,7 @@ def run_bench(args: argparse.Namespace) -> int:
         meta["load average at start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         pass
-    def write(results: list[LevelResult]) -> None:  # --out holds every finished level
+    def write(results: list[LevelResult]) -> None:  # after every level: a server that stalls later keeps these
         if args.out:
             Path(args.out).write_text(render(results, meta))
 
