@@ -24,7 +24,7 @@ from runner.codecs.graphs import CodecGraphs
 from runner.codecs.noise import noise_salts, positional_noise
 from runner.codecs.orpheus_tokens import FRAME_WIDTH, ORPHEUS_LEVELS, frames_to_levels
 from runner.kernels.tuning import Tables
-from runner.utils.host_staging import staging_for
+from runner.utils.host_staging import PinnedStaging
 from streaming.audio import WindowJob, WindowPolicy, plan_offline
 
 try:  # the fused path needs triton, which CPU torch wheels do not bring: then only torch runs
@@ -81,6 +81,9 @@ class SnacWindowDecoder:
         self.device, self.dtype = p.device, p.dtype
         # CUDA: decode on a stream of its own, overlapping the model's steps (see launch_jobs)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # its own pinned ring, as MimiStreamingDecoder's: the engine's ring never waits for a
+        # copy queued behind this stream's backlog
+        self.staging = PinnedStaging(self.device) if self.stream is not None else None
         if kernels not in KERNEL_CHOICES:
             raise CodecError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
         self.fused = None
@@ -194,7 +197,7 @@ class SnacWindowDecoder:
             # size, so Triton keeps one pointer specialisation (an odd batch compiled a second)
             n, w = len(jobs), windows[0].shape[0]
             pad = [0] * (n % 2)
-            staging = staging_for(self.device)  # the runner's pinned ring: no pinned block per copy
+            staging = self.staging  # no pinned block per copy
             meta = staging.to_device(np.array([[j.window_start for j in jobs] + pad, list(seeds) + pad], dtype=np.int64))
             codes = staging.to_device(np.stack(windows))
             # the PCM stays here until the stage collects it (steps later): a block of its own

@@ -48,7 +48,7 @@ from transformers.models.mimi.modeling_mimi import (
 from runner.codecs.config import CodecError
 from runner.codecs.decoder import PendingPCM, float_to_s16
 from runner.codecs.mimi_loader import decoder_modules
-from runner.utils.host_staging import staging_for
+from runner.utils.host_staging import PinnedStaging
 
 
 @dataclass
@@ -93,6 +93,9 @@ class MimiStreamingDecoder:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # a pinned ring of its own: its copies queue behind the codec stream's backlog, and a
+        # ring shared with the engine would make the engine's next step wait for them
+        self.staging = PinnedStaging(self.device) if self.stream is not None else None
         self.max_streams = max_streams
         self._window = int(cfg.sliding_window)
         self._pool_shapes: list[tuple[int, ...]] = []  # per-stream state shapes
@@ -255,7 +258,7 @@ class MimiStreamingDecoder:
             if bucket is not None:
                 out = self.graphs.run(bucket, slots, codes)[0]
             else:
-                out = self._decode_into(staging_for(self.device).to_device(np.asarray(slots, dtype=np.int64)), codes)
+                out = self._decode_into(self.staging.to_device(np.asarray(slots, dtype=np.int64)), codes)
                 out.record_stream(caller)  # the decoder stream's memory, read on the caller's
         caller.wait_stream(self.stream)
         return out
@@ -273,7 +276,7 @@ class MimiStreamingDecoder:
         cuts = [(0, m * self.samples_per_frame)] * n
         if self.stream is None:
             return PendingPCM(float_to_s16(self.decode(slots, torch.from_numpy(codes))), cuts, None)
-        staging = staging_for(self.device)
+        staging = self.staging
         with torch.cuda.stream(self.stream):
             bucket = self.graphs.bucket_for(n, m) if self.graphs is not None else None
             if bucket is not None:

@@ -6,7 +6,7 @@ stream as for hundreds; at hundreds of streams the engine loop spent most of its
 them. A replay is one launch.
 
 A graph decodes m frames of up to `rows` streams: persistent inputs (the streams' slots, their
-codes) are filled by two copies from the pinned staging ring, padding rows decode stale (valid)
+codes) are filled by two copies from the decoder's pinned staging ring, padding rows decode stale (valid)
 codes into a scratch slot that no stream owns (their state and PCM are discarded), and the output
 PCM, float and int16, is a persistent buffer. Replays run on the decoder's stream, so a launch's
 input copies land after the previous replay has read them. The
@@ -27,7 +27,7 @@ import torch
 from runner.codecs.decoder import float_to_s16
 from runner.codecs.mimi import MimiStreamingDecoder
 from runner.utils.capture import no_gc_while_capturing
-from runner.utils.host_staging import PinnedStaging, staging_for
+from runner.utils.host_staging import PinnedStaging
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class MimiGraphs:
         -> PCM (n, m * samples_per_frame), float and int16, views of the graph's outputs valid
         until its next replay."""
         n, m = codes.shape[0], codes.shape[2]
-        self._fill_slots(b, slots, staging_for(self.decoder.device))
+        self._fill_slots(b, slots, self.decoder.staging)
         self.codes[m][:n].copy_(codes, non_blocking=True)
         self.graphs[(b, m)].replay()
         pcm, pcm16 = self.out[(b, m)]

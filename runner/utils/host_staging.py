@@ -96,7 +96,9 @@ _STAGING: dict[torch.device, PinnedStaging] = {}
 
 
 def staging_for(device: torch.device) -> PinnedStaging:
-    """The process's ring for `device` (the engine runs its steps on one thread)."""
+    """The engine's ring for `device` (the engine runs its steps on one thread). A codec decoder
+    holds a ring of its own: its copies queue behind its stream's backlog (hundreds of ms at
+    ~1000 streams), and sharing this ring would make the engine's next copy wait for them."""
     if device.index is None:
         device = torch.device(device.type, torch.cuda.current_device())
     st = _STAGING.get(device)

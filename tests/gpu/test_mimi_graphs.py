@@ -172,3 +172,26 @@ def test_inflight_launches_are_bounded(stage):
     res = st.step(wait=True)
     assert res["a"].done and len(st._launches) == 0
     assert_close(np.concatenate(got + [res["a"].pcm]), offline(model, f))
+
+
+def test_the_engine_ring_never_waits_for_the_codec_backlog(stage):
+    """A codec launch's input copies queue behind its stream's backlog; the engine's staging ring
+    wraps every few steps at hundreds of streams, and a ring shared with the codec made its next
+    copy wait for those (steps of 150 ms at ~1000 streams). The codec stages through its own."""
+    from runner.utils.host_staging import staging_for
+
+    st = stage()
+    engine = staging_for(torch.device("cuda", torch.cuda.current_device()))
+    assert st.decoder.staging is not engine
+    st.open("a")
+    st.push_many([("a", x) for x in np.random.default_rng(4).integers(0, SIZE, size=(2, K))])
+    torch.cuda.synchronize()
+    _hold(st, 0.5)
+    assert st.step() == {}  # its copies sit behind the hold
+    block = np.zeros(engine.capacity // 4 // 8, dtype=np.int64)  # the largest array the ring stages
+    t0 = time.perf_counter()
+    for _ in range(6):  # more than a lap: every region of the ring is rewritten
+        engine.to_device(block)
+    assert time.perf_counter() - t0 < 0.2, "the engine's ring waited for the codec's copies"
+    st.close("a")
+    assert st.step(wait=True)["a"].done
