@@ -234,6 +234,11 @@ class MimiCodecStage:
     def __len__(self) -> int:
         return len(self._reqs)
 
+    @property
+    def stream(self):
+        """The CUDA stream the decodes run on (None on the CPU)."""
+        return self.decoder.stream
+
     # -- encoding (reference clips) -----------------------------------------------------
 
     @torch.inference_mode()

@@ -148,6 +148,11 @@ class CodecStage:
     def __len__(self) -> int:
         return len(self._reqs)
 
+    @property
+    def stream(self):
+        """The CUDA stream the decodes run on (None on the CPU)."""
+        return self.decoder.stream
+
     # -- decoding ----------------------------------------------------------------------
 
     def step(self, wait: bool = False) -> dict[object, StageResult]:

@@ -79,6 +79,12 @@ class Engine(WarmUp):
             self.runner = FrameRunner(cfg, self.model, self.num_blocks, self.family.code_limit(codec))
         else:
             self.runner = ModelRunner(cfg, self.model, self.num_blocks, constraint, lambda r: r.audio)
+        # the GPU streams a step's work runs on, named for the stall report (gpu_streams_busy)
+        self._streams: dict[str, torch.cuda.Stream] = {}
+        if self.device.type == "cuda":
+            self._streams = {"step": torch.cuda.current_stream(self.device), "output copy": self.runner.copier.stream}
+            if codec is not None and codec.stream is not None:
+                self._streams["codec"] = codec.stream
         self.requests: dict[str, Request] = {}
         self._pending: _Pending | None = None
         self._finished_out: list[RequestOutput] = []  # outputs produced outside a step (aborts)
@@ -341,6 +347,13 @@ class Engine(WarmUp):
         )
 
     # ---- introspection -----------------------------------------------------------------------
+
+    def gpu_streams_busy(self) -> str:
+        """Which of the engine's GPU streams still have work queued ("step busy, output copy
+        busy, codec idle"; "" on the CPU). Safe from another thread: Stream.query only reads.
+        A stalled loop whose step stream stays busy while the codec's is idle points at a step
+        kernel that does not end; both busy, at the device."""
+        return ", ".join(f"{name} {'idle' if s.query() else 'busy'}" for name, s in self._streams.items())
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -419,3 +419,14 @@ def test_after_warm_up_text_traffic_compiles_no_triton_kernel(tiny_model_dir):
             t.eng.add_request(f"together{i}", t.prompt(20 + i, 50 + i), SamplingParams(max_tokens=8, seed=i, **kw))
         t.run()
     assert t.compiled == [], "\n".join(t.compiled)
+
+
+def test_stall_report_names_the_busy_gpu_stream(tiny_model_dir):
+    """The watchdog's report says which of the engine's streams hold unfinished work: a step
+    stream held by a long kernel reads busy, the output copy stream idle."""
+    eng = cuda_engine(tiny_model_dir("llama", seed=7, head_dim=64), "float32", graphs=False)
+    torch.cuda.synchronize()
+    assert eng.gpu_streams_busy() == "step idle, output copy idle"
+    torch.cuda._sleep(2 * 10**9)  # a couple of seconds of spinning on the step's (current) stream
+    assert eng.gpu_streams_busy() == "step busy, output copy idle"
+    torch.cuda.synchronize()
