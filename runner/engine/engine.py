@@ -8,6 +8,7 @@ for the host to look at step N's tokens.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 import msgspec
@@ -92,6 +93,9 @@ class Engine(WarmUp):
         self.step_count = 0
         self.phase_s = [0.0] * len(self.PHASES)
         self.last_scheduled = SchedulerOutput()  # what the latest step ran (for the slow-step log)
+        # (step number, what it ran) of the last two launched steps: with async scheduling the
+        # host waits on the older one while the newer is queued behind it (the stall report)
+        self.launched: deque[tuple[int, SchedulerOutput]] = deque(maxlen=2)
         self.num_requests_total = 0
         self.num_aborted_total = 0
         self.num_refused_total = 0  # add_request: EngineBusy (no room), counted for /metrics
@@ -199,6 +203,7 @@ class Engine(WarmUp):
             with self.timer("sample"):
                 launched = _Pending(sched, self.runner.sample_tokens())
                 self.step_count += 1
+                self.launched.append((self.step_count, sched))
         with self.timer("emit"):
             ready = self._hand_over(launched)
             results = self._emit(ready) if ready is not None else []

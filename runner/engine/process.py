@@ -153,9 +153,10 @@ class EngineLoop:
         """The loop's state for the watchdog's report (read from its thread)."""
         eng = self.engine
         gpu = eng.gpu_streams_busy()
+        steps = "; ".join(f"step {n}: {sched.describe()}" for n, sched in list(eng.launched))
         return (f"{len(eng.scheduler.running)} running, {len(eng.scheduler.waiting)} waiting, "
                 f"{self.outbound.qsize()} output batches queued of {self.outbound.maxsize}"
-                + (f"; GPU streams: {gpu}" if gpu else ""))
+                + (f"; GPU streams: {gpu}" if gpu else "") + (f"; last launched: {steps}" if steps else ""))
 
     def _log_slow(self, dt: float, ph0: list[float]) -> None:
         """One line per step slower than SLOW_STEP_S: its phases and what it ran."""

@@ -47,6 +47,13 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    def describe(self) -> str:
+        """One line for logs: "12 sequences (10 decodes, prompt chunks of 3 / 120 tokens), 133 tokens"."""
+        chunks = [str(e.num_tokens) for e in self.scheduled[self.num_decodes :]]
+        more = " ..." if len(chunks) > 4 else ""
+        prompts = f", prompt chunks of {' / '.join(chunks[:4])}{more} tokens" if chunks else ""
+        return f"{len(self.scheduled)} sequences ({self.num_decodes} decodes{prompts}), {self.num_batched_tokens} tokens"
+
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, eos_token_ids: frozenset[int] = frozenset(),

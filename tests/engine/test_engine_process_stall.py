@@ -3,8 +3,8 @@ the front end (EngineDead, which fails the in-flight requests) and exits with EX
 server's supervisor starts a new engine (tests/e2e/test_e2e_engine_death.py covers that part).
 
 The real process entry point, loop, watchdog and ZeroMQ sockets on the embedded default model;
-only Engine.step is replaced in the child, by one that never returns (a GPU kernel that does
-not end)."""
+only Engine.step is wrapped in the child: after its first real step it never returns (a GPU
+kernel that does not end)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ CHILD = """
 import sys, threading
 from runner.engine import process
 from runner.engine.engine import Engine
-Engine.step = lambda self: threading.Event().wait()
+real_step = Engine.step
+Engine.step = lambda self: threading.Event().wait() if self.step_count else real_step(self)
 sys.exit(process.main([sys.argv[1]]))
 """
 
@@ -53,6 +54,8 @@ def test_a_stuck_step_fails_the_requests_and_exits_for_a_restart(default_model_d
         assert time.monotonic() - t0 < 15  # 1 s of stall, then out at once
         log = child.stdout.read().decode()
         assert "the loop is at" in log and "giving up" in log, log[-2000:]
+        # the report names the steps on the device (a stalled kernel is in one of them)
+        assert "last launched: step 1: 1 sequences (0 decodes, prompt chunks of 3 tokens), 3 tokens" in log, log[-2000:]
     finally:
         child.kill()
         child.wait()

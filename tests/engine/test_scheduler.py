@@ -28,6 +28,9 @@ def test_decodes_come_first_in_a_mixed_step():
     mixed = s.schedule()
     assert [e.num_tokens for e in mixed.scheduled] == [1, 1, 30]
     assert mixed.num_decodes == 2 and [e.req.request_id for e in mixed.scheduled[:2]] == ["a", "b"]
+    # the stall report's line for a step
+    assert mixed.describe() == "3 sequences (2 decodes, prompt chunks of 30 tokens), 32 tokens"
+    assert first.describe() == "2 sequences (0 decodes, prompt chunks of 10 / 20 tokens), 30 tokens"
 
 
 def test_admission_hold_groups_arrivals_under_load():
