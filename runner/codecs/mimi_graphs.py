@@ -26,7 +26,7 @@ import torch
 
 from runner.codecs.decoder import float_to_s16
 from runner.codecs.mimi import MimiStreamingDecoder
-from runner.utils.capture import no_gc_while_capturing
+from runner.utils.capture import capture_stream, no_gc_while_capturing
 from runner.utils.host_staging import PinnedStaging
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class MimiGraphs:
         # (rows, m) -> (float PCM, its int16 rounding): (rows, m * samples_per_frame)
         self.out: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = None
+        self.capture_stream: torch.cuda.Stream | None = None  # capture(): the graphs' own (capture_stream)
 
     def _forward(self, b: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         pcm = self.decoder._decode_into(self.slots[:b], self.codes[m][:b])
@@ -53,8 +54,7 @@ class MimiGraphs:
     def capture(self) -> None:
         keys = [(b, m) for b in self.rows for m in self.lengths]
         with no_gc_while_capturing():
-            stream = torch.cuda.Stream(self.decoder.device)
-            stream.wait_stream(torch.cuda.current_stream())
+            stream = self.capture_stream = capture_stream(self.decoder.device)
             stream.wait_stream(self.decoder.stream)  # the pools were allocated and zeroed there
             with torch.cuda.stream(stream):
                 for b, m in keys:  # kernels load and workspaces grow outside any capture
@@ -63,7 +63,7 @@ class MimiGraphs:
             torch.cuda.synchronize(self.decoder.device)
             for key in sorted(keys, key=lambda km: km[0] * km[1], reverse=True):  # the pool sized by the largest
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
+                with torch.cuda.graph(g, pool=self.pool, stream=stream):
                     self.out[key] = self._forward(*key)
                 if self.pool is None:
                     self.pool = g.pool()

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from runner.layers.attention import AttentionMetadata
-from runner.utils.capture import no_gc_while_capturing
+from runner.utils.capture import capture_stream, no_gc_while_capturing
 from runner.utils.graph_inputs import staged_capacity, unpack_graph_inputs_torch
 from runner.utils.host_staging import staging_for
 
@@ -103,6 +103,7 @@ class DecodeGraphs:
         self.hidden: dict[tuple[int, bool, bool], torch.Tensor] = {}  # final hidden [bucket, H]
         self.layers: dict[tuple[int, bool, bool], dict[int, torch.Tensor]] = {}  # all_layers: {layer: [bucket, H]}
         self.pool = None
+        self.capture_stream: torch.cuda.Stream | None = None  # capture(): the graphs' own (capture_stream)
 
     def _meta(self, b: int, pure: bool) -> AttentionMetadata:
         return AttentionMetadata(
@@ -134,8 +135,7 @@ class DecodeGraphs:
             self._capture()
 
     def _capture(self) -> None:
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream())
+        stream = self.capture_stream = capture_stream(self.device)
         with torch.cuda.stream(stream):
             # every bucket once: Triton compiles a variant per split count (which depends on
             # the batch size) and compilation must not happen inside a capture
@@ -147,7 +147,7 @@ class DecodeGraphs:
         # at a time, so the families share it too
         for key in sorted(self._keys(), reverse=True):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
+            with torch.cuda.graph(g, pool=self.pool, stream=stream):
                 self.hidden[key], self.layers[key] = self._forward(key)
             if self.pool is None:
                 self.pool = g.pool()

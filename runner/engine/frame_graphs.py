@@ -28,7 +28,7 @@ from runner.engine.cuda_graphs import graph_buckets
 from runner.engine.step_inputs import StepInputs
 from runner.layers.attention import AttentionMetadata
 from runner.layers.sampling_batch import NUM_FLOAT_PARAMS, SamplingBatch
-from runner.utils.capture import no_gc_while_capturing
+from runner.utils.capture import capture_stream, no_gc_while_capturing
 from runner.utils.graph_inputs import pack_graph_inputs, staged_capacity
 from runner.utils.host_staging import staging_for
 
@@ -100,6 +100,7 @@ class FrameGraphs:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.out: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = None
+        self.capture_stream: torch.cuda.Stream | None = None  # capture(): the graphs' own (capture_stream)
 
     def bucket_for(self, b: int) -> int | None:
         for s in self.buckets:
@@ -137,8 +138,7 @@ class FrameGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         with no_gc_while_capturing():
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream())
+            stream = self.capture_stream = capture_stream(self.device)
             keys = [(b, whole) for b in self.buckets for whole in (True, False)]
             with torch.cuda.stream(stream):
                 for key in keys:  # Triton compiles and workspaces grow outside any capture
@@ -147,7 +147,7 @@ class FrameGraphs:
             torch.cuda.synchronize(self.device)
             for key in sorted(keys, reverse=True):
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
+                with torch.cuda.graph(g, pool=self.pool, stream=stream):
                     self.out[key] = self._forward(key)
                 if self.pool is None:
                     self.pool = g.pool()

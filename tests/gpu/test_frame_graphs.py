@@ -67,3 +67,19 @@ def test_cuda_audio_requests_stream_pcm(csm_dir):
             finished += o.finished
             assert o.error is None, o.error
     assert finished == 3 and samples == 3 * 16 * 1920
+
+
+def test_each_graph_set_captures_on_a_stream_of_its_own(csm_dir):
+    """The frame-step graphs and the Mimi graphs replay at once on two streams. A captured cuBLAS
+    GEMM keeps the workspace of its capture stream, so sharing torch.cuda.graph's default
+    capture stream gave both sets one workspace, and a split-K GEMM spun forever on semaphores
+    the other set's GEMM had overwritten (cuda-gdb on a CSM server stalled at 1000 streams:
+    one block of a cutlass split-K GEMM spinning, the step stream busy, the codec idle)."""
+    eng = engine(csm_dir, graphs=True, codec=True)
+    frames = eng.runner.frame_graphs.capture_stream
+    mimi = eng.codec.decoder.graphs.capture_stream
+    shared = torch.cuda.graphs.graph.default_capture_stream
+    assert frames is not None and mimi is not None
+    streams = {frames.cuda_stream, mimi.cuda_stream, torch.cuda.current_stream().cuda_stream}
+    assert len(streams) == 3
+    assert shared is None or shared.cuda_stream not in streams
