@@ -193,7 +193,7 @@ def orpheus_sampling(n: int):
 def parse_tile(fields: list[int]):
     """bm, bn, bk, warps, stages[, late_trigger 0/1[, groups[, tma 0/1]]] -> LinearTile (late_trigger
     and tma as the bools they are; groups: ragged column groups, 0 = plain tiles)."""
-    from runner.kernels.linear import LinearTile
+    from runner.kernels.tuning.tiles import LinearTile
 
     late = bool(fields[5]) if len(fields) > 5 else False
     groups = fields[6] if len(fields) > 6 else 0

@@ -93,7 +93,12 @@ def frame_bytes(model, batch: int, context: int) -> dict:
             "total": backbone + (k - 1) * depth_body + heads + kv}
 
 
-def run_frames(batches: list[int], steps: int, bandwidth: float, tuning: str = "auto") -> list[dict]:
+def run_frames(batches: list[int], steps: int, bandwidth: float, variant: str = "default") -> list[dict]:
+    """ms per frame step at each batch on one model built for `variant` (deploy.bench.variants'
+    syntax: RunnerConfig kernel switches, `tuning=none`, tile / fold / split / head rows)."""
+    from deploy.bench.variants import parse_variant, variant_tables
+    from runner.kernels.tuning import load_tables
+
     from runner.config import EngineConfig
     from runner.engine.engine import Engine
     from runner.families import family_for
@@ -101,14 +106,17 @@ def run_frames(batches: list[int], steps: int, bandwidth: float, tuning: str = "
     from streaming.profile import read_profile
     from streaming.sampling_params import SamplingParams
 
+    v = parse_variant(variant)
+    if v.skips or v.attn_splits is not None or v.fp32_greedy or v.torch_argmax or v.swept:
+        raise ValueError(f"variant {variant!r}: the frames section takes switches and table rows only")
     folder = csm_folder(scratch("csm1b-random"))
     top = max(batches)
     ctx = PROMPT + 16 + 2 * steps
     cfg = EngineConfig.build(folder, device="cuda", dtype="bfloat16", max_num_seqs=top, max_model_len=2048,
                              max_num_batched_tokens=8192, block_size=16, num_blocks=top * (ctx // 16 + 2) + 64,
-                             max_graph_batch_size=top, tuning=tuning)
+                             max_graph_batch_size=top, **v.switches)
     family = family_for(read_profile(folder), str(folder))
-    attn, ops = make_backends(cfg.runner)
+    attn, ops = make_backends(cfg.runner, variant_tables(v, load_tables(cfg.runner.torch_device, cfg.runner.tuning)))
     model = family.load_model(cfg, attn, ops, random_weights=True)
     eng = Engine(cfg, model=model, family=family, codec=None)
     rows = []
@@ -132,10 +140,10 @@ def run_frames(batches: list[int], steps: int, bandwidth: float, tuning: str = "
         context = PROMPT + 8 + steps // 2  # mean context over the timed steps
         by = frame_bytes(model, b, context)
         bound = by["total"] / bandwidth
-        rows.append({"tuning": tuning, "batch": b, "ms_per_frame": 1e3 * wall, "gpu_ms": 1e3 * gpu, "idle_gap_us": 1e6 * max(0.0, wall - gpu),
+        rows.append({"variant": variant, "batch": b, "ms_per_frame": 1e3 * wall, "gpu_ms": 1e3 * gpu, "idle_gap_us": 1e6 * max(0.0, wall - gpu),
                      "bound_ms": 1e3 * bound, "x_bound": wall / bound, "bytes": by,
                      "frames_per_s": b / wall, "realtime_streams": b * FRAME_S / wall})
-        log(f"frames tuning={tuning} batch {b}: {1e3 * wall:.2f} ms/frame (GPU {1e3 * gpu:.2f}), bound {1e3 * bound:.2f} ms, "
+        log(f"frames {variant} batch {b}: {1e3 * wall:.2f} ms/frame (GPU {1e3 * gpu:.2f}), bound {1e3 * bound:.2f} ms, "
             f"x{wall / bound:.2f}")
         for rid in list(eng.requests):
             eng.abort_request(rid)
@@ -296,13 +304,13 @@ def render(res: dict) -> str:
                   "written per second by a device copy, measured in this run).", ""]
     hf = {r["batch"]: r["ms_per_frame"] for r in res.get("hf", [])}
     if res.get("frames"):
-        lines += ["| tuning | batch | ms/frame | GPU ms | idle gap µs | bound ms | x bound | transformers ms/frame | speed-up | real-time streams |",
+        lines += ["| variant | batch | ms/frame | GPU ms | idle gap µs | bound ms | x bound | transformers ms/frame | speed-up | real-time streams |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in res["frames"]:
             h = hf.get(r["batch"])
             hf_ms = "" if h is None else f"{h:.1f}"
             speedup = "" if h is None else f"{h / r['ms_per_frame']:.0f}x"
-            lines.append(f"| {r['tuning']} | {r['batch']} | {r['ms_per_frame']:.2f} | {r['gpu_ms']:.2f} | {r['idle_gap_us']:.0f} | "
+            lines.append(f"| {r['variant']} | {r['batch']} | {r['ms_per_frame']:.2f} | {r['gpu_ms']:.2f} | {r['idle_gap_us']:.0f} | "
                          f"{r['bound_ms']:.2f} | {r['x_bound']:.2f} | {hf_ms} | {speedup} | {r['realtime_streams']:.0f} |")
         lines.append("")
     if res.get("host"):
@@ -320,7 +328,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="frames,hf,serving")
     ap.add_argument("--batches", default="1,8,32,64,128,256,512")
-    ap.add_argument("--tuning", default="auto", help="frames: RunnerConfig.tuning values, one table each (auto,none)")
+    ap.add_argument("--variants", default="default",
+                    help="frames: ';'-separated variants, one model each (deploy.bench.variants: kernel switches, "
+                         "tuning=none, tile: / fold: / split: / head: rows), e.g. \"default;fold:1024:1024:64=16/32/128/4/5\"")
     ap.add_argument("--steps", type=int, default=40, help="timed frame steps per batch")
     ap.add_argument("--hf-batches", default="1,8,32,64")
     ap.add_argument("--hf-budget-s", type=float, default=90)
@@ -342,7 +352,7 @@ def main() -> int:
     if "frames" in sections:
         bw = bench_bandwidth()
         res["bandwidth_tb_s"] = bw / 1e12
-        res["frames"] = [row for t in args.tuning.split(",")
+        res["frames"] = [row for t in args.variants.split(";")
                          for row in run_frames([int(x) for x in args.batches.split(",")], args.steps, bw, t)]
         write_results(out, res, render(res))
     if "hf" in sections:

@@ -6,6 +6,7 @@ are built for its model (the registry's `tables=`), never patched into module st
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +24,7 @@ from deploy.bench.steps import run_engine
 def parse_tile_override(item: str) -> tuple[tuple[int, int, int], int, object]:
     """'tile:KIND:N:K:MAX_M=bm/bn/bk/warps/stages[/late[/groups[/tma]]]' (or '=none': cuBLAS) -> the (kind, N, K) key,
     the row's max_m and its tile; KIND is plain or gated."""
-    from runner.kernels.linear import GATED, PLAIN
+    from runner.kernels.tuning.tiles import GATED, PLAIN
 
     lhs, rhs = item.removeprefix("tile:").split("=")
     kind, n, k, max_m = lhs.split(":")
@@ -110,9 +111,91 @@ _ATTN_ALIASES = {"PREFETCH_MIN_SPLITS": "prefetch_min_splits", "TABLE_CHUNK": "t
                  "_NUM_WARPS": "num_warps"}
 
 
-def _with_row(rows: tuple, max_m: int, tile) -> tuple:
-    """`rows` ((max_m, tile), ...) with the row at max_m taking `tile`."""
-    return tuple((mm, tile if mm == max_m else t) for mm, t in rows)
+def _put_row(rows: tuple, max_m: int, tile) -> tuple:
+    """`rows` ((max_m, tile), ...) with the row at max_m taking `tile` (added in max_m order
+    where there is none: a shape the table does not name yet)."""
+    return tuple(sorted({**dict(rows), max_m: tile}.items()))
+
+
+@dataclass
+class Variant:
+    """One `;`-separated item of --variants (see run_decode_variants for the syntax)."""
+
+    spec: str
+    switches: dict = field(default_factory=dict)  # RunnerConfig kernel switches (and "tuning")
+    tiles: list = field(default_factory=list)  # ((kind, N, K), max_m, tile)
+    folds: list = field(default_factory=list)
+    heads: list = field(default_factory=list)
+    splits: dict = field(default_factory=dict)  # (N, K) -> rows
+    attn: dict = field(default_factory=dict)  # AttentionTuning fields
+    skips: list = field(default_factory=list)
+    attn_splits: int | None = None
+    fp32_greedy: bool = False
+    torch_argmax: bool = False
+    swept: bool = False
+
+
+def parse_variant(spec: str) -> Variant:
+    import dataclasses
+
+    from runner.kernels.tuning import AttentionTuning
+
+    attn_fields = {f.name for f in dataclasses.fields(AttentionTuning)}
+    v = Variant(spec)
+    for kv in filter(None, (x.strip() for x in spec.split(","))):
+        if kv == "fp32_greedy":
+            v.fp32_greedy = True
+        elif kv == "torch_argmax":
+            v.torch_argmax = True
+        elif kv.startswith("tuning="):
+            v.switches["tuning"] = kv.removeprefix("tuning=")
+        elif kv.startswith("tile:"):
+            v.tiles.append(parse_tile_override(kv))
+        elif kv.startswith("fold:"):
+            v.folds.append(parse_tile_override("tile:plain:" + kv.removeprefix("fold:")))
+        elif kv.startswith("head:"):
+            v.heads.append(parse_tile_override("tile:plain:" + kv.removeprefix("head:")))
+        elif kv.startswith("split:"):
+            key, rows = parse_split_override(kv)
+            v.splits[key] = rows
+        elif kv == "swept":
+            v.swept = True
+        elif kv.startswith("skip="):
+            v.skips.append(kv.removeprefix("skip="))
+        elif kv.startswith("attn:"):
+            name, value = kv.removeprefix("attn:").split("=")
+            name = _ATTN_ALIASES.get(name, name)
+            if name not in attn_fields:
+                raise ValueError(f"attn:{name}: not one of {sorted(attn_fields)}")
+            v.attn[name] = int(value)
+        elif kv.startswith("attn_splits="):
+            v.attn_splits = int(kv.removeprefix("attn_splits="))
+        elif kv != "default":
+            k, val = kv.split("=")
+            v.switches[k] = bool(int(val))
+    return v
+
+
+def variant_tables(v: Variant, tables, swept_rows: dict | None = None):
+    """`tables` (runner.kernels.tuning.Tables) with the variant's rows and attention fields put
+    in (a new value; nothing shared is edited). `swept_rows`: the `tuned` rows of a sweep, for
+    the `swept` variant."""
+    import dataclasses
+
+    lin = tables.linear
+    if v.swept:
+        if swept_rows is None:
+            raise ValueError("variant 'swept' needs the gemm section in the same run (deploy.bench.tune)")
+        lin = dataclasses.replace(lin, tuned=swept_rows)
+    tuned, fold, head = dict(lin.tuned), dict(lin.fold), dict(lin.head)
+    for key, max_m, tile in v.tiles:
+        tuned[key] = _put_row(tuned.get(key, ()), max_m, tile)
+    for (_, n, k), max_m, tile in v.folds:
+        fold[(n, k)] = _put_row(fold.get((n, k), ()), max_m, tile)
+    for (_, n, k), max_m, tile in v.heads:
+        head[(n, k)] = _put_row(head.get((n, k), ()), max_m, tile)
+    lin = dataclasses.replace(lin, tuned=tuned, split={**lin.split, **v.splits}, fold=fold, head=head)
+    return dataclasses.replace(tables, linear=lin, attention=dataclasses.replace(tables.attention, **v.attn))
 
 
 def run_decode_variants(variants: str, batches, swept: list | None = None) -> dict:
@@ -122,10 +205,11 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     Every variant's model is built on the run's tuning tables (bench_tables: the device's, or
     --tuning none's generic ones, with --tuned's rows) with its own entries put in, never by
     editing module state: `tuning=none` starts from the generic tables (cuBLAS GEMMs, default
-    attention / sampling launches); `tile:...` replaces a row of the `tuned` (kind, N, K) rows;
+    attention / sampling launches); `tile:...` puts a row into the `tuned` (kind, N, K) rows
+    (replacing the row of that MAX_M, or adding it: a shape without rows gets them);
     `split:N:K=...` replaces a `split` entry (parse_split_override); `fold:N:K:MAX_M=bm/bn/bk/warps/stages[/late]`
-    (or `=none`) replaces that row of the `fold` rows; `head:V:K:MAX_M=...` (or `=none`) that row
-    of the `head` rows; `swept` takes the `tuned` rows from this run's gemm sweep (`swept`, its
+    (or `=none`) puts that row into the `fold` rows; `head:V:K:MAX_M=...` (or `=none`) into the
+    `head` rows; `swept` takes the `tuned` rows from this run's gemm sweep (`swept`, its
     "tuned" rows); `skip=OP` times the step without one per-layer op (skip_op: its critical-path
     cost); `attn:NAME=INT` sets a field of the attention tuning (AttentionTuning: table_chunk,
     prefetch_min_splits, short_wave_programs_per_sm, short_wave_stages, num_stages, block_n,
@@ -134,16 +218,12 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     as argmax over the fp32 logits copy (the path before greedy_ids);
     `torch_argmax` takes them with torch.argmax instead of runner/kernels/argmax.py (at row counts
     where the `head` rows leave the head unfused)."""
-    import dataclasses
-
     from triton.runtime.errors import OutOfResources
 
     from deploy.bench.common import bench_tables
-    from runner.kernels.tuning import AttentionTuning
     from streaming.sampling_params import SamplingParams
 
     base = dict(KERNELS)
-    attn_fields = {f.name for f in dataclasses.fields(AttentionTuning)}
 
     def reset() -> None:  # every variant starts from the run's options, and the run ends there
         KERNELS.clear()
@@ -154,56 +234,15 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
     try:
         for spec in variants.split(";"):
             reset()
-            skips, attn_splits, fp32_greedy, torch_argmax = [], None, False, False
-            tiles, folds, heads, splits, attn, swept_rows = [], [], [], {}, {}, None
-            for kv in filter(None, (x.strip() for x in spec.split(","))):
-                if kv == "fp32_greedy":
-                    fp32_greedy = True
-                elif kv == "torch_argmax":
-                    torch_argmax = True
-                elif kv.startswith("tuning="):
-                    KERNELS["tuning"] = kv.removeprefix("tuning=")
-                elif kv.startswith("tile:"):
-                    tiles.append(parse_tile_override(kv))
-                elif kv.startswith("fold:"):
-                    folds.append(parse_tile_override("tile:plain:" + kv.removeprefix("fold:")))
-                elif kv.startswith("head:"):
-                    heads.append(parse_tile_override("tile:plain:" + kv.removeprefix("head:")))
-                elif kv.startswith("split:"):
-                    key, rows = parse_split_override(kv)
-                    splits[key] = rows
-                elif kv == "swept":
-                    if swept is None:
-                        raise ValueError("variant 'swept' needs the gemm section in the same run (deploy.bench.tune)")
-                    from deploy.bench.gemm import load_tuned_rows
+            v = parse_variant(spec)
+            KERNELS.update(v.switches)
+            swept_rows = None
+            if v.swept and swept is not None:
+                from deploy.bench.gemm import load_tuned_rows
 
-                    swept_rows = load_tuned_rows(swept)
-                elif kv.startswith("skip="):
-                    skips.append(kv.removeprefix("skip="))
-                elif kv.startswith("attn:"):
-                    name, value = kv.removeprefix("attn:").split("=")
-                    name = _ATTN_ALIASES.get(name, name)
-                    if name not in attn_fields:
-                        raise ValueError(f"attn:{name}: not one of {sorted(attn_fields)}")
-                    attn[name] = int(value)
-                elif kv.startswith("attn_splits="):
-                    attn_splits = int(kv.removeprefix("attn_splits="))
-                elif kv != "default":
-                    k, v = kv.split("=")
-                    KERNELS[k] = bool(int(v))
-            tables = bench_tables()
-            lin = tables.linear
-            if swept_rows is not None:
-                lin = dataclasses.replace(lin, tuned=swept_rows)
-            tuned, fold, head = dict(lin.tuned), dict(lin.fold), dict(lin.head)
-            for key, max_m, tile in tiles:
-                tuned[key] = _with_row(tuned[key], max_m, tile)
-            for (_, n, k), max_m, tile in folds:
-                fold[(n, k)] = _with_row(fold[(n, k)], max_m, tile)
-            for (_, n, k), max_m, tile in heads:
-                head[(n, k)] = _with_row(head[(n, k)], max_m, tile)
-            lin = dataclasses.replace(lin, tuned=tuned, split={**lin.split, **splits}, fold=fold, head=head)
-            tables = dataclasses.replace(tables, linear=lin, attention=dataclasses.replace(tables.attention, **attn))
+                swept_rows = load_tuned_rows(swept)
+            tables = variant_tables(v, bench_tables(), swept_rows)
+            skips, attn_splits, fp32_greedy, torch_argmax = v.skips, v.attn_splits, v.fp32_greedy, v.torch_argmax
             model = build_orpheus_model(tables)
             for name in skips:
                 skip_op(model, name)
