@@ -255,10 +255,13 @@ def run_hf(batches: list[int], budget_s: float) -> list[dict]:
     return rows
 
 
+STALL_LINE = "engine loop: no progress"  # runner/engine/process.py's watchdog report
+
+
 def dump_stacks(pid: int, path: Path) -> None:
     """Where the server and its engine process are (py-spy, when installed) and what the GPU is
-    doing, into `path`: the serving run outlasted --stall-dump-s (one run once stalled with no
-    engine step logged; a dump says whether the host waits on the GPU or on itself)."""
+    doing, into `path`, when the engine's watchdog has reported a stuck loop (a dump says
+    whether the host waits on the GPU or on itself; the GPU's load whether a kernel spins)."""
     parts = []
     spy = shutil.which("py-spy")
     if spy is None:
@@ -270,13 +273,16 @@ def dump_stacks(pid: int, path: Path) -> None:
                        text=True)
     parts.append(r.stdout + r.stderr)
     path.write_text("\n".join(parts))
-    log(f"serving outlasted its stall deadline: stacks in {path}")
+    log(f"the engine reported a stuck loop: stacks in {path}")
 
 
-def run_serving(streams: str, ramps: str, max_frames: int, max_num_seqs: int, out: Path, stall_s: float,
+def run_serving(streams: str, ramps: str, max_frames: int, max_num_seqs: int, out: Path,
                 server_args: list[str] = ()) -> str:
     """The serving benchmark against a real server; `server_args` are appended to its command
-    line (e.g. ["--ws-max-inflight-utterances", "1"] for an A/B of a server setting)."""
+    line (e.g. ["--ws-max-inflight-utterances", "1"] for an A/B of a server setting). When the
+    engine's watchdog reports a stuck loop in the server's log, the stacks and the GPU's load
+    are dumped at once (csm-stall.txt), while the engine is still stuck: it gives up only after
+    --stall-exit-s."""
     folder = csm_folder(scratch("csm1b-random"))
     mimi = mimi_folder(scratch("mimi-random"))
     serve_args = ["--model", str(folder), "--codec", str(mimi), "--random-weights", "--device", "cuda",
@@ -288,10 +294,12 @@ def run_serving(streams: str, ramps: str, max_frames: int, max_num_seqs: int, ou
         bench = subprocess.Popen([sys.executable, "-m", "server.cli", "bench", "--url", srv.url,
                                   "--streams", streams, "--ramp-s", ramps, "--max-tokens", str(max_frames),
                                   "--out", str(table)], cwd=ROOT)
-        try:
-            bench.wait(stall_s)
-        except subprocess.TimeoutExpired:
-            dump_stacks(srv.proc.pid, out / "csm-stall.txt")
+        log_path, dumped = out / "csm-server.log", False
+        while bench.poll() is None:
+            time.sleep(1.0)
+            if not dumped and STALL_LINE in log_path.read_text(errors="replace"):
+                dump_stacks(srv.proc.pid, out / "csm-stall.txt")
+                dumped = True
         if bench.wait() != 0:
             raise RuntimeError(f"bench exited with {bench.returncode}")
         return table.read_text()
@@ -341,8 +349,6 @@ def main() -> int:
     ap.add_argument("--max-frames", type=int, default=150, help="frames per utterance (12 s)")
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--server-args", default="", help="serving: more `omnistream serve` arguments, one string")
-    ap.add_argument("--stall-dump-s", type=float, default=300,
-                    help="serving: dump the server's stacks (py-spy) if the bench runs longer than this")
     add_out_arg(ap, "csm")
     args = ap.parse_args()
     out = Path(args.out)
@@ -365,7 +371,7 @@ def main() -> int:
         res["profile"] = run_profile([int(x) for x in args.profile_batches.split(",")])
         write_results(out, res, render(res))
     if "serving" in sections:
-        res["serving"] = run_serving(args.streams, args.ramp_s, args.max_frames, args.max_num_seqs, out, args.stall_dump_s,
+        res["serving"] = run_serving(args.streams, args.ramp_s, args.max_frames, args.max_num_seqs, out,
                                      shlex.split(args.server_args))
     write_results(out, res, render(res))
     return 0
