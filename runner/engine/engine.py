@@ -272,8 +272,8 @@ class Engine(WarmUp):
                 self._forget(req)
         if audio:
             self.codec.push_many(audio)
-            for key in closed:  # after its last token
-                self.codec.close(key)
+        for key in closed:  # after its last token (a step may end a stream and push nothing: its
+            self.codec.close(key)  # stop frame is not audio, and it may be the step's only row)
         reqs = {id(e.req): e.req for e in p.sched.scheduled} if res.hidden else {}
         for rid, (first, rows) in res.hidden.items():
             req = reqs[rid]

@@ -231,3 +231,25 @@ def test_warm_up_with_fewer_codec_streams_than_its_decodes_starts(tmp_path):
     eng.warm_up_eager_prefill()
     st = eng.stats()
     assert st.num_running == st.num_waiting == 0 and st.num_refused_total == 0 and len(codec) == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_lone_audio_request_ended_by_its_stop_frame_finishes(csm_dir, async_scheduling):
+    """The frame that ends the audio is not pushed to the codec; when it is the step's only row
+    the codec stream must still be closed (it was not: the request never finished, its codec
+    stream leaked and the engine spun on empty steps)."""
+    eng = make_engine(csm_dir, async_scheduling=async_scheduling, codec=True)
+    assert eng.model.cfg.codebook_eos_id == 0
+    with torch.no_grad():  # every logit 0: greedy draws code 0 in every codebook, the stop frame
+        eng.model.lm_head.weight.zero_()
+        eng.model.depth.codebooks_head.zero_()
+    eng.add_request("lone", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=9), audio=True)
+    outs = []
+    for _ in range(50):
+        outs += eng.step()
+        if not eng.has_unfinished:
+            break
+    done = [o for o in outs if o.finished]
+    assert len(done) == 1 and done[0].finish_reason == "stop" and done[0].error is None
+    assert not eng.has_unfinished and len(eng.codec) == 0 and not eng.requests
+    assert sum(0 if o.audio is None else len(o.audio) for o in outs) == 0  # no audio frame came before it
