@@ -151,10 +151,21 @@ class SamplingBatch:
 NUM_FLOAT_PARAMS = 6
 
 
+# A top_p far below 1 keeps the top token alone: top-p keeps the smallest set of mass >= p * Z,
+# and the top token's mass is e = exp(0) = 1 > p * Z for any p < 1e-12 (Z <= V << 1e12). Below
+# that floor p's value cannot matter, but it broke the filters: 1e-300 is 0 in the float32 rows
+# (no token kept: code 0 every time), and a bound under the rounding of Z vanished in the radix
+# select's fp64 suffix test (the same). A repetition penalty that validates (> 0) is kept
+# in float32's range (0 would divide by zero).
+_TOP_P_FLOOR = 1e-12
+_F32_TINY = float(np.finfo(np.float32).tiny)
+
+
 def float_params(p: SamplingParams) -> tuple[float, float, float, float, float, float]:
     """A request's row of SamplingBatch.from_host's floats: temperature, top_p, min_p,
-    repetition, frequency and presence penalty."""
-    return (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+    repetition, frequency and presence penalty (top_p and the repetition penalty floored, above)."""
+    return (p.temperature, max(p.top_p, _TOP_P_FLOOR), p.min_p, max(p.repetition_penalty, _F32_TINY),
+            p.frequency_penalty, p.presence_penalty)
 
 
 class SamplingTable:

@@ -80,6 +80,17 @@ def test_seeded_sampling_same_alone_and_in_a_busy_batch(csm_dir):
     assert len(alone) and len(np.unique(alone[:, 1:])) > 1  # sampled, not a constant
 
 
+def test_a_top_p_below_float32_range_keeps_the_top_token(csm_dir):
+    """top_p 1e-300 validates (> 0) but is 0 in the float32 sampling rows; it used to keep no
+    token (code 0 every time). It keeps the top token: the greedy frames."""
+    greedy = drive_requests(make_engine(csm_dir, async_scheduling=True), [PROMPTS[1]],
+                            SamplingParams(temperature=0.0, max_tokens=8))["r0"]["frames"]
+    tiny = drive_requests(make_engine(csm_dir, async_scheduling=True), [PROMPTS[1]],
+                          SamplingParams(temperature=1.0, top_p=1e-300, max_tokens=8, seed=3))["r0"]["frames"]
+    np.testing.assert_array_equal(tiny, greedy)
+    assert len(np.unique(greedy)) > 1  # not the all-zero frames of the bug
+
+
 def test_prompt_frames_condition_the_output_and_hit_the_prefix_cache(csm_dir):
     """A voice prompt (text, the clip's frames, audio end, text): the engine's frames equal the
     standalone model's (tests/models/test_csm.py holds its prompt embedding and frames equal to
