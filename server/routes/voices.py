@@ -21,7 +21,7 @@ import io
 
 import av
 import numpy as np
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 
 from server.context import get_ctx
 from server.errors import APIError, invalid_request, not_found, request_timeout
@@ -62,9 +62,18 @@ def decode_clip(data: bytes, sample_rate: int, max_seconds: float) -> np.ndarray
 async def _read_form(request: web.Request, max_bytes: int) -> dict[str, bytes]:
     if not request.content_type.startswith("multipart/"):
         raise invalid_request("body: must be multipart/form-data with name, transcript and file", param="body")
+    try:
+        return await _read_parts(request, max_bytes)
+    except ValueError as e:  # aiohttp's multipart reader: no boundary, a truncated part, ...
+        raise invalid_request(f"body: malformed multipart/form-data ({e})", param="body") from None
+
+
+async def _read_parts(request: web.Request, max_bytes: int) -> dict[str, bytes]:
     fields: dict[str, bytes] = {}
     reader = await request.multipart()
     while (part := await reader.next()) is not None:
+        if not isinstance(part, BodyPartReader):  # a nested multipart/mixed part
+            raise invalid_request("body: nested multipart parts are not supported", param="body")
         name = part.name or ""
         if name not in ("name", "transcript", "speaker", "file"):
             raise invalid_request(f"{name or 'part'}: unknown form field (name, transcript, speaker, file)", param=name)
@@ -113,7 +122,7 @@ async def create_voice(request: web.Request) -> web.Response:
         raise invalid_request("file: missing form field (the reference clip)", param="file")
     store = profile.store
     try:
-        store.check_new(name, profile.spec.voices)
+        store.check_new(name)
     except VoiceStoreError as e:
         raise APIError(e.status, str(e), param=e.field, code="invalid_value" if e.status == 400 else "conflict") from None
     try:
@@ -131,7 +140,7 @@ async def create_voice(request: web.Request) -> web.Response:
         raise invalid_request(f"file: the clip and transcript take too much of the model's {ctx.engine.info.max_model_len} "
                               "positions (shorten them)", param="file")
     try:
-        store.add(voice, profile.spec.voices)
+        store.add(voice)
     except VoiceStoreError as e:  # a concurrent upload took the name or the last place
         raise APIError(e.status, str(e), param=e.field, code="conflict") from None
     return web.json_response(voice.info(), status=201)

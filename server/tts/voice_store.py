@@ -53,10 +53,12 @@ class ReferenceVoice:
 
 
 class VoiceStore:
-    def __init__(self, folder: str | Path | None, max_voices: int):
-        """folder None: no uploads (list() is empty, add() refuses naming --voices-dir)."""
+    def __init__(self, folder: str | Path | None, max_voices: int, reserved: tuple[str, ...] = ()):
+        """folder None: no uploads (list() is empty, add() refuses naming --voices-dir).
+        reserved: the model's built-in voice names, which no stored voice may take."""
         self.folder = Path(folder) if folder is not None else None
         self.max_voices = max_voices
+        self.reserved = tuple(reserved)
         self._voices: dict[str, ReferenceVoice] = {}
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -75,6 +77,14 @@ class VoiceStore:
             if voice.name != meta_path.stem or codes.ndim != 2:
                 log.warning("voices: skipping %s (name or codes shape does not match)", meta_path)
                 continue
+            # a folder edited by hand (or written by another server) holds the upload rules too
+            if not NAME_RE.match(voice.name) or voice.name in self.reserved:
+                log.warning("voices: skipping %s (%r is not a name an upload may take)", meta_path, voice.name)
+                continue
+            if len(self._voices) >= self.max_voices:
+                log.warning("voices: skipping %s (--max-voices %d reached; it stays on disk)", meta_path,
+                            self.max_voices)
+                continue
             self._voices[voice.name] = voice
         log.info("voices: %d reference voice(s) in %s", len(self._voices), self.folder)
 
@@ -87,22 +97,22 @@ class VoiceStore:
     def list(self) -> list[ReferenceVoice]:
         return sorted(self._voices.values(), key=lambda v: v.name)
 
-    def check_new(self, name: str, reserved: tuple[str, ...]) -> None:
+    def check_new(self, name: str) -> None:
         """Refuse (VoiceStoreError naming the field) before the clip is decoded and encoded."""
         if self.folder is None:
             raise VoiceStoreError("name", "voice uploads are off: the server runs without --voices-dir", status=400)
         if not NAME_RE.match(name):
             raise VoiceStoreError("name", "1-64 letters, digits, '_' or '-', starting with a letter or digit")
-        if name in reserved or name in self._voices:
+        if name in self.reserved or name in self._voices:
             raise VoiceStoreError("name", f"voice {name!r} already exists (delete it first)", status=409)
         if len(self._voices) >= self.max_voices:
             raise VoiceStoreError("name", f"the server keeps at most {self.max_voices} uploaded voices (delete one first)",
                                   status=409)
 
-    def add(self, voice: ReferenceVoice, reserved: tuple[str, ...]) -> None:
+    def add(self, voice: ReferenceVoice) -> None:
         """Keep the voice in memory and on disk (written to temporary names, then renamed, so a
         crash never leaves a half voice that loads)."""
-        self.check_new(voice.name, reserved)
+        self.check_new(voice.name)
         base = self.folder / voice.name
         tmp_npy, tmp_json = base.with_suffix(".npy.tmp"), base.with_suffix(".json.tmp")
         with open(tmp_npy, "wb") as f:

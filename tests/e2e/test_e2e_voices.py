@@ -137,3 +137,51 @@ async def test_upload_speak_cache_restart_delete(csm_root):
         assert e.value.body["param"] == "voice"
     finally:
         srv.stop()
+
+
+async def post_raw(http: aiohttp.ClientSession, srv: ServerProc, content_type: str, body: bytes) -> tuple[int, dict]:
+    async with http.post(srv.base_url + "/v1/audio/voices", data=body, headers={"Content-Type": content_type}) as r:
+        return r.status, await r.json(content_type=None)
+
+
+async def test_malformed_uploads_and_a_hand_edited_voices_folder(csm_root):
+    """A broken multipart body is a 400 naming the body (it was a 500); a voices folder edited
+    by hand loads under the upload rules: no built-in name, no invalid name, at most --max-voices."""
+    import json
+
+    root, folder = csm_root
+    root = root / "edited"
+    srv = start(root, folder)
+    try:
+        async with aiohttp.ClientSession() as http:
+            status, body = await upload(http, srv, "good", wav_clip(0.5))
+            assert status == 201, body
+            part = b'--XX\r\nContent-Disposition: form-data; name="name"\r\n\r\n'
+            nested = (b'--XX\r\nContent-Type: multipart/mixed; boundary=YY\r\n\r\n--YY\r\n'
+                      b'Content-Disposition: form-data; name="name"\r\n\r\nv\r\n--YY--\r\n--XX--\r\n')
+            for ctype, raw in (("multipart/form-data", b"x"),  # no boundary
+                               ("multipart/form-data; boundary=XX", b"no boundary in here"),
+                               ("multipart/form-data; boundary=XX", part + b"abc"),  # truncated
+                               ("multipart/form-data; boundary=XX", nested)):
+                status, body = await post_raw(http, srv, ctype, raw)
+                assert status == 400 and body["error"]["param"] == "body", (raw, status, body)
+            async with http.get(srv.base_url + "/v1/audio/voices") as r:
+                assert r.status == 200 and "good" in {v["voice_id"] for v in (await r.json())["voices"]}
+        srv.stop()
+        voices = root / "voices"
+        meta, codes = json.loads((voices / "good.json").read_text()), (voices / "good.npy").read_bytes()
+        for name in ("0", "x y", "extra1", "extra2"):  # a built-in name, a bad name, two more than the limit allows
+            (voices / f"{name}.json").write_text(json.dumps({**meta, "name": name}))
+            (voices / f"{name}.npy").write_bytes(codes)
+        srv = start(root, folder)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(srv.base_url + "/v1/audio/voices") as r:
+                voices_listed = (await r.json())["voices"]
+        listed = [v["voice_id"] for v in voices_listed]
+        reference = {v["voice_id"] for v in voices_listed if v["type"] == "reference"}
+        assert listed.count("0") == 1 and "x y" not in listed and "0" not in reference
+        assert len(reference) == 2 and reference <= {"good", "extra1", "extra2"}  # --max-voices 2
+        log = srv.output(100_000)
+        assert "not a name an upload may take" in log and "--max-voices 2 reached" in log
+    finally:
+        srv.stop()
