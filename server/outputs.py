@@ -4,7 +4,11 @@ ends a stream early."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import AsyncIterator, Mapping
+
+from aiohttp import web
 
 from server.engine_api import EngineOverloaded, EngineUnavailable
 from server.errors import APIError, internal_error
@@ -13,17 +17,40 @@ from streaming.ipc import RequestOutput
 from streaming.sampling_params import InvalidRequest
 
 
+# How often a handler waiting for its first output looks at the client's connection: aiohttp
+# (run_app's default) does not cancel a handler whose client left, and a request queued behind
+# a busy engine may wait seconds for its first output.
+CONNECTION_POLL_S = 0.25
+
+
+def client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
 async def first_output(
-    outputs: AsyncIterator[RequestOutput], fields: Mapping[str, str], prompt_param: str
+    request: web.Request, outputs: AsyncIterator[RequestOutput], fields: Mapping[str, str], prompt_param: str
 ) -> RequestOutput:
     """The first output of a request, or the APIError its rejection deserves. An engine client
     may reject a request by raising InvalidRequest or by a first output with finish_reason
     "error" and `error_field`; both become a 400 naming the body's field. EngineOverloaded /
-    EngineUnavailable pass through (the error middleware makes them 429 / 503)."""
+    EngineUnavailable pass through (the error middleware makes them 429 / 503). A client that
+    closes its connection first ends the wait (499): the caller's `aclosing(outputs)` then
+    aborts the engine request, which would otherwise run to its end for nobody."""
+    nxt = asyncio.ensure_future(anext(outputs, None))
     try:
-        first = await anext(outputs, None)
+        while not nxt.done():
+            await asyncio.wait((nxt,), timeout=CONNECTION_POLL_S)
+            if not nxt.done() and client_gone(request):
+                raise APIError(499, "the client closed the connection before the first output", code="client_closed")
+        first = nxt.result()
     except InvalidRequest as e:
         raise rejection_error(str(e), e.field, fields, prompt_param) from None
+    finally:
+        if not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await nxt
     if first is None:
         raise internal_error("The engine ended the request without output.")
     if first.finished and first.finish_reason == "error":

@@ -121,7 +121,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     ctx = get_ctx(request)
     job = await parse_completion_body(ctx, await read_body(request, CompletionRequest, ctx.settings.max_json_depth))
     async with aclosing(ctx.engine.generate(job.add)) as outputs:
-        first = await first_output(outputs, COMPLETION_FIELDS, "prompt")
+        first = await first_output(request, outputs, COMPLETION_FIELDS, "prompt")
         head = {"id": job.add.request_id, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
         if job.stream:
             ctx.metrics.active_streams.labels(ENDPOINT).inc()

@@ -93,7 +93,7 @@ async def _handle(request: web.Request, stream: bool, timestamps: bool) -> web.S
     rate = ctx.profile.sample_rate
     arrived = time.monotonic()
     async with aclosing(ctx.engine.generate(add)) as outputs:
-        first = await first_output(outputs, SPEECH_FIELDS, "text")
+        first = await first_output(request, outputs, SPEECH_FIELDS, "text")
         if not stream:
             chunks: list[np.ndarray] = []
             last = first

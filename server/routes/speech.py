@@ -30,7 +30,7 @@ from aiohttp import web
 from server.context import ServerContext, get_ctx
 from server.engine_api import EngineOverloaded, EngineUnavailable
 from server.errors import invalid_request, read_body
-from server.outputs import first_output, mid_stream_error, until_finished
+from server.outputs import client_gone, first_output, mid_stream_error, until_finished
 from server.sampling import SPEECH_FIELDS, rejection_error, request_limits
 from server.tts.encoding import EncodedStream, whole_file
 from streaming.encoders import AudioFormat, UnsupportedFormat, b64, resolve_format
@@ -108,7 +108,7 @@ async def create_speech(request: web.Request) -> web.StreamResponse:
     async with aclosing(ctx.engine.generate(job.add)) as outputs:
         # The first output proves admission (EngineOverloaded/Unavailable surface here, still
         # as a status code) or carries the request's rejection.
-        first = await first_output(outputs, SPEECH_FIELDS, "input")
+        first = await first_output(request, outputs, SPEECH_FIELDS, "input")
         if not job.stream:
             return await _whole_file(request, ctx, job, first, outputs)
         ctx.metrics.active_streams.labels(ENDPOINT).inc()
@@ -118,11 +118,6 @@ async def create_speech(request: web.Request) -> web.StreamResponse:
             return await _stream_audio(request, ctx, job, first, outputs, arrived)
         finally:
             ctx.metrics.active_streams.labels(ENDPOINT).dec()
-
-
-def _client_gone(request: web.Request) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()
 
 
 def _cut_connection(request: web.Request) -> None:
@@ -151,7 +146,7 @@ async def _stream_audio(
     try:
         async with aclosing(until_finished(first, outputs)) as steps:
             async for out in steps:
-                if _client_gone(request):
+                if client_gone(request):
                     return resp  # leaving the aclosing blocks aborts the engine request
                 if out.audio is not None and out.audio.size:
                     if not sent_audio:
@@ -200,7 +195,7 @@ async def _stream_sse(
         try:
             async with aclosing(until_finished(first, outputs)) as steps:
                 async for out in steps:
-                    if _client_gone(request):
+                    if client_gone(request):
                         return resp
                     if out.audio is not None and out.audio.size:
                         if not sent_audio:
@@ -235,7 +230,7 @@ async def _whole_file(
     last: RequestOutput | None = None
     async with aclosing(until_finished(first, outputs)) as steps:
         async for out in steps:
-            if _client_gone(request):
+            if client_gone(request):
                 # Nobody will read this; 499 (nginx's "client closed request") is for the logs.
                 return web.Response(status=499)
             if out.audio is not None and out.audio.size:

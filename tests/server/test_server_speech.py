@@ -324,6 +324,23 @@ async def test_client_disconnect_mid_stream_aborts_the_engine_request(handler_ca
         assert not engine.active
 
 
+@pytest.mark.parametrize("path, body", [("/v1/audio/speech", {"input": "Hi", "response_format": "pcm"}),
+                                        ("/v1/audio/speech", {"input": "Hi", "response_format": "wav", "stream": False}),
+                                        ("/v1/text-to-speech/tara/stream", {"text": "Hi"})])
+async def test_client_gone_before_the_first_output_aborts_the_engine_request(path, body):
+    """A request queued behind a busy engine: its client leaves before the first output. The
+    server (no handler cancellation, as run_app) notices and aborts it, instead of running it
+    to its end for nobody."""
+    engine = FakeEngine(steps=4, first_delay=30.0, samples_per_step=SPS)
+    async with serve(engine, handler_cancellation=False) as s:
+        async with aiohttp.ClientSession() as http:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.3):
+                    await http.post(s.url(path), json=body)
+        aborted = await engine.wait_aborted(1, timeout=5.0)
+        assert aborted == [engine.requests[0].request_id] and not engine.active
+
+
 async def test_generation_failure_mid_stream_cuts_the_audio_short():
     engine = FakeEngine(samples_per_step=SPS)
     engine.fail_at_step = 3
