@@ -40,7 +40,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
-    def validate(self, vocab_size: int) -> None:
+    def validate(self, vocab_size: int, codes_per_frame: int = 1) -> None:
+        """Bounds of every field; a multi-codebook model (codes_per_frame > 1) takes no token
+        penalty, logit bias or min_tokens: its codes have no history, no per-id bias."""
+
         def bad(field: str, msg: str) -> InvalidRequest:
             return InvalidRequest(f"sampling.{field}", msg)
 
@@ -72,6 +75,14 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         for tok in self.stop_token_ids:
             if not (0 <= tok < vocab_size):
                 raise bad("stop_token_ids", f"token id {tok} outside the vocabulary [0, {vocab_size})")
+        if codes_per_frame > 1:
+            for name, off in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
+                if getattr(self, name) != off:
+                    raise bad(name, "not supported by multi-codebook models (codes have no history)")
+            if self.logit_bias:
+                raise bad("logit_bias", "not supported by multi-codebook models (no per-id bias of codes)")
+            if self.min_tokens:
+                raise bad("min_tokens", "not supported by multi-codebook models")
 
 
 def decode_sampling_params(raw: dict) -> SamplingParams:

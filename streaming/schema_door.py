@@ -62,11 +62,13 @@ class RequestLimits:
     num_layers: int
     max_input_chars: int
     max_depth: int = 32
+    codes_per_frame: int = 1  # > 1: a multi-codebook model (SamplingParams.validate's rules)
 
     @classmethod
     def of(cls, info: Any, max_input_chars: int, max_depth: int = 32) -> RequestLimits:
         """From the engine's Ready message (streaming.ipc.Ready) and the server's settings."""
-        return cls(info.vocab_size, info.max_model_len, info.num_layers, max_input_chars, max_depth)
+        return cls(info.vocab_size, info.max_model_len, info.num_layers, max_input_chars, max_depth,
+                   info.codes_per_frame)
 
 
 # ---- JSON at the door ------------------------------------------------------------------------------

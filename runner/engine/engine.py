@@ -132,7 +132,7 @@ class Engine(WarmUp):
             )
         if len(prompt_token_ids) + 1 > self.num_blocks * self.cfg.cache.block_size:
             raise InvalidRequest("prompt_token_ids", "prompt does not fit in the KV cache")
-        sampling.validate(m.vocab_size)
+        sampling.validate(m.vocab_size, self.family.codes_per_frame)
         layers = tuple(hidden_state_layers)
         for l in layers:
             if not (-(m.num_layers + 1) <= l <= m.num_layers):
@@ -146,7 +146,6 @@ class Engine(WarmUp):
                 sampling = msgspec.structs.replace(sampling, stop_token_ids=[*sampling.stop_token_ids, *missing])
         frames = None
         if self.frames:
-            _refuse_token_only(sampling)
             rows = self.family.prompt_frames(prompt_token_ids, None if prompt_frames is None else np.asarray(prompt_frames))
             frames = FrameLog(rows)
         else:
@@ -388,16 +387,3 @@ class Engine(WarmUp):
             for o in self.step():
                 got[o.request_id].extend(o.new_token_ids)
         return [got[r] for r in ids]
-
-
-
-def _refuse_token_only(sampling: SamplingParams) -> None:
-    """What a multi-codebook model's requests cannot ask for (codes have no token history to
-    penalise, no per-id bias)."""
-    for name, off in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
-        if getattr(sampling, name) != off:
-            raise InvalidRequest(f"sampling.{name}", "not supported by multi-codebook models (codes have no history)")
-    if sampling.logit_bias:
-        raise InvalidRequest("sampling.logit_bias", "not supported by multi-codebook models")
-    if sampling.min_tokens:
-        raise InvalidRequest("sampling.min_tokens", "not supported by multi-codebook models")

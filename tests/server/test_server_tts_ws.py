@@ -4,6 +4,8 @@ import asyncio
 import base64
 import json
 
+import aiohttp
+import msgspec
 import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -173,6 +175,29 @@ async def test_bad_session_config_names_the_field_and_keeps_the_session(config, 
             await ws.send(json.dumps({"type": "session.close"}))
             events, _ = await collect_session(ws)
             assert events[-1]["type"] == "session.done"
+
+
+async def test_a_multi_codebook_model_refuses_token_penalties_at_config_and_at_the_door():
+    """A multi-codebook model (the engine's Ready says codes_per_frame > 1) takes no token
+    penalty: session.config refuses it at once, as the HTTP body is refused before the engine
+    (it used to be accepted, and every later sentence failed)."""
+    engine = FakeEngine(steps=3, samples_per_step=SPS)
+    engine.info = msgspec.structs.replace(engine.info, codes_per_frame=32)
+    async with serve(engine) as s:
+        async with websockets.connect(s.url("/v1/audio/speech/stream", "ws")) as ws:
+            await recv_json(ws)
+            await ws.send(json.dumps({"type": "session.config", "repetition_penalty": 1.2}))
+            err = await recv_json(ws)
+            assert (err["type"], err["code"], err["param"]) == ("error", "invalid_field", "repetition_penalty")
+            await ws.send(json.dumps({"type": "input.text", "text": "Fine."}))
+            await ws.send(json.dumps({"type": "session.close"}))
+            events, audio = await collect_session(ws)
+            assert events[-1]["type"] == "session.done" and audio  # the session goes on, without it
+        async with aiohttp.ClientSession() as http:
+            body = {"input": "Hi", "response_format": "pcm", "frequency_penalty": 0.5}
+            async with http.post(s.url("/v1/audio/speech"), json=body) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "frequency_penalty"
+        assert len(engine.requests) == 1  # the sentence; the refused body never reached the engine
 
 
 async def test_disconnect_aborts_in_flight_requests():
