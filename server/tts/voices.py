@@ -120,8 +120,18 @@ class SpeechProfile:
     def _frames(ref: ReferenceVoice | None) -> list[list[int]] | None:
         return ref.codes.tolist() if ref is not None else None
 
-    def build_prompt(self, tokenizer: TextTokenizer, voice: str, text: str) -> SpeechPrompt:
+    def _known(self, voice: str) -> ReferenceVoice | None:
+        """The voice's reference clip (None for a built-in voice). A session keeps its voice by
+        name, so an uploaded voice deleted since is refused naming `voice` here, rather than
+        spoken as a made-up speaker of that name."""
         ref = self.reference_voice(voice)
+        if ref is None and voice not in self._need().voices:
+            raise invalid_request(f"voice: {voice!r} is no longer available (an uploaded voice deleted since it was "
+                                  "chosen)", param="voice")
+        return ref
+
+    def build_prompt(self, tokenizer: TextTokenizer, voice: str, text: str) -> SpeechPrompt:
+        ref = self._known(voice)
         if ref is not None:
             return self.build_prompt_for(tokenizer, ref, text)
         s = self._need()
@@ -136,7 +146,7 @@ class SpeechProfile:
     async def build_prompt_async(self, tokenizer: TextTokenizer, voice: str, text: str) -> SpeechPrompt:
         """build_prompt with a long text tokenized off the event loop (TextTokenizer.encode_async)."""
         s = self._need()
-        ref = self.reference_voice(voice)
+        ref = self._known(voice)
         speaker = ref.speaker if ref is not None else voice
         body = await tokenizer.encode_async(s.text_template.format(voice=speaker, text=text), add_bos=s.add_bos)
         return SpeechPrompt([*self._reference_ids(tokenizer, ref), *self._turn(body)], self._frames(ref))

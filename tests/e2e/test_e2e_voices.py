@@ -6,6 +6,7 @@ answered naming the field."""
 from __future__ import annotations
 
 import io
+import json
 import wave
 
 import aiohttp
@@ -13,6 +14,7 @@ import av
 import numpy as np
 import openai
 import pytest
+import websockets
 
 from tests.support.server_proc import ServerProc, start_server
 from tests.support.tiny_models import make_served_csm
@@ -147,8 +149,6 @@ async def post_raw(http: aiohttp.ClientSession, srv: ServerProc, content_type: s
 async def test_malformed_uploads_and_a_hand_edited_voices_folder(csm_root):
     """A broken multipart body is a 400 naming the body (it was a 500); a voices folder edited
     by hand loads under the upload rules: no built-in name, no invalid name, at most --max-voices."""
-    import json
-
     root, folder = csm_root
     root = root / "edited"
     srv = start(root, folder)
@@ -167,6 +167,23 @@ async def test_malformed_uploads_and_a_hand_edited_voices_folder(csm_root):
                 assert status == 400 and body["error"]["param"] == "body", (raw, status, body)
             async with http.get(srv.base_url + "/v1/audio/voices") as r:
                 assert r.status == 200 and "good" in {v["voice_id"] for v in (await r.json())["voices"]}
+            # a session's voice deleted mid-session: its next sentence is refused naming the voice
+            # (it was spoken as a made-up speaker of that name)
+            assert (await upload(http, srv, "temp", wav_clip(0.5)))[0] == 201
+            async with websockets.connect(srv.ws_url + "/v1/audio/speech/stream") as ws:
+                await ws.recv()  # session.created
+                await ws.send(json.dumps({"type": "session.config", "voice": "temp", "max_new_tokens": 3}))
+                await ws.send(json.dumps({"type": "input.text", "text": "First sentence."}))
+                await ws.send(json.dumps({"type": "input.flush"}))
+                while not isinstance(m := await ws.recv(), str) or json.loads(m)["type"] != "audio.done":
+                    pass  # the first sentence's audio, spoken in the voice
+                async with http.delete(srv.base_url + "/v1/audio/voices/temp") as r:
+                    assert r.status == 204
+                await ws.send(json.dumps({"type": "input.text", "text": "Second sentence."}))
+                await ws.send(json.dumps({"type": "session.close"}))
+                events = [json.loads(m) async for m in ws if isinstance(m, str)]
+            errors = [e for e in events if e["type"] == "error"]
+            assert errors and errors[0]["param"] == "voice" and "temp" in errors[0]["message"], events
         srv.stop()
         voices = root / "voices"
         meta, codes = json.loads((voices / "good.json").read_text()), (voices / "good.npy").read_bytes()
