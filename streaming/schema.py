@@ -222,6 +222,7 @@ class SpeechRequest(SpeechOptions):
     response_format: str | None = None
     stream_format: str | None = None  # "audio" | "sse"
     stream: bool | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, not used (as on completions)
 
 
 class SessionConfig(SpeechOptions, tag_field="type", tag="session.config"):

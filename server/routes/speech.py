@@ -83,7 +83,8 @@ async def parse_speech_body(ctx: ServerContext, req: SpeechRequest) -> SpeechJob
         raise SchemaError("input", "this field is required", MISSING)
     text = check_text(req.input, "input", limits.max_input_chars)
     voice = ctx.profile.resolve_voice(voice_name(req.voice))
-    fmt_name = req.response_format or DEFAULT_RESPONSE_FORMAT
+    # absent (None) is the default; an empty name is a mistake, refused by resolve_format
+    fmt_name = DEFAULT_RESPONSE_FORMAT if req.response_format is None else req.response_format
     try:
         fmt = resolve_format(fmt_name)
     except UnsupportedFormat as e:

@@ -27,6 +27,7 @@ from server.context import get_ctx
 from server.errors import APIError, invalid_request, not_found, request_timeout
 from server.tts.voice_store import ReferenceVoice, VoiceStoreError
 from streaming.sampling_params import InvalidRequest
+from streaming.schema import check_text
 
 ENDPOINT = "/v1/audio/voices"
 _TEXT_FIELD_BYTES = 8192  # name, speaker and transcript parts
@@ -113,7 +114,8 @@ async def create_voice(request: web.Request) -> web.Response:
             fields = await _read_form(request, s.max_voice_upload_bytes)
     except TimeoutError:
         raise request_timeout(s.http_body_timeout_s) from None
-    name, transcript = _text(fields, "name"), _text(fields, "transcript")
+    name = _text(fields, "name")
+    transcript = check_text(_text(fields, "transcript"), "transcript", s.max_input_chars)
     speaker = _text(fields, "speaker", required=False) or profile.default_voice
     if speaker not in profile.spec.voices:
         raise invalid_request(f"speaker: {speaker!r} is not one of the model's speakers {list(profile.spec.voices)}",
@@ -137,8 +139,10 @@ async def create_voice(request: web.Request) -> web.Response:
     # the voice's prompt (clip + a one-word text) must leave room to speak under the length limit
     room = ctx.engine.info.max_model_len - len(profile.build_prompt_for(ctx.tokenizer, voice, "x").ids)
     if room < 64:
-        raise invalid_request(f"file: the clip and transcript take too much of the model's {ctx.engine.info.max_model_len} "
-                              "positions (shorten them)", param="file")
+        # blame the larger of the two: the clip's frames or the transcript's tokens
+        param = "transcript" if len(ctx.tokenizer.encode(transcript)) > voice.num_frames else "file"
+        raise invalid_request(f"{param}: the clip and transcript take too much of the model's "
+                              f"{ctx.engine.info.max_model_len} positions (shorten the {param})", param=param)
     try:
         store.add(voice)
     except VoiceStoreError as e:  # a concurrent upload took the name or the last place

@@ -120,6 +120,7 @@ async def test_upload_speak_cache_restart_delete(csm_root):
             for bad, param in ((dict(name="long", clip=wav_clip(5.0, rate=8000, channels=1)), "file"),
                                (dict(name="junk", clip=b"not audio at all" * 100), "file"),
                                (dict(name="no-text", clip=wav_clip(0.5), transcript=None), "transcript"),
+                               (dict(name="ctl", clip=wav_clip(0.5), transcript="hi\x00there"), "transcript"),
                                (dict(name="bad name!", clip=wav_clip(0.5)), "name"),
                                (dict(name="nofile", clip=None), "file")):
                 status, body = await upload(http, srv, **bad)

@@ -209,6 +209,8 @@ ERROR_CASES = [
     ({"input": "Hi", "voice": {"id": "tara", "extra": 1}}, "voice"),
     ({"input": "Hi", "speed": -5}, "speed"),
     ({"input": None}, "input"),
+    ({"input": "Hi", "response_format": ""}, "response_format"),  # empty is not the default
+    ({"input": "Hi", "user": 7}, "user"),  # OpenAI's user: a string
 ]
 
 
@@ -223,6 +225,14 @@ async def test_bad_fields_are_400s_naming_the_field(body, param):
         assert param in err["message"]
         assert err["type"] == "invalid_request_error"
         assert s.engine.requests == []
+
+
+async def test_openai_user_is_accepted():
+    async with serve() as s:
+        async with aiohttp.ClientSession() as http:
+            body = {"input": "Hi", "response_format": "pcm", "user": "user-1234"}
+            async with http.post(s.url("/v1/audio/speech"), json=body) as resp:
+                assert resp.status == 200 and len(await resp.read())
 
 
 async def test_unknown_voice_lists_the_valid_ones():
