@@ -150,7 +150,9 @@ def build_app(
                 raise
             if e.status == 404:
                 return not_found(f"Unknown path: {request.path}").response()
-            return APIError(e.status, f"{e.reason}: {request.method} {request.path}", code=str(e.status)).response()
+            # the reason as a word, as every other error's code ("Method Not Allowed" -> method_not_allowed)
+            code = e.reason.lower().replace(" ", "_").replace("-", "_")
+            return APIError(e.status, f"{e.reason}: {request.method} {request.path}", code=code).response()
         except Exception:
             # A bug: keep the traceback in the log, give the client a well-formed 500.
             log.exception("unhandled error in %s %s", request.method, request.path)
