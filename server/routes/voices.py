@@ -51,7 +51,7 @@ def decode_clip(data: bytes, sample_rate: int, max_seconds: float) -> np.ndarray
             for out in resampler.resample(None):
                 chunks.append(out.to_ndarray().reshape(-1))
     except av.FFmpegError as e:
-        raise ValueError(f"file: not a readable audio file ({e})") from None
+        raise ValueError(f"file: not a readable audio file ({e.strerror or e})") from None  # no errno, no "<none>"
     pcm = np.concatenate(chunks) if chunks else np.zeros(0, np.int16)
     if pcm.size == 0:
         raise ValueError("file: the clip holds no samples")

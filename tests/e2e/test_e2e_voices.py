@@ -125,6 +125,7 @@ async def test_upload_speak_cache_restart_delete(csm_root):
                                (dict(name="nofile", clip=None), "file")):
                 status, body = await upload(http, srv, **bad)
                 assert status == 400 and body["error"]["param"] == param, (bad["name"], status, body)
+                assert "Errno" not in body["error"]["message"] and "<none>" not in body["error"]["message"]
         srv.stop()
         srv = start(root, folder)  # the voice outlives the process
         async with aiohttp.ClientSession() as http:
