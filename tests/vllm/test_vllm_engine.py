@@ -96,9 +96,13 @@ async def test_hidden_states_equal_transformers_each_position_once(client, hf, l
     # contiguous from position 0, each position once; the prompt arrives chunk by chunk before
     # the first token, then one row per decode step
     assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] == len(seq)
-    assert [b - a for a, b in spans[:3]] == [BUDGET, BUDGET, len(prompt) - 2 * BUDGET]
-    assert not any(o.new_token_ids for o in outs[:2])
-    assert all(b - a == 1 for a, b in spans[3:])
+    # the prompt is computed in BUDGET-token chunks, then one position per decode step; the
+    # engine sends the rows pending when it reads vLLM's output, so a slow read joins
+    # consecutive steps into one span (seen: [64, 11] for [32, 32, 11]). So: every span inside
+    # the prompt ends on a chunk boundary, one ends with the prompt, and no token comes before it
+    k = [b for a, b in spans].index(len(prompt))
+    assert all(b % BUDGET == 0 for a, b in spans[:k]), spans
+    assert not any(o.new_token_ids for o in [o for o in outs if o.hidden is not None][:k])
     with torch.no_grad():
         ref = hf(torch.tensor([seq]), output_hidden_states=True)
     for j, layer in enumerate(layers):
