@@ -294,12 +294,14 @@ def run_serving(streams: str, ramps: str, max_frames: int, max_num_seqs: int, ou
         bench = subprocess.Popen([sys.executable, "-m", "server.cli", "bench", "--url", srv.url,
                                   "--streams", streams, "--ramp-s", ramps, "--max-tokens", str(max_frames),
                                   "--out", str(table)], cwd=ROOT)
-        log_path, dumped = out / "csm-server.log", False
-        while bench.poll() is None:
-            time.sleep(1.0)
-            if not dumped and STALL_LINE in log_path.read_text(errors="replace"):
-                dump_stacks(srv.proc.pid, out / "csm-stall.txt")
-                dumped = True
+        with open(out / "csm-server.log", "rb") as log_file:  # read as it grows: only the new bytes
+            seen, dumped = b"", False
+            while bench.poll() is None:
+                time.sleep(1.0)
+                seen = seen[-len(STALL_LINE):] + log_file.read()  # (the line may straddle two reads)
+                if not dumped and STALL_LINE.encode() in seen:
+                    dump_stacks(srv.proc.pid, out / "csm-stall.txt")
+                    dumped = True
         if bench.wait() != 0:
             raise RuntimeError(f"bench exited with {bench.returncode}")
         return table.read_text()

@@ -39,6 +39,7 @@ def build(cpu: bool, max_num_seqs: int, **knobs):
     from runner.families import family_for
     from runner.layers import make_backends
     from server.tokenizer import TextTokenizer
+    from server.tts.voices import SpeechProfile
     from streaming.profile import read_profile
 
     if cpu:
@@ -50,10 +51,8 @@ def build(cpu: bool, max_num_seqs: int, **knobs):
     else:
         folder = csm_folder(scratch("csm1b-random"))
         profile = read_profile(folder, str(mimi_folder(scratch("mimi-random"))))
-        tok = TextTokenizer.from_folder(folder)
-        s = profile.speech
-        prompts = [[*s.prefix_token_ids, *tok.encode(s.text_template.format(voice=s.default_voice, text=t),
-                                                      add_bos=s.add_bos), *s.suffix_token_ids] for t in TEXTS]
+        tok, speech = TextTokenizer.from_folder(folder), SpeechProfile(profile.speech)
+        prompts = [speech.build_prompt(tok, speech.default_voice, t).ids for t in TEXTS]  # the server's prompts
     dev = torch.device("cpu" if cpu else "cuda")
     cfg = EngineConfig.build(folder, device=dev.type, dtype="float32" if cpu else "bfloat16",
                              max_num_seqs=max_num_seqs, **knobs)

@@ -242,15 +242,14 @@ def run_decode_variants(variants: str, batches, swept: list | None = None) -> di
 
                 swept_rows = load_tuned_rows(swept)
             tables = variant_tables(v, bench_tables(), swept_rows)
-            skips, attn_splits, fp32_greedy, torch_argmax = v.skips, v.attn_splits, v.fp32_greedy, v.torch_argmax
             model = build_orpheus_model(tables)
-            for name in skips:
+            for name in v.skips:
                 skip_op(model, name)
-            if attn_splits is not None:
-                model.attn.num_splits = attn_splits  # the one backend every layer shares
-            if fp32_greedy:
+            if v.attn_splits is not None:
+                model.attn.num_splits = v.attn_splits  # the one backend every layer shares
+            if v.fp32_greedy:
                 model.greedy_ids = lambda h, m=model: m.compute_logits(h).argmax(dim=-1)
-            if torch_argmax:  # greedy ids by torch's reduction, not runner/kernels/argmax.py
+            if v.torch_argmax:  # greedy ids by torch's reduction, not runner/kernels/argmax.py
                 model.ops.argmax = lambda x: x.argmax(dim=-1)
             try:
                 res = run_engine(model, batches, graphs=True, async_sched=True, sampling=greedy)

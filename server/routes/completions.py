@@ -28,7 +28,7 @@ from aiohttp import web
 from server.context import ServerContext, get_ctx
 from server.engine_api import EngineOverloaded, EngineUnavailable
 from server.errors import read_body
-from server.outputs import first_output, mid_stream_error, until_finished
+from server.outputs import client_gone, first_output, mid_stream_error, until_finished
 from server.sampling import COMPLETION_FIELDS, rejection_error, request_limits
 from streaming.encoders import array_bytes, array_header, b64
 from streaming.ipc import AddRequest, RequestOutput
@@ -148,8 +148,7 @@ async def _stream(request, ctx: ServerContext, job: CompletionJob, head: dict, f
         try:
             async with aclosing(until_finished(first, outputs)) as steps:
                 async for out in steps:
-                    transport = request.transport
-                    if transport is None or transport.is_closing():
+                    if client_gone(request):
                         return resp  # leaving aclosing aborts the engine request
                     text = decoder.push(out.new_token_ids)
                     if out.finished:
@@ -195,8 +194,7 @@ async def _whole(request, ctx: ServerContext, job: CompletionJob, head: dict, fi
     last: RequestOutput | None = None
     async with aclosing(until_finished(first, outputs)) as steps:
         async for out in steps:
-            transport = request.transport
-            if transport is None or transport.is_closing():
+            if client_gone(request):
                 return web.Response(status=499)  # nobody reads it; for the access log
             token_ids.extend(out.new_token_ids)
             if out.hidden is not None:

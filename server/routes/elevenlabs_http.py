@@ -29,7 +29,7 @@ from aiohttp import web
 
 from server.context import get_ctx
 from server.errors import read_body
-from server.outputs import first_output, until_finished
+from server.outputs import client_gone, first_output, until_finished
 from server.routes.speech import speech_add_request
 from server.sampling import SPEECH_FIELDS, rejection_error, request_limits
 from server.tts.elevenlabs_messages import (
@@ -127,7 +127,7 @@ async def _stream(request, ctx, fmt, text, first, outputs, timestamps: bool, arr
     try:
         async with aclosing(until_finished(first, outputs)) as steps:
             async for out in steps:
-                if request.transport is None or request.transport.is_closing():
+                if client_gone(request):
                     return resp  # leaving the aclosing blocks aborts the engine request
                 if out.audio is not None and out.audio.size:
                     if not sent:

@@ -78,10 +78,11 @@ class VoiceStore:
                 log.warning("voices: skipping %s (name or codes shape does not match)", meta_path)
                 continue
             # a folder edited by hand (or written by another server) holds the upload rules too
-            if not NAME_RE.match(voice.name) or voice.name in self.reserved:
-                log.warning("voices: skipping %s (%r is not a name an upload may take)", meta_path, voice.name)
+            if (refused := self._name_refusal(voice.name)) is not None:
+                log.warning("voices: skipping %s (%r is not a name an upload may take: %s)", meta_path, voice.name,
+                            refused)
                 continue
-            if len(self._voices) >= self.max_voices:
+            if self._room_refusal() is not None:
                 log.warning("voices: skipping %s (--max-voices %d reached; it stays on disk)", meta_path,
                             self.max_voices)
                 continue
@@ -101,13 +102,24 @@ class VoiceStore:
         """Refuse (VoiceStoreError naming the field) before the clip is decoded and encoded."""
         if self.folder is None:
             raise VoiceStoreError("name", "voice uploads are off: the server runs without --voices-dir", status=400)
+        refused = self._name_refusal(name) or self._room_refusal()
+        if refused is not None:
+            raise refused
+
+    # The upload rules, once: check_new raises their refusal, _load skips a file they refuse.
+
+    def _name_refusal(self, name: str) -> VoiceStoreError | None:
         if not NAME_RE.match(name):
-            raise VoiceStoreError("name", "1-64 letters, digits, '_' or '-', starting with a letter or digit")
+            return VoiceStoreError("name", "1-64 letters, digits, '_' or '-', starting with a letter or digit")
         if name in self.reserved or name in self._voices:
-            raise VoiceStoreError("name", f"voice {name!r} already exists (delete it first)", status=409)
+            return VoiceStoreError("name", f"voice {name!r} already exists (delete it first)", status=409)
+        return None
+
+    def _room_refusal(self) -> VoiceStoreError | None:
         if len(self._voices) >= self.max_voices:
-            raise VoiceStoreError("name", f"the server keeps at most {self.max_voices} uploaded voices (delete one first)",
-                                  status=409)
+            return VoiceStoreError("name", f"the server keeps at most {self.max_voices} uploaded voices (delete one "
+                                   "first)", status=409)
+        return None
 
     def add(self, voice: ReferenceVoice) -> None:
         """Keep the voice in memory and on disk (written to temporary names, then renamed, so a
