@@ -12,7 +12,8 @@ Rules (docs/api.md "Request schema"):
 - Text is checked once at the door: valid Unicode (a JSON `\\ud800` escape is refused), no
   control characters other than \\n \\t \\r, at most `max_input_chars` characters.
 - JSON nesting deeper than `max_depth` is refused before any parser recurses into it.
-- `max_tokens` (speech: `max_new_tokens`) is at most the model's max_model_len.
+- `max_tokens` (speech: `max_new_tokens`) is at most the model's max_model_len; on the text
+  endpoints an explicit `max_tokens` must also fit beside the prompt (`check_prompt_length`).
 - Hidden-state layers: HF indexing over the L+1 states (0 = embeddings, i = input of layer i,
   L = final normed output); -1..-(L+1) count from the end (-1 = L). Indices are normalised to
   0..L and a layer named twice (after normalising: [0, 0], [-1, L]) is refused.
@@ -341,6 +342,11 @@ class GenerateJob:
     prompt_text: str | None
     sampling: SamplingParams
     hidden_state_layers: list[int]
+    asked_max_tokens: int | None  # sampling.max_tokens when the client gave it
+
+    def check_prompt(self, n_tokens: int, limits: RequestLimits, param: str) -> None:
+        """check_prompt_length for this job's prompt (ids, or the text once tokenized)."""
+        check_prompt_length(n_tokens, limits, param, self.asked_max_tokens, "sampling.max_tokens")
 
 
 def generate_job(req: GenerateRequest, defaults: SamplingParams, limits: RequestLimits) -> GenerateJob:
@@ -351,7 +357,6 @@ def generate_job(req: GenerateRequest, defaults: SamplingParams, limits: Request
         raise SchemaError("prompt", "give prompt_token_ids or prompt, not both")
     if req.prompt_token_ids is not None:
         ids = token_ids(req.prompt_token_ids, "prompt_token_ids", limits.vocab_size)
-        check_prompt_length(len(ids), limits, "prompt_token_ids")
     elif req.prompt is not None:
         text = check_text(req.prompt, "prompt", limits.max_input_chars)
     else:
@@ -359,9 +364,20 @@ def generate_job(req: GenerateRequest, defaults: SamplingParams, limits: Request
     given = req.sampling.given() if req.sampling is not None else {}
     sampling = sampling_params(given, defaults, limits, nested_names())
     layers = hidden_layers(req.hidden_state_layers, limits.num_layers)
-    return GenerateJob(ids, text, sampling, layers)
+    job = GenerateJob(ids, text, sampling, layers, given.get("max_tokens"))
+    if ids is not None:
+        job.check_prompt(len(ids), limits, "prompt_token_ids")
+    return job
 
 
-def check_prompt_length(n_tokens: int, limits: RequestLimits, param: str) -> None:
-    if n_tokens >= limits.max_model_len:
-        raise SchemaError(param, f"{n_tokens} tokens; the model takes fewer than {limits.max_model_len}")
+def check_prompt_length(n_tokens: int, limits: RequestLimits, param: str,
+                        asked: int | None = None, asked_param: str = "max_tokens") -> None:
+    """The prompt leaves room under the model's length; when the client asked for `asked` new
+    tokens explicitly (`asked_param`), they must fit beside it too (OpenAI's completions refuse
+    prompt + max_tokens over the context). A default is cut at the model's length instead."""
+    limit = limits.max_model_len
+    if n_tokens >= limit:
+        raise SchemaError(param, f"{n_tokens} tokens; the model takes fewer than {limit}")
+    if asked is not None and n_tokens + asked > limit:
+        raise SchemaError(asked_param, f"the prompt takes {n_tokens} of the model's {limit} positions, "
+                                       f"so at most {limit - n_tokens} new tokens fit; got {asked}")

@@ -92,7 +92,7 @@ async def parse_completion_body(ctx: ServerContext, req: CompletionRequest) -> C
     _unsupported("stop", not req.stop, "stop strings are not supported; use stop_token_ids")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     sampling = sampling_params(req.given_sampling(), DEFAULT_SAMPLING, limits, COMPLETION_FIELDS)
-    check_prompt_length(len(prompt), limits, "prompt")
+    check_prompt_length(len(prompt), limits, "prompt", req.max_tokens)
     layers = hidden_layers(req.hidden_state_layers, limits.num_layers)
     if req.return_hidden_states and not layers:
         layers = [limits.num_layers]  # the final normed output

@@ -58,7 +58,6 @@ from streaming.schema import (
     CancelMessage,
     GenerateMessage,
     SchemaError,
-    check_prompt_length,
     convert,
     generate_job,
 )
@@ -77,7 +76,7 @@ async def parse_generate_message(ctx: ServerContext, obj: dict) -> AddRequest:
     if prompt is None:
         assert job.prompt_text is not None
         prompt = await ctx.tokenizer.encode_async(job.prompt_text, add_bos=ctx.tokenizer.bos_token_id is not None)
-        check_prompt_length(len(prompt), limits, "prompt")
+        job.check_prompt(len(prompt), limits, "prompt")
     return AddRequest(
         request_id=f"gen-{uuid.uuid4().hex}",
         prompt_token_ids=prompt,

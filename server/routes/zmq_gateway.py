@@ -34,7 +34,6 @@ from streaming.schema import (
     MISSING,
     RequestLimits,
     SchemaError,
-    check_prompt_length,
     check_text,
     generate_job,
     nested_names,
@@ -215,7 +214,7 @@ class ZmqGateway:
         prompt = job.prompt_token_ids
         if prompt is None:  # text, already checked (Unicode, control characters, max_input_chars)
             prompt = await self.tokenizer.encode_async(job.prompt_text, add_bos=self.tokenizer.bos_token_id is not None)
-            check_prompt_length(len(prompt), limits, "prompt")
+            job.check_prompt(len(prompt), limits, "prompt")
         return AddRequest(rid, prompt, job.sampling, hidden_state_layers=job.hidden_state_layers)
 
     def _client_field(self, msg: ZmqRequest, field: str) -> str:

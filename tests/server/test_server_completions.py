@@ -145,6 +145,17 @@ async def test_openai_client_sees_400_as_bad_request():
     assert e.value.body["param"] == "n"
 
 
+async def test_max_tokens_past_the_context_is_refused_as_openai_does():
+    # the fake engine's max_model_len is 4096: a 4000-token prompt leaves room for 96 tokens
+    async with serve() as s:
+        with pytest.raises(openai.BadRequestError) as e:
+            await client_for(s).completions.create(model="x", prompt=[5] * 4000, max_tokens=97)
+        assert e.value.body["param"] == "max_tokens" and "at most 96" in e.value.body["message"]
+        assert s.engine.requests == []
+        await client_for(s).completions.create(model="x", prompt=[5] * 4000, max_tokens=96)
+        assert s.engine.requests[0].sampling.max_tokens == 96
+
+
 async def test_disconnect_mid_stream_aborts():
     engine = FakeEngine(steps=300, step_delay=0.01)
     async with serve(engine) as s:

@@ -27,6 +27,7 @@ from streaming.schema import (
     SchemaError,
     SessionConfig,
     SpeechRequest,
+    check_prompt_length,
     check_speech_options,
     check_speed,
     check_text,
@@ -436,3 +437,22 @@ def test_generate_job_prompt_rules():
     assert refused(generate_job, GenerateRequest(prompt="x", prompt_token_ids=[1]), SamplingParams(), LIMITS).field == "prompt"
     long = GenerateRequest(prompt_token_ids=[1] * 4096)
     assert refused(generate_job, long, SamplingParams(), LIMITS).field == "prompt_token_ids"
+
+
+def test_an_explicit_max_tokens_must_fit_beside_the_prompt():
+    # LIMITS.max_model_len is 4096: a 4000-token prompt leaves room for 96 new tokens
+    fits = generate_job(GenerateRequest(prompt_token_ids=[1] * 4000, sampling=GenerationOptions(max_tokens=96)),
+                        SamplingParams(), LIMITS)
+    assert fits.sampling.max_tokens == 96
+    over = GenerateRequest(prompt_token_ids=[1] * 4000, sampling=GenerationOptions(max_tokens=97))
+    e = refused(generate_job, over, SamplingParams(), LIMITS)
+    assert e.field == "sampling.max_tokens" and "at most 96 new tokens" in str(e)
+    # a default (256 here) is cut at the model's length, never blamed on the client
+    job = generate_job(GenerateRequest(prompt_token_ids=[1] * 4000), SamplingParams(), LIMITS)
+    assert job.asked_max_tokens is None
+    # a text prompt is judged once tokenized, naming the same field
+    text = generate_job(GenerateRequest(prompt="hi", sampling=GenerationOptions(max_tokens=100)), SamplingParams(), LIMITS)
+    assert refused(text.check_prompt, 3997, LIMITS, "prompt").field == "sampling.max_tokens"
+    text.check_prompt(3996, LIMITS, "prompt")
+    assert refused(check_prompt_length, 10, LIMITS, "prompt", 4087).field == "max_tokens"
+    check_prompt_length(10, LIMITS, "prompt", 4086)
