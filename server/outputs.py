@@ -28,6 +28,13 @@ def client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
+def cut_connection(request: web.Request) -> None:
+    """End a streamed body without its terminating chunk: the client sees an incomplete
+    transfer instead of a short file that looks whole."""
+    if request.transport is not None:
+        request.transport.close()
+
+
 async def first_output(
     request: web.Request, outputs: AsyncIterator[RequestOutput], fields: Mapping[str, str], prompt_param: str
 ) -> RequestOutput:

@@ -29,7 +29,7 @@ from aiohttp import web
 
 from server.context import get_ctx
 from server.errors import read_body
-from server.outputs import client_gone, first_output, until_finished
+from server.outputs import client_gone, cut_connection, first_output, until_finished
 from server.routes.speech import speech_add_request
 from server.sampling import SPEECH_FIELDS, rejection_error, request_limits
 from server.tts.elevenlabs_messages import (
@@ -141,8 +141,7 @@ async def _stream(request, ctx, fmt, text, first, outputs, timestamps: bool, arr
                         await resp.write(data)
                 last = out
         if last is None or last.finish_reason == "error":
-            if request.transport is not None:
-                request.transport.close()  # cut short: never a truncated file that looks whole
+            cut_connection(request)
             return resp
         chars = timer.finish()
         tail = await encoder.finish()

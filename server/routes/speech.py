@@ -30,7 +30,7 @@ from aiohttp import web
 from server.context import ServerContext, get_ctx
 from server.engine_api import EngineOverloaded, EngineUnavailable
 from server.errors import invalid_request, read_body
-from server.outputs import client_gone, first_output, mid_stream_error, until_finished
+from server.outputs import client_gone, cut_connection, first_output, mid_stream_error, until_finished
 from server.sampling import SPEECH_FIELDS, rejection_error, request_limits
 from server.tts.encoding import EncodedStream, whole_file
 from streaming.encoders import AudioFormat, UnsupportedFormat, b64, resolve_format
@@ -121,13 +121,6 @@ async def create_speech(request: web.Request) -> web.StreamResponse:
             ctx.metrics.active_streams.labels(ENDPOINT).dec()
 
 
-def _cut_connection(request: web.Request) -> None:
-    """End a streamed body without its terminating chunk: the client sees an incomplete
-    transfer instead of a short file that looks whole."""
-    if request.transport is not None:
-        request.transport.close()
-
-
 def _usage(job: SpeechJob, last: RequestOutput) -> dict:
     prompt = last.num_prompt_tokens or len(job.add.prompt_token_ids)
     return {"input_tokens": prompt, "output_tokens": last.num_output_tokens, "total_tokens": prompt + last.num_output_tokens}
@@ -161,13 +154,13 @@ async def _stream_audio(
     except (EngineOverloaded, EngineUnavailable) as e:
         # Overloaded mid-stream: the engine client dropped us as too slow a reader.
         log.warning("speech %s: stream ended early: %s", job.add.request_id, e)
-        _cut_connection(request)
+        cut_connection(request)
         return resp
     except ConnectionError:  # reset, or aiohttp's "Connection lost"
         return resp
     if last is None or last.finish_reason == "error":
         log.warning("speech %s: generation failed mid-stream: %s", job.add.request_id, last and last.error)
-        _cut_connection(request)
+        cut_connection(request)
         return resp
     tail = await encoder.finish()
     try:
