@@ -41,12 +41,18 @@ class MimiCodecConfig:
     max_streams: int = 1024
     max_batch_rows: int = 256  # streams per decode call; bounds activation memory with max_chunk_frames
     # A stream decodes when it holds its next chunk of frames: first_chunk_frames (the first
-    # audio goes out after one frame), then each chunk twice the last, up to max_chunk_frames.
-    # Why: a decode call costs about the same host time for 1 or 16 frames (its kernels are
-    # launch-bound), so decoding every frame as it comes would spend the engine loop on the
-    # codec at hundreds of streams; doubling keeps each chunk no longer than the audio already
-    # sent, so a stream that is generated in real time never starves its player.
+    # audio goes out after one frame), then after each launch chunk_ratio x the frames it has
+    # sent (at least 1, at most max_chunk_frames). Why: a decode call costs about the same host
+    # time for 1 or 16 frames (its kernels are launch-bound), so decoding every frame as it
+    # comes would spend the engine loop on the codec at hundreds of streams; but playback starts
+    # at the first chunk, and the next chunk of c frames lands c steps after the last while the
+    # player holds the S frames sent less the time since: with steps of t ms and 80 ms frames it
+    # never starves while S x 80 >= (S - 1 + c) x t, i.e. t <= 80 / (1 + chunk_ratio) ms. At
+    # ratio 1 (doubling) a stream needs steps of 40 ms, twice real time, which a busy engine
+    # misses (CSM at 512 streams: steps of 24 ms, 57 ms at worst); 0.5 holds to 53 ms for a few
+    # more calls in an utterance's first two seconds.
     first_chunk_frames: int = 1
+    chunk_ratio: float = 0.5
     # frames of one stream per decode call: a longer backlog decodes in several calls of the same step()
     max_chunk_frames: int = 16
     # Frames pushed and not decoded yet, per request: past this the request fails (a producer
@@ -67,14 +73,16 @@ class MimiCodecConfig:
                      "max_pending_frames", "max_inflight_launches"):
             if getattr(self, name) < 1:
                 raise CodecError(f"MimiCodecConfig.{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.chunk_ratio <= 1:
+            raise CodecError(f"MimiCodecConfig.chunk_ratio: must be in (0, 1], got {self.chunk_ratio}")
         if self.num_codebooks is not None and self.num_codebooks < 1:
             raise CodecError(f"MimiCodecConfig.num_codebooks: must be >= 1, got {self.num_codebooks}")
 
 
 def chunk_lengths(cfg: MimiCodecConfig) -> list[int]:
-    """The frames a decode call takes: 1, the doubling schedule first_chunk_frames, 2x, ... below
-    max_chunk_frames, and max_chunk_frames (ascending)."""
-    lengths, m = {1, cfg.max_chunk_frames}, cfg.first_chunk_frames
+    """The frames a decode call takes (ascending): 1, first_chunk_frames, the powers of two below
+    max_chunk_frames and max_chunk_frames. Any chunk launches as a few of them, longest first."""
+    lengths, m = {1, min(cfg.first_chunk_frames, cfg.max_chunk_frames), cfg.max_chunk_frames}, 2
     while m < cfg.max_chunk_frames:
         lengths.add(m)
         m *= 2
@@ -269,8 +277,8 @@ class MimiCodecStage:
         live = [(key, self._reqs[key]) for key in dirty if key in self._reqs]
         todo = [(key, req) for key, req in live
                 if req.error is None and req.pending and (req.ended or len(req.pending) >= req.chunk)]
-        for _, req in todo:
-            req.chunk = min(2 * req.chunk, self.cfg.max_chunk_frames)
+        for _, req in todo:  # every pushed frame is launched below: n_frames is what it has sent
+            req.chunk = min(max(1, int(self.cfg.chunk_ratio * req.n_frames)), self.cfg.max_chunk_frames)
         while todo:
             by_len: dict[int, list[tuple[object, _Request]]] = defaultdict(list)
             for key, req in todo:

@@ -151,24 +151,53 @@ def test_stage_streams_each_sample_once_equal_to_offline(stage_factory, model: M
     assert len(stage) == 0 and stage.step() == {}
 
 
-def test_chunks_double_up_to_the_cap_and_the_end_flushes(stage_factory, model: MimiModel) -> None:
-    """Frames wait for their chunk (1, 2, 4, then 4 with max_chunk_frames=4); close() decodes
-    what is left; the PCM is the offline decode's, each sample once."""
-    stage = stage_factory(max_chunk_frames=4)
+@pytest.mark.parametrize("ratio,emitted", [
+    (0.5, [1, 2, 3, 4, 4, 6, 6, 6, 9, 9, 9, 9]),  # chunks 1, 1, 1, 1, 2, 3, then the cap 4 (9: 3 + 4 + 4 + 1 wait)
+    (1.0, [1, 2, 2, 4, 4, 4, 4, 8, 8, 8, 8, 12]),  # doubling: 1, 1, 2, 4, then 4
+])
+def test_chunks_grow_with_the_audio_sent_up_to_the_cap_and_the_end_flushes(stage_factory, model: MimiModel, ratio,
+                                                                           emitted) -> None:
+    """After each launch a stream's next chunk is chunk_ratio x the frames it has sent (at least
+    1, at most max_chunk_frames=4); close() decodes what is left; the PCM is the offline
+    decode's, each sample once."""
+    stage = stage_factory(max_chunk_frames=4, chunk_ratio=ratio)
     frames = _codes(5, 12)
     stage.open("a")
     out: dict = {}
     done: dict = {}
-    emitted = []
+    got = []
     for f in frames:
         stage.push_many([("a", f)])
         _drain(stage, out, done)
-        emitted.append(sum(p.size for p in out.get("a", [])) // SPF)
-    assert emitted == [1, 1, 3, 3, 3, 3, 7, 7, 7, 7, 11, 11]
+        got.append(sum(p.size for p in out.get("a", [])) // SPF)
+    assert got == emitted
     stage.close("a")
     _drain(stage, out, done)
     assert done == {"a": True}
     _assert_s16_close(_pcm(out["a"]), _offline(model, frames))
+
+
+@pytest.mark.parametrize("t_ms,ratio,starves", [(39, 1.0, False), (45, 1.0, True), (52, 0.5, False), (58, 0.5, True)])
+def test_a_player_starves_only_when_steps_are_slower_than_the_ratio_allows(stage_factory, t_ms, ratio, starves) -> None:
+    """Why chunk_ratio: the stage fed a frame every t_ms (its PCM out when the stage returns it,
+    no codec latency), played from the first chunk at 80 ms a frame: the player waits only
+    when t_ms > 80 / (1 + ratio)."""
+    stage = stage_factory(max_chunk_frames=16, chunk_ratio=ratio)
+    frame_ms = 1000 * SPF / stage.sample_rate
+    stage.open("a")
+    out: dict = {}
+    played_from, received, waited = None, 0, False
+    for n, f in enumerate(_codes(7, 100), start=1):
+        stage.push_many([("a", f)])
+        _drain(stage, out, {})
+        total = sum(p.size for p in out.get("a", [])) // SPF
+        if total > received:
+            now = n * t_ms
+            if played_from is None:
+                played_from = now
+            waited |= now > played_from + received * frame_ms
+            received = total
+    assert waited == starves
 
 
 def test_concurrent_requests_batched_equal_each_alone(stage_factory, model: MimiModel) -> None:
@@ -277,6 +306,9 @@ def test_limits_are_named_errors(stage_factory, mimi_dir: Path) -> None:
         MimiCodecStage(MimiCodecConfig(path=str(mimi_dir), sample_rate=16000), CPU)
     with pytest.raises(CodecError, match="MimiCodecConfig.max_batch_rows"):
         MimiCodecConfig(path=str(mimi_dir), max_batch_rows=0)
+    for bad in (0.0, 1.5):
+        with pytest.raises(CodecError, match="MimiCodecConfig.chunk_ratio"):
+            MimiCodecConfig(path=str(mimi_dir), chunk_ratio=bad)
 
 
 # ---------------------------------------------------------------- asynchronous launches (CUDA's bookkeeping)
