@@ -18,6 +18,10 @@ from runner.models.default_model import ensure_default_model
 from tests.support.tiny_models import make_tiny_model
 from tests.support.triton_interpreter import interpret_without_cuda
 
+# tests/reference/build_qwen3_tts_golden.sh writes each tests/reference/qwen3_tts*_golden.py's
+# output here, in a folder named after the script
+QWEN3_TTS_GOLDEN = Path(__file__).resolve().parent.parent / ".cache" / "qwen3tts-golden"
+
 # Before any runner module with @triton.jit kernels is imported (runner/codecs/decoder.py imports
 # the SNAC kernels at its top; the modules imported above import none): without CUDA those
 # kernels then run under Triton's interpreter in every test file, whichever imports them first.
@@ -48,5 +52,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pa
         if key not in built:
             built[key] = make_tiny_model(family, tmp_path_factory.mktemp(family), **kw)
         return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def qwen3_tts_golden() -> Callable[[str], Path]:
+    """qwen3_tts_golden(stem) -> the golden folder of tests/reference/<stem>.py (the Qwen3-TTS
+    reference's outputs); the test skips, naming the script that builds it, while it is absent."""
+
+    def get(stem: str) -> Path:
+        path = QWEN3_TTS_GOLDEN / stem
+        if not path.is_dir():
+            pytest.skip(f"no {path}: run tests/reference/build_qwen3_tts_golden.sh (reference qwen-tts 0.1.1)")
+        return path
 
     return get
