@@ -10,9 +10,12 @@ masks slots >= seq_len, so nothing is cleared between frames).
 
 The depth decoder of one frame, as transformers' CsmDepthDecoderForCausalLM.generate runs it:
 position 0 is the backbone's last hidden state, position 1 the code of codebook 0, position
-p >= 2 the code of codebook p - 1 (embedded at offset (p - 1) * V in the shared codebook
-table); every input goes through `inputs_embeds_projector` (backbone width -> depth width), and
-the output at position p (p >= 1) gives codebook p through its own head `codebooks_head[p - 1]`.
+p >= 2 the code of codebook p - 1 (embedded at its codebook's offset in the shared codebook
+table: (p - 1) * V for CSM); every input goes through `inputs_embeds_projector` (backbone width
+-> depth width), and the output at position p (p >= 1) gives codebook p through its own head.
+`DepthDecoder` is that loop for any table offsets, projector (with or without bias, or none)
+and head layout; `CsmDepthDecoder` is CSM's, Qwen3-TTS's code predictor
+(runner/models/qwen3_tts.py) the other.
 A code's projected embedding is a row of `projected_codes`, computed once from the weights.
 Positions 0 and 1 go in one forward (two query rows per batch row, as transformers' first
 call), then one row per batch row per sub-step: K - 1 forwards per frame.
@@ -98,62 +101,92 @@ class DepthKV:
                                  max_query_len=1, max_seq_len=p + 1, num_decodes=b, pure_decode=True)
 
 
-class CsmDepthDecoder(DecoderStack):
-    """transformers' CsmDepthDecoderForCausalLM: its decoder stack plus the codebook embedding
-    (backbone width; shared with the backbone when the checkpoint ties them), the projector to
-    its own width and one head per codebook 1..K-1."""
+class DepthDecoder(DecoderStack):
+    """A depth decoder: its decoder stack, the codebook table (backbone width; usually the
+    backbone's own table, tied by the model), the projector to its own width and one head per
+    codebook 1..K-1 (`head_weights`, the subclass's parameter layout).
 
-    def __init__(self, cfg: ModelConfig, num_codebooks: int, backbone_hidden: int, attn: AttentionBackend,
-                 ops: OpsBackend):
+    The table holds codebook k's codes at rows `code_offsets[k]`.. : uniform (k * V) for CSM,
+    non-uniform for Qwen3-TTS (code 0 shares the talker's 3072-row codec table, groups 1.. have
+    2048-row tables of their own). The projector is a Linear (bias or not), or none where the
+    depth decoder is as wide as the backbone (projector_bias None)."""
+
+    def __init__(self, cfg: ModelConfig, code_offsets: tuple[int, ...], table_rows: int, backbone_hidden: int,
+                 attn: AttentionBackend, ops: OpsBackend, projector_bias: bool | None):
         # its KV is one block of K slots a row (DepthKV): never split-K (AttentionBackend.unsplit)
         super().__init__(cfg, attn.unsplit(), ops)
-        k, v = num_codebooks, cfg.vocab_size
-        self.num_codebooks = k
-        self.codebook_size = v
-        self.embed_tokens = nn.Embedding(k * v, backbone_hidden)
-        self.inputs_embeds_projector = nn.Linear(backbone_hidden, cfg.hidden_size, bias=False)
-        # [K - 1, H, V]: codebook k's logits are h @ codebooks_head[k - 1] (transformers' layout)
-        self.codebooks_head = nn.Parameter(torch.empty(k - 1, cfg.hidden_size, v))
-        self.projected_codes: torch.Tensor | None = None  # [K * V, H_depth]: prepare_decode()
+        self.num_codebooks = len(code_offsets)
+        self.codebook_size = cfg.vocab_size  # V: the width of every head (codebooks 1..K-1)
+        self.code_offsets = code_offsets  # host ints: a sub-step's gather offset is a constant
+        self.embed_tokens = nn.Embedding(table_rows, backbone_hidden)
+        self.projects = projector_bias is not None
+        self.inputs_embeds_projector = (nn.Linear(backbone_hidden, cfg.hidden_size, bias=projector_bias)
+                                        if projector_bias is not None else nn.Identity())
+        self.projected_codes: torch.Tensor | None = None  # [table_rows, H_depth]: prepare_decode()
+        self.heads: torch.Tensor | None = None  # [K - 1, V, H_depth] row-major: prepare_decode()
+
+    def head_weights(self) -> torch.Tensor:
+        """The heads as one contiguous [K - 1, V, H_depth] tensor (head k at [k - 1])."""
+        raise NotImplementedError
 
     def prepare_decode(self) -> None:
         """Layouts of the loaded weights for decoding, computed once (again if the weights change):
-        * the codebook table through the input projector, [K * V, H_depth]: a sub-step's input is
+        * the codebook table through the input projector, [rows, H_depth]: a sub-step's input is
           a row gather instead of a gather and a GEMM reading the projector (the projector is
-          linear, so row c is projector(embed(c)); it differs from the per-step product only in
+          affine, so row c is projector(embed(c)); it differs from the per-step product only in
           the GEMM's summation order);
-        * the heads stored [K - 1, V, H] (the parameter keeps its [K - 1, H, V] shape and values
-          as a transposed view): head k is then a row-major [V, H] weight, the layout of every
-          other GEMM, instead of a column-major one cuBLAS ran in a slow kernel at 64 rows."""
-        self.projected_codes = F.linear(self.embed_tokens.weight, self.inputs_embeds_projector.weight)
-        heads = self.codebooks_head.detach().transpose(1, 2).contiguous()
-        self.codebooks_head.data = heads.transpose(1, 2)
+        * the heads [K - 1, V, H] (head_weights): head k is a row-major [V, H] weight, the
+          layout of every other GEMM."""
+        w = self.embed_tokens.weight
+        proj = self.inputs_embeds_projector
+        self.projected_codes = F.linear(w, proj.weight, proj.bias) if self.projects else w
+        self.heads = self.head_weights()
 
     def codebook_logits(self, h: torch.Tensor, codebook: int) -> torch.Tensor:
         """[B, H] depth hidden at position `codebook` -> [B, V] in the model dtype (as transformers)."""
-        return self.ops.head(h, self.codebooks_head[codebook - 1].T, None)
+        return self.ops.head(h, self.heads[codebook - 1], None)
 
     def decode(self, hidden: torch.Tensor, code0: torch.Tensor, sampler: CodebookSampler, kv: DepthKV) -> torch.Tensor:
         """hidden [B, H_backbone] (the backbone's last hidden state of each row), code0 [B] int64
         -> the frames [B, K] int64 (column 0 is code0). All rows' sub-steps run batched; nothing
         reads a device value on the host."""
-        b, k, v = hidden.shape[0], self.num_codebooks, self.codebook_size
+        b, k, offsets = hidden.shape[0], self.num_codebooks, self.code_offsets
         if b > kv.max_rows:
             raise ValueError(f"depth decode of {b} rows: its KV holds {kv.max_rows} (allocate_depth_kv(max_rows))")
         table = self.projected_codes
         if table is None:
-            raise RuntimeError("depth decode: call prepare_decode() (CsmModel.allocate_depth_kv) first")
+            raise RuntimeError("depth decode: call prepare_decode() (the model's allocate_depth_kv) first")
         frames = torch.empty(b, k, dtype=torch.int64, device=hidden.device)
         frames[:, 0] = code0
         # positions 0 and 1: [projector(hidden_r), projector(embed(code0_r))] interleaved per row
-        x = torch.stack((self.inputs_embeds_projector(hidden), table.index_select(0, code0)), dim=1)
+        first = table.index_select(0, code0 + offsets[0] if offsets[0] else code0)
+        x = torch.stack((self.inputs_embeds_projector(hidden), first), dim=1)
         h = self(x.reshape(2 * b, -1), kv.pair_positions[: 2 * b], kv.caches, kv.pair_meta(b))
         h = h.view(b, 2, -1)[:, 1]  # position 1 predicts codebook 1
         for p in range(1, k):
             code = sampler(self.codebook_logits(h, p), p, out=frames[:, p])
             if p == k - 1:
                 break
-            # codebook p's code sits at position p + 1, embedded at offset p * V
-            x = table.index_select(0, code + p * v)
+            # codebook p's code sits at position p + 1, embedded at row offsets[p] + code
+            x = table.index_select(0, code + offsets[p])
             h = self(x, kv.positions[p + 1, :b], kv.caches, kv.step_meta(b, p + 1))
         return frames
+
+
+class CsmDepthDecoder(DepthDecoder):
+    """transformers' CsmDepthDecoderForCausalLM: K codebooks of V ids in one [K * V] table at
+    offsets k * V, a bias-free projector and the heads as one [K - 1, H, V] parameter."""
+
+    def __init__(self, cfg: ModelConfig, num_codebooks: int, backbone_hidden: int, attn: AttentionBackend,
+                 ops: OpsBackend):
+        k, v = num_codebooks, cfg.vocab_size
+        super().__init__(cfg, tuple(p * v for p in range(k)), k * v, backbone_hidden, attn, ops, projector_bias=False)
+        # [K - 1, H, V]: codebook k's logits are h @ codebooks_head[k - 1] (transformers' layout)
+        self.codebooks_head = nn.Parameter(torch.empty(k - 1, cfg.hidden_size, v))
+
+    def head_weights(self) -> torch.Tensor:
+        """The parameter keeps its [K - 1, H, V] shape and values as a transposed view of the
+        row-major [K - 1, V, H] copy (a column-major head ran in a slow cuBLAS kernel at 64 rows)."""
+        heads = self.codebooks_head.detach().transpose(1, 2).contiguous()
+        self.codebooks_head.data = heads.transpose(1, 2)
+        return heads
