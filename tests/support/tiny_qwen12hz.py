@@ -1,0 +1,55 @@
+"""A tiny random Qwen3-TTS 12 Hz tokenizer folder (decoder only) for tests that need no reference:
+config.json in the reference's layout + model.safetensors with every decoder tensor of
+runner.codecs.qwen12hz_loader.decoder_shapes, at scales that keep the signal O(1) (as
+tests/reference/qwen3_tts_codec_golden.py does for the reference's tiny codec)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from runner.codecs.qwen12hz_loader import decoder_shapes, read_config
+
+TINY_DECODER_CONFIG = dict(codebook_size=32, hidden_size=32, latent_dim=24, codebook_dim=16,
+                           max_position_embeddings=1024, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           sliding_window=3, intermediate_size=48, num_hidden_layers=2, num_quantizers=16,
+                           upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2], decoder_dim=32, hidden_act="silu",
+                           attention_bias=False, rms_norm_eps=1e-5, rope_theta=10000)
+
+
+def make_tiny_qwen12hz(path: Path, seed: int = 0, **decoder_overrides) -> Path:
+    """The folder at `path` (created), its tensors drawn from `seed`."""
+    path.mkdir(parents=True, exist_ok=True)
+    cfg_json = {"model_type": "qwen3_tts_tokenizer_12hz", "decode_upsample_rate": 1920, "output_sample_rate": 24000,
+                "decoder_config": {**TINY_DECODER_CONFIG, **decoder_overrides}}
+    (path / "config.json").write_text(json.dumps(cfg_json))
+    g = torch.Generator().manual_seed(seed)
+    cfg = read_config(path)
+    last = f"decoder.{len(cfg.upsample_rates) + 2}.conv."  # the output conv: scaled to keep clear of the clamp
+    tensors = {}
+    for name, shape in decoder_shapes(cfg).items():
+        if name.endswith("cluster_usage"):
+            t = torch.rand(shape, generator=g) * 1.5 + 0.5
+        elif name.endswith(("alpha", "beta")):
+            t = 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith(("scale", "gamma")):
+            t = 0.5 + 0.2 * torch.randn(shape, generator=g)
+        elif name.endswith(("norm.weight", "layernorm.weight")):
+            t = 1.0 + 0.2 * torch.randn(shape, generator=g)
+        elif name.endswith("bias"):
+            t = 0.05 * torch.randn(shape, generator=g)
+        elif name.endswith("embedding_sum"):
+            t = torch.randn(shape, generator=g)
+        else:  # weights: unit gain ((out, in, k) convs; (in, out, k) transposed: close enough)
+            fan_in = shape[1] * (shape[2] if len(shape) == 3 else 1)
+            t = torch.randn(shape, generator=g) * fan_in**-0.5
+            if name.endswith("conv2.conv.weight"):
+                t = t * 0.3  # residual branches: the signal stays O(1) through 12 residual units
+        if name.startswith(last):
+            t = t * 0.3
+        tensors["decoder." + name] = t.contiguous()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
