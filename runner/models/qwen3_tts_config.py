@@ -1,0 +1,186 @@
+"""Qwen3-TTS (12 Hz) talker and code predictor, read from the config.json of a qwen-tts
+`Qwen3TTSForConditionalGeneration` folder (docs/qwen3_tts.md §1-2).
+
+Both transformers are Qwen3 decoders (per-head q/k RMSNorm), each described by a plain
+`ModelConfig` parsed by the same code as a Qwen3 checkpoint, so runner/models/llama.py's
+decoder layers build them unchanged. The talker's MRoPE always gets three identical position
+streams, which is plain RoPE (checked against the reference, docs/qwen3_tts.md §1), so its
+`mrope_section` is accepted and ignored; any other RoPE scaling is refused. The codec ids, the
+speakers and the languages of the prompt are kept beside the two configs.
+
+Layout: `talker_config` holds the talker's fields and `code_predictor_config`; the prompt's text
+ids (tts_pad/bos/eos, im_start/end) are top-level fields.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner.config import ConfigError, ModelConfig
+
+QWEN3_TTS_ARCHITECTURE = "Qwen3TTSForConditionalGeneration"
+# the decoder fields whose other values change what the layers compute
+_REQUIRED = (("hidden_act", "silu"), ("use_sliding_window", False), ("mlp_bias", False))
+
+
+@dataclass(frozen=True)
+class Qwen3TtsCodecIds:
+    """The talker's codec-table ids with a meaning of their own (all >= codebook_size)."""
+
+    pad: int
+    bos: int
+    eos: int  # code 0 == eos ends the audio
+    think: int
+    nothink: int
+    think_bos: int
+    think_eos: int
+
+
+@dataclass(frozen=True)
+class Qwen3TtsConfig:
+    path: str
+    model_type: str  # tts_model_type: "base" | "custom_voice" | "voice_design"
+    talker: ModelConfig  # vocab_size = codec_vocab_size (codec_head's width)
+    predictor: ModelConfig  # vocab_size = codebook_size (each group head's width)
+    num_code_groups: int  # K: codes per frame
+    codec_vocab_size: int  # the talker's codec table and code-0 head: codes 0..V-1 + special ids
+    codebook_size: int  # V: codes per group
+    text_vocab_size: int
+    text_hidden_size: int  # text_embedding's width (text_projection maps it to the talker's)
+    codec: Qwen3TtsCodecIds
+    tts_pad_id: int  # text ids of the prompt's text part
+    tts_bos_id: int
+    tts_eos_id: int
+    im_start_id: int
+    im_end_id: int
+    speakers: dict[str, int]  # spk_id: name -> codec id (CustomVoice)
+    speaker_dialects: dict[str, str | None]  # spk_is_dialect: name -> dialect language, None if not one
+    languages: dict[str, int]  # codec_language_id: name -> codec id
+
+    @property
+    def predictor_projects(self) -> bool:
+        """The code predictor has an input projection (Linear with bias, talker width -> its
+        own) where its width differs from the talker's; the Identity otherwise (M:1171)."""
+        return self.predictor.hidden_size != self.talker.hidden_size
+
+    @property
+    def table_offsets(self) -> tuple[int, ...]:
+        """Row of code 0 of each group in the concatenated codec table [codec_vocab_size +
+        (K - 1) * codebook_size, H]: group 0 is the talker's table, group g its own after it."""
+        return (0,) + tuple(self.codec_vocab_size + (g - 1) * self.codebook_size
+                            for g in range(1, self.num_code_groups))
+
+    @staticmethod
+    def from_pretrained(path: str | Path) -> Qwen3TtsConfig:
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError(f"model: no config.json in {str(path)!r}")
+        return Qwen3TtsConfig.from_dict(json.loads(cfg_file.read_text()), str(path))
+
+    @staticmethod
+    def from_dict(raw: dict, path: str = "") -> Qwen3TtsConfig:
+        archs = raw.get("architectures") or []
+        if QWEN3_TTS_ARCHITECTURE not in archs:
+            raise ConfigError(f"model.architectures: {archs!r} does not name {QWEN3_TTS_ARCHITECTURE}")
+        talker_raw = _section(raw, "talker_config")
+        pred_raw = _section(talker_raw, "code_predictor_config", "talker_config.")
+        k = int(_need(talker_raw, "num_code_groups", "talker_config."))
+        if int(pred_raw.get("num_code_groups", k)) != k:
+            raise ConfigError(f"model config: talker_config.code_predictor_config.num_code_groups "
+                              f"{pred_raw['num_code_groups']} != talker_config.num_code_groups {k}")
+        if k < 2:
+            raise ConfigError(f"model config: talker_config.num_code_groups {k} must be at least 2")
+        talker = _decoder_config(talker_raw, "talker_config.", path)
+        predictor = _decoder_config(pred_raw, "talker_config.code_predictor_config.", path)
+        v0, v = talker.vocab_size, predictor.vocab_size
+        if v0 < v:
+            raise ConfigError(f"model config: talker_config.vocab_size {v0} < code_predictor_config.vocab_size {v}: "
+                              f"the talker's codec table embeds every code of group 0")
+        if predictor.max_position_embeddings < k:
+            raise ConfigError(f"model config: talker_config.code_predictor_config.max_position_embeddings "
+                              f"{predictor.max_position_embeddings} < num_code_groups {k}")
+
+        def codec_id(key: str) -> int:
+            value = int(_need(talker_raw, key, "talker_config."))
+            if not v <= value < v0:  # a special id must not be a code, and must be in the table
+                raise ConfigError(f"model config: talker_config.{key} {value} is not in [{v}, {v0})")
+            return value
+
+        languages = _id_map(talker_raw, "codec_language_id", v, v0)
+        dialects: dict[str, str | None] = {}
+        for name, dialect in (talker_raw.get("spk_is_dialect") or {}).items():
+            if dialect is not False and dialect not in languages:
+                raise ConfigError(f"model config: talker_config.spk_is_dialect[{name!r}] {dialect!r} "
+                                  f"is not in codec_language_id")
+            dialects[name] = None if dialect is False else dialect
+        return Qwen3TtsConfig(
+            path=path,
+            model_type=str(raw.get("tts_model_type", "")),
+            talker=talker,
+            predictor=predictor,
+            num_code_groups=k,
+            codec_vocab_size=v0,
+            codebook_size=v,
+            text_vocab_size=int(_need(talker_raw, "text_vocab_size", "talker_config.")),
+            text_hidden_size=int(_need(talker_raw, "text_hidden_size", "talker_config.")),
+            codec=Qwen3TtsCodecIds(pad=codec_id("codec_pad_id"), bos=codec_id("codec_bos_id"),
+                                   eos=codec_id("codec_eos_token_id"), think=codec_id("codec_think_id"),
+                                   nothink=codec_id("codec_nothink_id"), think_bos=codec_id("codec_think_bos_id"),
+                                   think_eos=codec_id("codec_think_eos_id")),
+            # qwen-tts's defaults (C:474) where a field is absent
+            tts_pad_id=int(raw.get("tts_pad_token_id", 151671)),
+            tts_bos_id=int(raw.get("tts_bos_token_id", 151672)),
+            tts_eos_id=int(raw.get("tts_eos_token_id", 151673)),
+            im_start_id=int(raw.get("im_start_token_id", 151644)),
+            im_end_id=int(raw.get("im_end_token_id", 151645)),
+            speakers=_id_map(talker_raw, "spk_id", v, v0),
+            speaker_dialects=dialects,
+            languages=languages,
+        )
+
+
+def _section(raw: dict, key: str, field: str = "") -> dict:
+    value = raw.get(key)
+    if not isinstance(value, dict):
+        raise ConfigError(f"model config: missing field '{field}{key}'")
+    return value
+
+
+def _need(raw: dict, key: str, field: str):
+    if key not in raw:
+        raise ConfigError(f"model config: missing field '{field}{key}'")
+    return raw[key]
+
+
+def _id_map(talker_raw: dict, key: str, lo: int, hi: int) -> dict[str, int]:
+    """A {name: codec id} field of talker_config, each id a special id of the codec table."""
+    out = {}
+    for name, value in (talker_raw.get(key) or {}).items():
+        if not isinstance(value, int) or not lo <= value < hi:
+            raise ConfigError(f"model config: talker_config.{key}[{name!r}] {value!r} is not an id in [{lo}, {hi})")
+        out[name] = value
+    return out
+
+
+def _decoder_config(raw: dict, field: str, path: str) -> ModelConfig:
+    """A Qwen3 ModelConfig of the talker or the code predictor; `field` prefixes error messages."""
+    for key, ok in _REQUIRED:
+        if raw.get(key, ok) not in (ok, None):
+            raise ConfigError(f"model config: {field}{key} {raw[key]!r} is not supported ({ok!r} only)")
+    scaling = dict(raw.get("rope_scaling") or {})
+    # MRoPE: 3 identical position streams equal 1-D RoPE for any section / interleaving
+    scaling.pop("mrope_section", None)
+    scaling.pop("interleaved", None)
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise ConfigError(f"model config: {field}rope_scaling.rope_type {rope_type!r} is not supported (default only)")
+    plain = {key: val for key, val in raw.items() if key not in ("code_predictor_config", "rope_scaling")}
+    plain.update(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False, eos_token_id=None,
+                 rope_scaling=scaling or None)
+    try:
+        return ModelConfig.from_dict(plain, path)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("model config: ", f"model config: {field}", 1)) from None

@@ -1,0 +1,295 @@
+"""runner/models/qwen3_tts.py (Qwen3-TTS talker + code predictor) against the qwen-tts 0.1.1
+reference, through the golden files of tests/reference/qwen3_tts_golden.py (two tiny random
+checkpoints: `custom_voice` with an Identity predictor projection, `base` with the biased
+Linear; prompts built by the reference's own generate()), loaded through
+runner/models/qwen3_tts_loader.py. The frames are driven batched through the frame-step API
+over the paged KV cache, as test_csm.py drives CSM."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from runner.config import ConfigError
+from runner.layers.attention import allocate_kv_cache
+from runner.models.csm_sampling import GreedyCodebooks
+from runner.models.loader import LoadError
+from runner.models.qwen3_tts import NO_CODE, NO_TEXT, Qwen3TtsModel
+from runner.models.qwen3_tts_config import Qwen3TtsConfig
+from runner.models.qwen3_tts_loader import load_qwen3_tts
+from tests.models.test_models import PagedSequences
+
+ATOL = 1e-4
+BLOCK_SIZE = 4
+NUM_BLOCKS = 128
+MODELS = ("custom_voice", "base")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny models: many small ops run faster on one thread than on a pool competing for cores
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def golden(qwen3_tts_golden) -> Path:
+    return qwen3_tts_golden("qwen3_tts_golden")
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def loaded(request, golden) -> tuple[Qwen3TtsModel, dict[str, dict[str, torch.Tensor]], Path]:
+    """(our model, {case: the reference's arrays}, the model's golden folder)."""
+    folder = golden / request.param
+    cfg = Qwen3TtsConfig.from_pretrained(folder / "checkpoint")
+    names = json.loads((golden / "manifest.json").read_text())["models"][request.param]
+    cases = {n: {k: torch.from_numpy(v) for k, v in np.load(folder / f"{n}.npz").items()} for n in names}
+    return load_qwen3_tts(cfg, "cpu", torch.float32), cases, folder
+
+
+def prompt_embeds(model: Qwen3TtsModel, case: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The case's prompt rows through embed_inputs, the x-vector added over its row."""
+    embeds = model.embed_inputs(case["text_ids"], case["codec_ids"])
+    if "xvector" in case:
+        embeds[int(case["xvector_row"])] += case["xvector"]
+    return embeds
+
+
+def step_text(model: Qwen3TtsModel, case: dict[str, torch.Tensor], frame: int) -> int:
+    """The text id fed with generated frame `frame` (M:1688): the trailing text, then tts_pad."""
+    trailing = case["trailing_ids"].tolist()
+    return trailing[frame] if frame < len(trailing) else model.cfg.tts_pad_id
+
+
+def step_rows(model: Qwen3TtsModel, cases: list[dict], frames: list[torch.Tensor], index: list[int]) -> torch.Tensor:
+    """Generated-step inputs: frame [K] of each row + the text part of its frame index."""
+    text = torch.tensor([step_text(model, c, i) for c, i in zip(cases, index)])
+    return model.embed_inputs(text, torch.stack(frames))
+
+
+class Code0Window(GreedyCodebooks):
+    """Greedy with the reference's code-0 rules (M:2044-2066): ids >= codebook_size other than
+    eos suppressed, eos barred for each row's frames 0 and 1 (min_new_tokens=2). Stage 2 moves
+    these into the engine's sampler; here they are the test's."""
+
+    def __init__(self, model: Qwen3TtsModel, frame_index: list[int]):
+        self.cfg = model.cfg
+        self.frame_index = torch.tensor(frame_index)
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def __call__(self, logits, codebook, out=None):
+        self.logits[codebook] = logits.clone()
+        if codebook == 0:
+            cfg = self.cfg
+            barred = torch.zeros_like(logits, dtype=torch.bool)
+            barred[:, cfg.codebook_size:] = True
+            barred[:, cfg.codec.eos] = (self.frame_index < 2)
+            logits = logits.masked_fill(barred, float("-inf"))
+        return super().__call__(logits, codebook, out)
+
+
+def test_config_reads_both_decoders(golden):
+    for kind, projects in (("custom_voice", False), ("base", True)):
+        cfg = Qwen3TtsConfig.from_pretrained(golden / kind / "checkpoint")
+        assert cfg.model_type == kind and cfg.predictor_projects == projects
+        assert (cfg.num_code_groups, cfg.codebook_size, cfg.codec_vocab_size) == (4, 32, 32 + 1024)
+        assert cfg.table_offsets == (0, 1056, 1088, 1120)
+        assert cfg.talker.decoder == cfg.predictor.decoder == "qwen3" and cfg.talker.qk_norm
+        assert (cfg.talker.hidden_size, cfg.predictor.hidden_size) == (64, 64 if kind == "custom_voice" else 32)
+        assert cfg.talker.rope.theta == cfg.predictor.rope.theta == 10000.0  # MRoPE section ignored
+        assert (cfg.codec.eos, cfg.codec.pad, cfg.codec.bos, cfg.tts_pad_id) == (42, 40, 41, 152)
+    assert cfg.languages == {"english": 50, "chinese": 51, "sichuan": 52}
+    cv = Qwen3TtsConfig.from_pretrained(golden / "custom_voice" / "checkpoint")
+    assert cv.speakers == {"alice": 60, "bob": 61} and cv.speaker_dialects == {"alice": None, "bob": "sichuan"}
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r["talker_config"].update(rope_scaling={"rope_type": "yarn", "factor": 2.0}),
+     r"talker_config\.rope_scaling\.rope_type 'yarn'"),
+    (lambda r: r["talker_config"].pop("code_predictor_config"),
+     r"missing field 'talker_config\.code_predictor_config'"),
+    (lambda r: r["talker_config"]["code_predictor_config"].update(num_code_groups=5),
+     r"code_predictor_config\.num_code_groups 5 != talker_config\.num_code_groups 4"),
+    (lambda r: r["talker_config"].update(codec_eos_token_id=7),
+     r"talker_config\.codec_eos_token_id 7 is not in \[32, 1056\)"),
+    (lambda r: r["talker_config"].update(spk_is_dialect={"bob": "klingon"}), r"spk_is_dialect\['bob'\] 'klingon'"),
+    (lambda r: r["talker_config"]["code_predictor_config"].update(hidden_act="gelu"),
+     r"code_predictor_config\.hidden_act 'gelu' is not supported"),
+    (lambda r: r["talker_config"].update(use_sliding_window=True), r"talker_config\.use_sliding_window True"),
+    (lambda r: r.update(architectures=["CsmForConditionalGeneration"]),
+     r"does not name Qwen3TTSForConditionalGeneration"),
+])
+def test_config_errors_name_the_field(golden, edit, message):
+    raw = json.loads((golden / "custom_voice" / "checkpoint" / "config.json").read_text())
+    edit(raw)
+    with pytest.raises(ConfigError, match=message):
+        Qwen3TtsConfig.from_dict(raw)
+
+
+@torch.no_grad()
+def test_prompt_rows_embed_as_the_reference(loaded):
+    """Every prompt kind (speaker / dialect / instruct / x-vector / ICL frames, streaming and
+    not): embed_inputs over the rows = generate's own inputs_embeds."""
+    model, cases, _ = loaded
+    for name, case in cases.items():
+        torch.testing.assert_close(prompt_embeds(model, case), case["prompt_embeds"], rtol=0, atol=1e-5, msg=name)
+    codes = torch.full((2, model.num_codebooks), NO_CODE)
+    assert torch.equal(model.embed_inputs(torch.tensor([NO_TEXT, NO_TEXT]), codes), torch.zeros(2, 64))
+
+
+@torch.no_grad()
+def test_talker_hidden_and_logits_at_prompt_and_steps(loaded):
+    """All prompts of a model in one flattened prefill step over the paged cache, then the
+    reference's frames fed back (teacher-forced) in batched decode steps: hidden states and
+    code-0 logits at every prompt position and every step equal the reference's."""
+    model, cases, _ = loaded
+    names = list(cases)
+    seqs = PagedSequences(NUM_BLOCKS, BLOCK_SIZE)
+    kv = allocate_kv_cache(model.cfg.talker, NUM_BLOCKS, BLOCK_SIZE, "cpu", torch.float32)
+    lens = [len(cases[n]["text_ids"]) for n in names]
+    assert len(set(lens)) > 2  # prompts of different lengths share the step
+    _, positions, meta = seqs.step([(i, [0] * n) for i, n in enumerate(lens)])
+    embeds = torch.cat([prompt_embeds(model, cases[n]) for n in names])
+    hidden, logits = model.backbone_step(embeds, positions, kv, meta, torch.arange(len(positions)))
+    start = 0
+    for n, length in zip(names, lens):
+        ref = cases[n]
+        torch.testing.assert_close(hidden[start : start + length], ref["prompt_hidden"], rtol=0, atol=ATOL, msg=n)
+        torch.testing.assert_close(logits[start : start + length], ref["prompt_logits"], rtol=0, atol=ATOL, msg=n)
+        torch.testing.assert_close(logits[start + length - 1], ref["step_logits"][0], rtol=0, atol=ATOL, msg=n)
+        start += length
+    refs = [cases[n] for n in names]
+    for step in range(1, len(refs[0]["frames"]) + 1):
+        _, pos, meta = seqs.step([(i, [0]) for i in range(len(names))])
+        rows = step_rows(model, refs, [r["frames"][step - 1] for r in refs], [step - 1] * len(refs))
+        hidden, logits = model.backbone_step(rows, pos, kv, meta, torch.arange(len(names)))
+        for i, r in enumerate(refs):
+            torch.testing.assert_close(hidden[i], r["step_hidden"][step], rtol=0, atol=ATOL, msg=f"{names[i]} {step}")
+            torch.testing.assert_close(logits[i], r["step_logits"][step], rtol=0, atol=ATOL, msg=f"{names[i]} {step}")
+
+
+@torch.no_grad()
+def test_code_predictor_codes_and_logits_match_the_reference(loaded):
+    """Groups 1..K-1 from the talker's hidden and code 0 (5 rows at once): the reference's
+    greedy codes and its teacher-forced logits of every group (Identity and biased projector)."""
+    model, _, folder = loaded
+    ref = {k: torch.from_numpy(v) for k, v in np.load(folder / "depth.npz").items()}
+    b = len(ref["hidden"])
+    model.allocate_depth_kv(8)
+    rec = Code0Window(model, [2] * b)
+    frames = model.depth_decode(ref["hidden"], ref["frames"][:, 0], rec)
+    assert torch.equal(frames, ref["frames"])
+    for g in range(1, model.num_codebooks):
+        torch.testing.assert_close(rec.logits[g], ref["logits"][:, g - 1], rtol=0, atol=ATOL)
+    # the KV buffers are reused by the next frame: other rows agree too
+    assert torch.equal(model.depth_decode(ref["hidden"][2:], ref["frames"][2:, 0], GreedyCodebooks()), frames[2:])
+    with pytest.raises(ValueError, match="holds 8"):
+        model.depth_decode(ref["hidden"].repeat(2, 1), ref["frames"][:, 0].repeat(2), GreedyCodebooks())
+
+
+def drive(model: Qwen3TtsModel, cases: list[dict], max_frames: int, join_at: dict[int, int]) -> dict[int, torch.Tensor]:
+    """Run the prompts through frame_step over the paged cache, batched: each step holds every
+    live row's last frame (+ its step text) and the prompts joining now (a prefill chunk each);
+    a row leaves after an eos frame (not kept: never decoded) or max_frames."""
+    seqs = PagedSequences(NUM_BLOCKS, BLOCK_SIZE)
+    kv = allocate_kv_cache(model.cfg.talker, NUM_BLOCKS, BLOCK_SIZE, "cpu", torch.float32)
+    model.allocate_depth_kv(len(cases))
+    frames: dict[int, list[torch.Tensor]] = {}
+    live: list[int] = []
+    step = 0
+    while live or len(frames) < len(cases):
+        joining = [i for i in range(len(cases)) if join_at.get(i, 0) == step]
+        rows = live + joining  # decode rows first, as the scheduler orders them
+        if rows:
+            chunks = [(i, [0]) for i in live] + [(i, [0] * len(cases[i]["text_ids"])) for i in joining]
+            _, positions, meta = seqs.step(chunks)
+            parts = [step_rows(model, [cases[i] for i in live], [frames[i][-1] for i in live],
+                               [len(frames[i]) - 1 for i in live])] if live else []
+            parts += [prompt_embeds(model, cases[i]) for i in joining]
+            last_rows = meta.query_start_loc[1:].long() - 1
+            sampler = Code0Window(model, [len(frames.get(i, [])) for i in rows])
+            out = model.frame_step(torch.cat(parts), positions, kv, meta, last_rows, sampler)
+            done = model.frame_is_eos(out).tolist()
+            live = []
+            for r, i in enumerate(rows):
+                frames.setdefault(i, [])
+                if done[r]:
+                    continue
+                frames[i].append(out[r])
+                if len(frames[i]) < max_frames:
+                    live.append(i)
+        step += 1
+    return {i: torch.stack(f) for i, f in frames.items()}
+
+
+@torch.no_grad()
+def test_greedy_frames_equal_the_reference_generate_batched(loaded):
+    """Every prompt kind of a model batched, rows joining at different steps (a prefill chunk in
+    a step of decode rows): each row's frames equal the reference's generate() alone. The
+    reference ran N steps and returned N - 1 frames (the last code 0 is never expanded)."""
+    model, cases, _ = loaded
+    refs = list(cases.values())
+    n = len(refs[0]["frames"])
+    ours = drive(model, refs, n, join_at={1: 2, 2: 3})
+    for i, (name, ref) in enumerate(cases.items()):
+        assert torch.equal(ours[i], ref["frames"]), (name, ours[i], ref["frames"])
+        assert len(set(map(tuple, ref["frames"].tolist()))) > 2, name  # not one repeated frame
+
+
+def test_frame_is_eos_reads_code0_alone(loaded):
+    model, _, _ = loaded
+    eos = model.cfg.codec.eos
+    frames = torch.tensor([[eos, 1, 2, 3], [5, eos, eos, eos], [eos, eos, eos, eos], [0, 0, 0, 0]])
+    assert model.frame_is_eos(frames).tolist() == [True, False, True, False]
+
+
+def test_missing_misshapen_and_unexpected_tensors_are_named(golden, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(golden / "base" / "checkpoint", bad)
+    weights = load_file(bad / "model.safetensors")
+    cfg = Qwen3TtsConfig.from_pretrained(bad)
+    gone = "talker.code_predictor.small_to_mtp_projection.bias"
+    kept = weights.pop(gone)
+    save_file(weights, bad / "model.safetensors")
+    with pytest.raises(LoadError, match=r"missing tensor\(s\).*" + gone.replace(".", r"\.")):
+        load_qwen3_tts(cfg, "cpu", torch.float32)
+    weights[gone] = kept
+    table = "talker.code_predictor.model.codec_embedding.2.weight"
+    weights[table] = torch.zeros(31, 64)
+    save_file(weights, bad / "model.safetensors")
+    with pytest.raises(LoadError, match=r"tensor '" + table.replace(".", r"\.") + r"' in model\.safetensors: "
+                                        r"expected shape \(32, 64\), got \(31, 64\)"):
+        load_qwen3_tts(cfg, "cpu", torch.float32)
+    weights[table] = torch.zeros(32, 64)
+    weights["talker.code_predictor.lm_head.3.weight"] = torch.zeros(32, 32)  # a group the config lacks
+    save_file(weights, bad / "model.safetensors")
+    with pytest.raises(LoadError, match=r"unexpected tensor\(s\).*'talker\.code_predictor\.lm_head\.3\.weight'"):
+        load_qwen3_tts(cfg, "cpu", torch.float32)
+    # the speaker encoder's tensors are Base's x-vector encoder's: not this model's, not unexpected
+    assert any(k.startswith("speaker_encoder.") for k in weights)
+
+
+@torch.no_grad()
+def test_loaded_tables_and_heads_are_the_checkpoints(golden):
+    """The concatenated codec table and the flat predictor heads hold each checkpoint tensor at
+    its offset (what the golden comparisons rely on, checked directly)."""
+    path = golden / "base" / "checkpoint"
+    cfg = Qwen3TtsConfig.from_pretrained(path)
+    model = load_qwen3_tts(cfg, "cpu", torch.float32)
+    weights = load_file(path / "model.safetensors")
+    off, v = cfg.table_offsets, cfg.codebook_size
+    assert torch.equal(model.codec_embedding.weight[: off[1]], weights["talker.model.codec_embedding.weight"])
+    model.allocate_depth_kv(1)
+    for g in range(1, cfg.num_code_groups):
+        assert torch.equal(model.codec_embedding.weight[off[g] : off[g] + v],
+                           weights[f"talker.code_predictor.model.codec_embedding.{g - 1}.weight"])
+        assert torch.equal(model.predictor.heads[g - 1], weights[f"talker.code_predictor.lm_head.{g - 1}.weight"])
+    assert model.predictor.embed_tokens.weight is model.codec_embedding.weight
