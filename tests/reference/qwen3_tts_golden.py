@@ -12,6 +12,9 @@ generation_config.json):
   base          tts_model_type "base": a narrower code predictor, so the projection is a
                 Linear with bias (the 1.7B layout); a speaker encoder (its tensors are saved)
 
+  ends          custom_voice's layout, another seed, eos's codec_head row scaled so that
+                greedy frames end at different frames (and one runs to the limit)
+
 Writes OUT/<model>/:
   checkpoint/       the folder above
   <case>.npz        one `generate()` call per prompt kind, greedy, repetition_penalty 1.0 (the
@@ -60,7 +63,13 @@ IM_START, IM_END, TTS_PAD, TTS_BOS, TTS_EOS = 150, 151, 152, 153, 154
 ASSISTANT, NEWLINE = 155, 156
 MAX_NEW_TOKENS = 9
 ROLE = [IM_START, ASSISTANT, NEWLINE]
-MODELS = {"custom_voice": dict(seed=11, predictor_hidden=64), "base": dict(seed=12, predictor_hidden=32)}
+MODELS = {
+    "custom_voice": dict(kind="custom_voice", seed=11, predictor_hidden=64),
+    "base": dict(kind="base", seed=12, predictor_hidden=32),
+    # custom_voice's prompts with eos's codec_head row scaled: greedy frames end after 3 and 5
+    # frames and at frame 2 (the first where min_new_tokens=2 lets eos through); one runs on
+    "ends": dict(kind="custom_voice", seed=14, predictor_hidden=64, eos_scale=3.0),
+}
 
 
 def config(kind: str, predictor_hidden: int) -> Qwen3TTSConfig:
@@ -290,11 +299,14 @@ def main(out: str) -> None:
     manifest: dict = dict(groups=G, codebook_size=CB, vocab=VOCAB, max_new_tokens=MAX_NEW_TOKENS,
                           ids=dict(pad=PAD, bos=BOS, eos=EOS, tts_pad=TTS_PAD, tts_bos=TTS_BOS, tts_eos=TTS_EOS),
                           models={})
-    for kind, spec in MODELS.items():
+    for label, spec in MODELS.items():
+        kind = spec["kind"]
         torch.manual_seed(spec["seed"])
         model = Qwen3TTSForConditionalGeneration(config(kind, spec["predictor_hidden"])).eval()
         randomise(model)
-        folder = os.path.join(out, kind)
+        with torch.no_grad():
+            model.talker.codec_head.weight[EOS] *= spec.get("eos_scale", 1.0)
+        folder = os.path.join(out, label)
         ckpt = os.path.join(folder, "checkpoint")
         save(model, ckpt)
         # the folder holds exactly the weights run below (from_pretrained would also want a
@@ -307,10 +319,10 @@ def main(out: str) -> None:
             arrays = run_case(model, case, gen)
             np.savez(os.path.join(folder, f"{name}.npz"), **arrays)
             names.append(name)
-            print(f"{kind}/{name}: prompt {len(arrays['text_ids'])}, trailing {len(arrays['trailing_ids'])}, "
+            print(f"{label}/{name}: prompt {len(arrays['text_ids'])}, trailing {len(arrays['trailing_ids'])}, "
                   f"frames {arrays['frames'].shape[0]}")
         np.savez(os.path.join(folder, "depth.npz"), **depth_golden(model, gen))
-        manifest["models"][kind] = names
+        manifest["models"][label] = names
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
 
