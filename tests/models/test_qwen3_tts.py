@@ -22,7 +22,7 @@ from runner.models.csm_sampling import GreedyCodebooks
 from runner.models.loader import LoadError
 from runner.models.qwen3_tts import NO_CODE, NO_TEXT, Qwen3TtsModel
 from runner.models.qwen3_tts_config import Qwen3TtsConfig
-from runner.models.qwen3_tts_loader import load_qwen3_tts
+from runner.models.qwen3_tts_loader import expected_qwen3_tts_tensors, load_qwen3_tts
 from tests.models.test_models import PagedSequences
 
 ATOL = 1e-4
@@ -111,24 +111,68 @@ def test_config_reads_both_decoders(golden):
     assert cv.speakers == {"alice": 60, "bob": 61} and cv.speaker_dialects == {"alice": None, "bob": "sichuan"}
 
 
+def released_config(hidden: int, intermediate: int) -> dict:
+    """A config.json of the released 12 Hz folders' shape (docs/qwen3_tts.md §1-2: 0.6B is
+    hidden 1024 / intermediate 3072, 1.7B 2048 / 6144; the rest is shared)."""
+    return {
+        "architectures": ["Qwen3TTSForConditionalGeneration"], "tts_model_type": "custom_voice",
+        "tts_pad_token_id": 151671, "tts_bos_token_id": 151672, "tts_eos_token_id": 151673,
+        "talker_config": {
+            "vocab_size": 3072, "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": 28,
+            "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+            "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "rope_scaling": {"mrope_section": [24, 20, 20], "interleaved": True, "rope_type": "default"},
+            "use_sliding_window": False, "sliding_window": None, "attention_bias": False,
+            "num_code_groups": 16, "text_vocab_size": 151936, "text_hidden_size": 2048,
+            "codec_pad_id": 2148, "codec_bos_id": 2149, "codec_eos_token_id": 2150, "codec_think_id": 2154,
+            "codec_nothink_id": 2155, "codec_think_bos_id": 2156, "codec_think_eos_id": 2157,
+            "codec_language_id": {"english": 2050, "chinese": 2055, "sichuan_dialect": 2062},
+            "spk_id": {"vivian": 3065, "eric": 2875}, "spk_is_dialect": {"vivian": False, "eric": "sichuan_dialect"},
+            "code_predictor_config": {
+                "vocab_size": 2048, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 5,
+                "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+                "max_position_embeddings": 65536, "rope_theta": 1000000.0, "rope_scaling": None,
+                "num_code_groups": 16, "use_sliding_window": False},
+        },
+    }
+
+
+@pytest.mark.parametrize("hidden, intermediate", [(1024, 3072), (2048, 6144)])
+def test_released_layouts(hidden, intermediate):
+    """The 0.6B layout has no predictor projection (the Identity), the 1.7B one a biased Linear;
+    the codec table is 3072 + 15 * 2048 rows, each group's table at its offset."""
+    cfg = Qwen3TtsConfig.from_dict(released_config(hidden, intermediate))
+    assert cfg.predictor_projects == (hidden != 1024)
+    assert cfg.table_offsets == (0,) + tuple(3072 + g * 2048 for g in range(15))
+    assert (cfg.talker.num_layers, cfg.talker.head_dim, cfg.talker.rope.theta) == (28, 128, 1e6)
+    assert (cfg.predictor.num_layers, cfg.predictor.hidden_size, cfg.codebook_size) == (5, 1024, 2048)
+    assert cfg.speaker_dialects == {"vivian": None, "eric": "sichuan_dialect"} and cfg.codec.eos == 2150
+    tensors = expected_qwen3_tts_tensors(cfg)
+    rows = sum(t.shape[0] for t in tensors.values() if t.param == "codec_embedding.weight")
+    assert rows == 3072 + 15 * 2048
+    assert sum(t.shape[0] for t in tensors.values() if t.param == "predictor.lm_head") == 15 * 2048
+    projector = tensors.get("talker.code_predictor.small_to_mtp_projection.bias")
+    assert (projector.shape if projector else None) == ((1024,) if hidden != 1024 else None)
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda r: r["talker_config"].update(rope_scaling={"rope_type": "yarn", "factor": 2.0}),
      r"talker_config\.rope_scaling\.rope_type 'yarn'"),
     (lambda r: r["talker_config"].pop("code_predictor_config"),
      r"missing field 'talker_config\.code_predictor_config'"),
     (lambda r: r["talker_config"]["code_predictor_config"].update(num_code_groups=5),
-     r"code_predictor_config\.num_code_groups 5 != talker_config\.num_code_groups 4"),
+     r"code_predictor_config\.num_code_groups 5 != talker_config\.num_code_groups 16"),
     (lambda r: r["talker_config"].update(codec_eos_token_id=7),
-     r"talker_config\.codec_eos_token_id 7 is not in \[32, 1056\)"),
-    (lambda r: r["talker_config"].update(spk_is_dialect={"bob": "klingon"}), r"spk_is_dialect\['bob'\] 'klingon'"),
+     r"talker_config\.codec_eos_token_id 7 is not in \[2048, 3072\)"),
+    (lambda r: r["talker_config"].update(spk_is_dialect={"eric": "klingon"}), r"spk_is_dialect\['eric'\] 'klingon'"),
     (lambda r: r["talker_config"]["code_predictor_config"].update(hidden_act="gelu"),
      r"code_predictor_config\.hidden_act 'gelu' is not supported"),
     (lambda r: r["talker_config"].update(use_sliding_window=True), r"talker_config\.use_sliding_window True"),
     (lambda r: r.update(architectures=["CsmForConditionalGeneration"]),
      r"does not name Qwen3TTSForConditionalGeneration"),
 ])
-def test_config_errors_name_the_field(golden, edit, message):
-    raw = json.loads((golden / "custom_voice" / "checkpoint" / "config.json").read_text())
+def test_config_errors_name_the_field(edit, message):
+    raw = released_config(1024, 3072)
     edit(raw)
     with pytest.raises(ConfigError, match=message):
         Qwen3TtsConfig.from_dict(raw)
