@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from transformers import MimiModel
 
 from runner.codecs.config import CodecError
 from runner.codecs.decoder import Launches
@@ -29,6 +30,7 @@ from runner.codecs.mimi import MimiStreamingDecoder
 from runner.codecs.mimi_loader import load_mimi
 from runner.codecs.mimi_graphs import MimiGraphs
 from runner.codecs.stage import StageResult
+from runner.codecs.streaming_state import StreamingDecoderBase
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,7 @@ class MimiCodecStage:
         """model: an already loaded transformers MimiModel (CSM's codec_model) instead of
         cfg.path; tuning: accepted for the families' build_codec signature (no tuned kernels yet)."""
         self.cfg = cfg
-        self.decoder = MimiStreamingDecoder(load_mimi(model if model is not None else cfg.path, device, dtype),
-                                            cfg.num_codebooks, max_streams=cfg.max_streams)
+        self.decoder = self._load_decoder(cfg, device, dtype, model)
         # Every launch decodes one of these lengths, the chunk schedule's (and 1): a remainder
         # (an utterance's last frames, a backlog past max_chunk_frames) goes as several of them.
         # Why: on CUDA each has a graph, so no launch decodes eagerly mid-serving (an eager
@@ -153,18 +154,50 @@ class MimiCodecStage:
         self._launched_frames = 0  # frames in those launches
         self.asynchronous = self.decoder.stream is not None  # else a launch has landed on return
 
+    def _load_decoder(self, cfg: MimiCodecConfig, device: torch.device, dtype: torch.dtype,
+                      model) -> StreamingDecoderBase:
+        """The streaming decoder this stage drives (a subclass serves another codec)."""
+        return MimiStreamingDecoder(load_mimi(model if model is not None else cfg.path, device, dtype),
+                                    cfg.num_codebooks, max_streams=cfg.max_streams)
+
+    def _encoder(self) -> MimiModel:
+        """The MimiModel whose encode gives this codec's codes (Mimi: the decoder's own model)."""
+        return self.decoder.model
+
     # -- request lifecycle -------------------------------------------------------------
 
     def can_open(self) -> bool:
         """A free decoder slot remains (cfg.max_streams streams hold state at once)."""
         return self.decoder.num_free > 0
 
-    def open(self, key: object, seed: int | None = None) -> None:
-        """A request that wants audio starts. `seed` is accepted for the interface: Mimi's
-        decoder has no noise."""
+    def open(self, key: object, seed: int | None = None, prefix_frames: np.ndarray | None = None) -> None:
+        """A request that wants audio starts. `seed` is accepted for the interface: the decoder
+        has no noise. prefix_frames (n, K) int: frames decoded into the stream's state first and
+        never emitted (a voice-clone reference's codes: the request's audio is then the tail of
+        the decode of prefix + its frames, as Qwen3-TTS's ICL decode cuts it)."""
         if key in self._reqs:
             raise KeyError(f"codec request {key!r} is already open")
-        self._reqs[key] = _Request(slot=self.decoder.new_stream(), chunk=self.cfg.first_chunk_frames)
+        prefix = self._check_prefix(prefix_frames) if prefix_frames is not None else None
+        slot = self.decoder.new_stream()
+        if prefix is not None:
+            # queued on the decoder's stream before the request's own frames; the PCM is dropped
+            # (pieces of max_chunk_frames: the bound on a decode's activation memory)
+            for i in range(0, len(prefix), self.cfg.max_chunk_frames):
+                part = prefix[i : i + self.cfg.max_chunk_frames]
+                self.decoder.launch([slot], np.ascontiguousarray(part.T[None]))
+        self._reqs[key] = _Request(slot=slot, chunk=self.cfg.first_chunk_frames)
+
+    def _check_prefix(self, frames: np.ndarray) -> np.ndarray:
+        codes = np.asarray(frames)
+        k, size = self.num_codebooks, self.codebook_size
+        if codes.ndim != 2 or codes.shape[1] != k or codes.dtype.kind not in "iu":
+            raise CodecError(f"prefix_frames: (frames, {k}) integer codes, got shape {codes.shape} {codes.dtype}")
+        bad = np.argwhere((codes < 0) | (codes >= size))
+        if bad.size:
+            f, c = (int(v) for v in bad[0])
+            raise CodecError(f"prefix_frames: frame {f}, codebook {c}: code {int(codes[f, c])} is outside "
+                             f"the codebook range [0, {size})")
+        return codes.astype(np.int64, copy=False)
 
     def push_many(self, items: list[tuple[object, object]]) -> None:
         """(key, frame) pairs in order within a key; a frame is K codes (a sequence or array of
@@ -253,7 +286,7 @@ class MimiCodecStage:
     def encode(self, pcm: np.ndarray) -> np.ndarray:
         """int16 mono PCM at the codec's rate -> its codes [frames, K] int64 (transformers'
         MimiModel.encode, the first K codebooks: what CSM's prompt frames hold)."""
-        model = self.decoder.model
+        model = self._encoder()
         x = torch.from_numpy(pcm.astype(np.float32) / 32768.0).to(self.decoder.device, self.decoder.dtype)
         codes = model.encode(x[None, None], num_quantizers=self.num_codebooks).audio_codes  # [1, K, F]
         return codes[0].T.to(torch.int64).cpu().numpy()
