@@ -1,5 +1,6 @@
 """Qwen3-TTS (12 Hz): the talker and its code predictor over omnistream's paged KV cache
-(docs/qwen3_tts.md §1-2; reference: qwen-tts 0.1.1's Qwen3TTSTalkerForConditionalGeneration).
+(docs/qwen3_tts.md §1-2; reference: qwen-tts 0.1.1's Qwen3TTSTalkerForConditionalGeneration;
+M:n is line n of its qwen_tts/core/models/modeling_qwen3_tts.py, as in the doc).
 
 A frame is K codes (code 0 from the talker, groups 1..K-1 from the code predictor). One frame
 step, for B rows, is CSM's (runner/models/csm.py) with other tables:
@@ -17,7 +18,7 @@ Every input position is a text part plus a codec part (M:2022-2234):
   text part   text_projection(text_embedding(id)) (a SiLU MLP), or nothing;
   codec part  the sum over g of table_g(codes[g]) for the codes present: table_0 is the talker's
               codec table (codes of group 0 and every special id: pad, bos, speakers, languages,
-              think tags), table_g (g >= 1) the code predictor's own (M:1441, M:1188). A lone
+              think tags), table_g (g >= 1) the code predictor's own (M:1441, M:1030). A lone
               special id is codes [id, -1, ...]; a codec frame is all K codes.
 Both parts of a position come as host-built rows (`embed_inputs`): the prompt's layout is the
 front end's business (a later stage), and a generated step's row is its frame plus the step's

@@ -64,7 +64,7 @@ def prompt_embeds(model: Qwen3TtsModel, case: dict[str, torch.Tensor]) -> torch.
 
 
 def step_text(model: Qwen3TtsModel, case: dict[str, torch.Tensor], frame: int) -> int:
-    """The text id fed with generated frame `frame` (M:1688): the trailing text, then tts_pad."""
+    """The text id fed with generated frame `frame` (M:1689): the trailing text, then tts_pad."""
     trailing = case["trailing_ids"].tolist()
     return trailing[frame] if frame < len(trailing) else model.cfg.tts_pad_id
 
