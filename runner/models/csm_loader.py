@@ -14,35 +14,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from runner.config import ModelConfig
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.csm import CsmModel, build_empty_csm
 from runner.models.csm_config import CsmModelConfig
 from runner.models.loader import (
-    LoadError,
     _check_coverage,
-    _names,
     _Target,
     copy_planned,
-    expected_tensors,
     find_safetensors,
+    plan_tensors,
+    stack_tensors,
 )
 
 _IGNORED_PREFIXES = ("codec_model.",)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "audio_tokens_offsets")
 _BACKBONE_AUDIO = "backbone_model.embed_tokens.embed_audio_tokens.weight"
 _DEPTH_AUDIO = "depth_decoder.model.embed_tokens.weight"
-
-
-def _stack_tensors(cfg: ModelConfig, src_prefix: str, dst_prefix: str) -> dict[str, _Target]:
-    """The decoder layers and final norm of one stack, renamed from the Llama layout."""
-    out = {}
-    for name, t in expected_tensors(cfg).items():
-        if name.startswith("model.layers.") or name == "model.norm.weight":
-            out[src_prefix + name[len("model."):]] = _Target(dst_prefix + t.param, t.row_start, t.shape)
-    return out
 
 
 def expected_csm_tensors(cfg: CsmModelConfig) -> dict[str, _Target]:
@@ -61,8 +49,8 @@ def expected_csm_tensors(cfg: CsmModelConfig) -> dict[str, _Target]:
     else:
         out[_BACKBONE_AUDIO] = _Target("embed_audio_tokens.weight", 0, (k * v, h))
         out[_DEPTH_AUDIO] = _Target("depth.embed_tokens.weight", 0, (k * v, h))
-    out.update(_stack_tensors(cfg.backbone, "backbone_model.", "backbone."))
-    out.update(_stack_tensors(cfg.depth, "depth_decoder.model.", "depth."))
+    out.update(stack_tensors(cfg.backbone, "backbone_model.", "backbone."))
+    out.update(stack_tensors(cfg.depth, "depth_decoder.model.", "depth."))
     return out
 
 
@@ -70,38 +58,11 @@ def plan_csm_load(cfg: CsmModelConfig, files: list[Path]) -> dict[str, tuple[Pat
     """Match checkpoint tensors to destinations from headers only: expected name -> (file,
     destination, the name it is stored under). LoadError names the tensor and its file on any
     mismatch, and lists what is missing or unexpected."""
-    expected = expected_csm_tensors(cfg)
-    plan: dict[str, tuple[Path, _Target]] = {}
-    stored: dict[str, str] = {}  # plan key -> the name it is stored under, where they differ
-    unexpected: list[str] = []
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.startswith(_IGNORED_PREFIXES) or name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                key = _DEPTH_AUDIO if cfg.tie_codebook_embeddings and name == _BACKBONE_AUDIO else name
-                target = expected.get(key)
-                if target is None:
-                    unexpected.append(name)
-                    continue
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != target.shape:
-                    raise LoadError(f"tensor {name!r} in {path.name}: expected shape {target.shape}, got {shape}")
-                if key in plan:
-                    if key != name or stored.get(key, key) != key:  # the tied table under both names
-                        continue
-                    raise LoadError(f"tensor {name!r}: present in both {plan[key][0].name} and {path.name}")
-                plan[key] = (path, target)
-                if key != name:
-                    stored[key] = name
-    if unexpected:
-        raise LoadError(f"unexpected tensor(s) in checkpoint: {_names(unexpected)}")
-    missing = [n for n in expected if n not in plan]
-    if missing:
-        if cfg.tie_codebook_embeddings and missing == [_DEPTH_AUDIO]:
-            missing = [f"{_DEPTH_AUDIO} (or {_BACKBONE_AUDIO})"]
-        raise LoadError(f"missing tensor(s) in checkpoint {str(cfg.path)!r}: {_names(missing)}")
-    return {key: (path, target, stored.get(key, key)) for key, (path, target) in plan.items()}
+    def ignored(name: str) -> bool:
+        return name.startswith(_IGNORED_PREFIXES) or name.endswith(_IGNORED_SUFFIXES)
+
+    aliases = {_BACKBONE_AUDIO: _DEPTH_AUDIO} if cfg.tie_codebook_embeddings else None
+    return plan_tensors(expected_csm_tensors(cfg), files, ignored, f" {str(cfg.path)!r}", aliases)
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ peak memory is the model plus one tensor.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,39 +105,66 @@ def find_safetensors(folder: str | Path) -> list[Path]:
     return files
 
 
-def _is_ignored(name: str, cfg: ModelConfig) -> bool:
-    if name.endswith(_IGNORED_SUFFIXES):
-        return True
-    # Some tied checkpoints still store the (identical) head; the embedding is the one we use.
-    return cfg.tie_word_embeddings and name == "lm_head.weight"
+def stack_tensors(cfg: ModelConfig, src_prefix: str, dst_prefix: str) -> dict[str, _Target]:
+    """expected_tensors' decoder layers and final norm of one stack inside a larger checkpoint
+    (CSM's backbone and depth decoder, Qwen3-TTS's talker and code predictor), renamed: stored
+    under src_prefix + "layers...", filling dst_prefix + our parameter."""
+    out = {}
+    for name, t in expected_tensors(cfg).items():
+        if name.startswith("model.layers.") or name == "model.norm.weight":
+            out[src_prefix + name[len("model."):]] = _Target(dst_prefix + t.param, t.row_start, t.shape)
+    return out
 
 
-def plan_load(cfg: ModelConfig, files: list[Path]) -> dict[str, tuple[Path, _Target]]:
-    """Match checkpoint tensors to destinations from headers only; raise LoadError on any mismatch."""
-    expected = expected_tensors(cfg)
+def plan_tensors(expected: dict[str, _Target], files: list[Path], ignored: Callable[[str], bool],
+                 where: str, aliases: dict[str, str] | None = None) -> dict[str, tuple[Path, _Target, str]]:
+    """Match checkpoint tensors to destinations from the headers only: expected name -> (file,
+    destination, the name it is stored under). `ignored`: stored names that carry nothing we
+    load. `aliases` {stored name: expected name}: a tensor a checkpoint may store under either
+    name (stored under both, the expected name's copy is used). LoadError names the tensor and
+    its file on any mismatch, and lists what is missing (in `where`) or unexpected."""
+    aliases = aliases or {}
     plan: dict[str, tuple[Path, _Target]] = {}
+    stored: dict[str, str] = {}  # plan key -> the name it is stored under, where they differ
     unexpected: list[str] = []
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if _is_ignored(name, cfg):
+                if ignored(name):
                     continue
-                target = expected.get(name)
+                key = aliases.get(name, name)
+                target = expected.get(key)
                 if target is None:
                     unexpected.append(name)
                     continue
-                if name in plan:
-                    raise LoadError(f"tensor {name!r}: present in both {plan[name][0].name} and {path.name}")
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != target.shape:
                     raise LoadError(f"tensor {name!r} in {path.name}: expected shape {target.shape}, got {shape}")
-                plan[name] = (path, target)
+                if key in plan:
+                    if key != name or stored.get(key, key) != key:  # one table under both names
+                        continue
+                    raise LoadError(f"tensor {name!r}: present in both {plan[key][0].name} and {path.name}")
+                plan[key] = (path, target)
+                if key != name:
+                    stored[key] = name
     if unexpected:
         raise LoadError(f"unexpected tensor(s) in checkpoint: {_names(unexpected)}")
     missing = [n for n in expected if n not in plan]
     if missing:
-        raise LoadError(f"missing tensor(s) in checkpoint: {_names(missing)}")
-    return plan
+        either = {key: name for name, key in aliases.items()}
+        missing = [f"{n} (or {either[n]})" if n in either else n for n in missing]
+        raise LoadError(f"missing tensor(s) in checkpoint{where}: {_names(missing)}")
+    return {key: (path, target, stored.get(key, key)) for key, (path, target) in plan.items()}
+
+
+def plan_load(cfg: ModelConfig, files: list[Path]) -> dict[str, tuple[Path, _Target]]:
+    """Match checkpoint tensors to destinations from headers only; raise LoadError on any mismatch."""
+    def ignored(name: str) -> bool:
+        # some tied checkpoints still store the (identical) head; the embedding is the one we use
+        return name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight")
+
+    plan = plan_tensors(expected_tensors(cfg), files, ignored, "")
+    return {key: (path, target) for key, (path, target, _) in plan.items()}
 
 
 def _check_coverage(plan: dict[str, tuple[Path, _Target]], params: dict[str, torch.Tensor]) -> None:

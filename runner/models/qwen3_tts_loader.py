@@ -16,33 +16,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from runner.config import ModelConfig
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.loader import (
-    LoadError,
     _check_coverage,
-    _names,
     _Target,
     copy_planned,
-    expected_tensors,
     find_safetensors,
+    plan_tensors,
+    stack_tensors,
 )
 from runner.models.qwen3_tts import Qwen3TtsModel, build_empty_qwen3_tts
 from runner.models.qwen3_tts_config import Qwen3TtsConfig
 
 _IGNORED_PREFIXES = ("speaker_encoder.",)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def _stack_tensors(cfg: ModelConfig, src_prefix: str, dst_prefix: str) -> dict[str, _Target]:
-    """The decoder layers and final norm of one stack, renamed from the Qwen3 layout."""
-    out = {}
-    for name, t in expected_tensors(cfg).items():
-        if name.startswith("model.layers.") or name == "model.norm.weight":
-            out[src_prefix + name[len("model."):]] = _Target(dst_prefix + t.param, t.row_start, t.shape)
-    return out
 
 
 def expected_qwen3_tts_tensors(cfg: Qwen3TtsConfig) -> dict[str, _Target]:
@@ -68,39 +56,19 @@ def expected_qwen3_tts_tensors(cfg: Qwen3TtsConfig) -> dict[str, _Target]:
             _Target("predictor.inputs_embeds_projector.weight", 0, (hp, h))
         out["talker.code_predictor.small_to_mtp_projection.bias"] = \
             _Target("predictor.inputs_embeds_projector.bias", 0, (hp,))
-    out.update(_stack_tensors(cfg.talker, "talker.model.", "talker."))
-    out.update(_stack_tensors(cfg.predictor, "talker.code_predictor.model.", "predictor."))
+    out.update(stack_tensors(cfg.talker, "talker.model.", "talker."))
+    out.update(stack_tensors(cfg.predictor, "talker.code_predictor.model.", "predictor."))
     return out
 
 
-def plan_qwen3_tts_load(cfg: Qwen3TtsConfig, files: list[Path]) -> dict[str, tuple[Path, _Target]]:
-    """Match checkpoint tensors to destinations from headers only: name -> (file, destination).
-    LoadError names the tensor and its file on any mismatch, and lists what is missing or
-    unexpected."""
-    expected = expected_qwen3_tts_tensors(cfg)
-    plan: dict[str, tuple[Path, _Target]] = {}
-    unexpected: list[str] = []
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.startswith(_IGNORED_PREFIXES) or name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                target = expected.get(name)
-                if target is None:
-                    unexpected.append(name)
-                    continue
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != target.shape:
-                    raise LoadError(f"tensor {name!r} in {path.name}: expected shape {target.shape}, got {shape}")
-                if name in plan:
-                    raise LoadError(f"tensor {name!r}: present in both {plan[name][0].name} and {path.name}")
-                plan[name] = (path, target)
-    if unexpected:
-        raise LoadError(f"unexpected tensor(s) in checkpoint: {_names(unexpected)}")
-    missing = [n for n in expected if n not in plan]
-    if missing:
-        raise LoadError(f"missing tensor(s) in checkpoint {str(cfg.path)!r}: {_names(missing)}")
-    return plan
+def plan_qwen3_tts_load(cfg: Qwen3TtsConfig, files: list[Path]) -> dict[str, tuple[Path, _Target, str]]:
+    """Match checkpoint tensors to destinations from headers only: name -> (file, destination,
+    stored name). LoadError names the tensor and its file on any mismatch, and lists what is
+    missing or unexpected."""
+    def ignored(name: str) -> bool:
+        return name.startswith(_IGNORED_PREFIXES) or name.endswith(_IGNORED_SUFFIXES)
+
+    return plan_tensors(expected_qwen3_tts_tensors(cfg), files, ignored, f" {str(cfg.path)!r}")
 
 
 @torch.no_grad()
@@ -110,6 +78,6 @@ def load_qwen3_tts(cfg: Qwen3TtsConfig, device: torch.device | str, dtype: torch
     plan = plan_qwen3_tts_load(cfg, find_safetensors(cfg.path))
     model = build_empty_qwen3_tts(cfg, device, dtype, attn, ops)
     params = dict(model.named_parameters())
-    _check_coverage(plan, params)
-    copy_planned(params, ((path, name, target) for name, (path, target) in plan.items()))
+    _check_coverage({k: (p, t) for k, (p, t, _) in plan.items()}, params)
+    copy_planned(params, ((path, stored, target) for path, target, stored in plan.values()))
     return model
