@@ -60,18 +60,30 @@ def load_csm_codec(path: str | Path, device: torch.device, dtype: torch.dtype = 
     raw = json.loads(cfg_file.read_text())
     if "codec_config" not in raw:
         return load_mimi(path, device, dtype)
-    state = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            state.update({k.removeprefix(_CSM_CODEC): st.get_tensor(k) for k in st.keys() if k.startswith(_CSM_CODEC)})
+    state = prefixed_tensors(path, _CSM_CODEC)
     if not state:
         raise CodecError(f"codec in {str(path)!r}: the checkpoint holds no {_CSM_CODEC}* tensors")
-    # Through a Mimi folder, so transformers' loader maps the checkpoint's names onto its modules
-    # (it renames several) and checks them, as it does for a Mimi checkpoint.
     with tempfile.TemporaryDirectory() as tmp:
-        MimiConfig(**raw["codec_config"]).save_pretrained(tmp)
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        return load_mimi(tmp, device, dtype)
+        return load_mimi(write_mimi_folder(tmp, raw["codec_config"], state), device, dtype)
+
+
+def prefixed_tensors(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors of the folder's safetensors named `prefix...`, the prefix removed: a codec
+    stored inside another model's checkpoint (CSM's codec_model.*, Qwen3-TTS's encoder.*)."""
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            state.update({k.removeprefix(prefix): st.get_tensor(k) for k in st.keys() if k.startswith(prefix)})
+    return state
+
+
+def write_mimi_folder(tmp: str, config: dict, state: dict[str, torch.Tensor]) -> str:
+    """A MimiModel folder in `tmp` (config.json + model.safetensors) from a config dict and a
+    state dict. Why a folder: transformers' loader then maps the checkpoint's names onto its
+    modules (it renames several, across versions) and checks them, as for a Mimi checkpoint."""
+    MimiConfig(**config).save_pretrained(tmp)
+    save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    return tmp
 
 
 def decoder_modules(model: MimiModel) -> tuple[MimiConvTranspose1d | None, MimiTransformerModel, nn.ModuleList]:

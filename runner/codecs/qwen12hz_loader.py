@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
-from transformers import MimiConfig, MimiModel
+from transformers import MimiModel
 
 from runner.codecs.config import CodecError
+from runner.codecs.mimi_loader import prefixed_tensors, write_mimi_folder
 
 _DECODER = "decoder."  # the decoder's tensors in the tokenizer's safetensors
 _ENCODER = "encoder."
@@ -196,18 +195,13 @@ def load_encoder(path: str | Path, device: torch.device, dtype: torch.dtype = to
     raw = json.loads((folder / "config.json").read_text())
     if not isinstance(raw.get("encoder_config"), dict):
         raise CodecError("Qwen3TTSTokenizerV2Config.encoder_config: missing")
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            state.update({k.removeprefix(_ENCODER): st.get_tensor(k) for k in st.keys() if k.startswith(_ENCODER)})
+    state = prefixed_tensors(folder, _ENCODER)
     if not state:
         raise CodecError(f"Qwen3-TTS 12 Hz codec encoder: no {_ENCODER}* tensors in {str(folder)!r}")
-    # Through a Mimi folder, so transformers' loader maps the checkpoint's (4.57-era) names onto
-    # its modules, as load_csm_codec does; it names a tensor whose shape is off.
+    # the checkpoint's (4.57-era) names mapped by transformers' loader, as load_csm_codec does
     with tempfile.TemporaryDirectory() as tmp:
-        MimiConfig(**raw["encoder_config"]).save_pretrained(tmp)
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        model, info = MimiModel.from_pretrained(tmp, dtype=dtype, local_files_only=True, output_loading_info=True)
+        model, info = MimiModel.from_pretrained(write_mimi_folder(tmp, raw["encoder_config"], state), dtype=dtype,
+                                                local_files_only=True, output_loading_info=True)
     missing = [k for k in info["missing_keys"] if not k.startswith(_MIMI_DECODER_SIDE)]
     if missing or info["unexpected_keys"]:
         bad = f"missing {_ENCODER}{missing[0]}" if missing else f"unexpected {_ENCODER}{info['unexpected_keys'][0]}"
