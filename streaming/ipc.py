@@ -38,6 +38,12 @@ class AddRequest(msgspec.Struct, tag="add", forbid_unknown_fields=True):
     # Multi-codebook models: the codes of the prompt's audio positions (a voice's reference
     # clip), one row of K codes per audio position, in order.
     prompt_frames: list[list[int]] | None = None
+    # Families that feed a text id with every generated frame (Qwen3-TTS's trailing text):
+    # those ids, one a frame, in order (then the family's pad id).
+    step_text_ids: list[int] | None = None
+    # Families that sample codebooks 1..K-1 apart (Qwen3-TTS's subtalker): their parameters;
+    # None: the family's defaults.
+    group_sampling: SamplingParams | None = None
 
 
 class EncodeAudio(msgspec.Struct, tag="encode", forbid_unknown_fields=True):

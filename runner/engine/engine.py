@@ -77,7 +77,8 @@ class Engine(WarmUp):
             constraint = self.family.logits_constraint(pick_backend(self.device, cfg.runner.sampler_backend))
             self._audio_stop_ids = self.family.stop_token_ids()
         if self.frames:
-            self.runner = FrameRunner(cfg, self.model, self.num_blocks, self.family.code_limit(codec))
+            self.runner = FrameRunner(cfg, self.model, self.num_blocks, self.family.frame_layout(),
+                                      self.family.code_limit(codec))
         else:
             self.runner = ModelRunner(cfg, self.model, self.num_blocks, constraint, lambda r: r.audio)
         # the GPU streams a step's work runs on, named for the stall report (gpu_streams_busy)
@@ -111,10 +112,15 @@ class Engine(WarmUp):
         hidden_state_layers: tuple[int, ...] | list[int] = (),
         audio: bool = False,
         prompt_frames: list[list[int]] | np.ndarray | None = None,
+        step_text_ids: list[int] | None = None,
+        group_sampling: SamplingParams | None = None,
     ) -> None:
         """Validate and queue a request. Raises InvalidRequest naming the field, or EngineBusy
         when there is no room for it; the engine and the other requests are unaffected. prompt_frames: a multi-codebook model's codes of the
-        prompt's audio positions ([n, K], ModelFamily.prompt_frames)."""
+        prompt's audio positions ([n, K], ModelFamily.prompt_frames). step_text_ids: the text
+        ids fed with the generated frames, one a frame (ModelFamily.step_text: Qwen3-TTS's
+        trailing text). group_sampling: parameters of codebooks 1..K-1 where the family samples
+        them apart (FrameLayout.group_sampling; None: the family's defaults)."""
         sampling = sampling or SamplingParams()
         m, s = self.cfg.model, self.cfg.scheduler
         if not isinstance(request_id, str) or not request_id:
@@ -144,16 +150,27 @@ class Engine(WarmUp):
             missing = [t for t in self._audio_stop_ids if t not in sampling.stop_token_ids] if not self.frames else []
             if missing:
                 sampling = msgspec.structs.replace(sampling, stop_token_ids=[*sampling.stop_token_ids, *missing])
+        step_text = self.family.step_text(None if step_text_ids is None else list(step_text_ids))
+        layout = self.runner.layout if self.frames else None
+        if group_sampling is not None:
+            if layout is None or layout.group_sampling is None:
+                raise InvalidRequest("group_sampling", f"the {self.family.name} family samples every code with `sampling`")
+            try:
+                group_sampling.validate(layout.codebook_size, self.family.codes_per_frame)
+            except InvalidRequest as e:  # named as the request's field, not `sampling`'s
+                field = "group_sampling" + e.field.removeprefix("sampling")
+                raise InvalidRequest(field, str(e).removeprefix(f"{e.field}: ")) from None
         frames = None
         if self.frames:
             rows = self.family.prompt_frames(prompt_token_ids, None if prompt_frames is None else np.asarray(prompt_frames))
-            frames = FrameLog(rows)
+            frames = FrameLog(rows, layout.num_codebooks, step_text)
         else:
             self.family.prompt_frames(prompt_token_ids, None if prompt_frames is None else np.asarray(prompt_frames))
         if audio and not self.codec.can_open():
             self.num_refused_total += 1
             raise EngineBusy("audio: the codec's streams are all in use by other requests; retry later")
-        req = Request(request_id, list(prompt_token_ids), sampling, layers, audio, frames=frames)
+        req = Request(request_id, list(prompt_token_ids), sampling, layers, audio, frames=frames,
+                      group_sampling=group_sampling)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.num_requests_total += 1
@@ -337,7 +354,7 @@ class Engine(WarmUp):
         frames = None
         if req.frames is not None and toks:
             end = req.num_prompt_tokens + (req.num_output_tokens if first is None else first + len(toks))
-            frames = req.frames.rows(end - len(toks), end).copy()
+            frames = req.frames.codes(end - len(toks), end).copy()
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=toks,

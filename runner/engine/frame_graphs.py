@@ -77,13 +77,14 @@ class FrameGraphs:
         self.model = runner.model
         self.device = runner.device
         self.k = runner.num_codebooks
+        self.w = runner.row_width  # K codes (+ a text id where the layout has a text column)
         self.buckets = graph_buckets(max_bs)
         nb, bs = runner.num_blocks, runner.block_size
         self.scratch_slot = nb * bs
         self.max_blocks = runner.max_blocks_per_seq
         dev, i64 = self.device, dict(dtype=torch.int64, device=self.device)
         self.staged = torch.zeros(staged_capacity(max_bs, self.max_blocks), dtype=torch.int32, device=dev)
-        self.frames_in = torch.zeros(max_bs * (self.k + 1), **i64)  # [b, 1 + K]: source slot (-1: host), codes
+        self.frames_in = torch.zeros(max_bs * (self.w + 1), **i64)  # [b, 1 + W]: source slot (-1: host), row
         self.input_ids = torch.zeros(max_bs, **i64)
         self.positions = torch.zeros(max_bs, **i64)
         self.slot_mapping = torch.full((max_bs,), self.scratch_slot, **i64)
@@ -91,6 +92,8 @@ class FrameGraphs:
         self.block_tables = torch.full((max_bs, self.max_blocks), nb, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.batches = {b: _GraphBatch(b, dev) for b in self.buckets}
+        # the groups' own parameters (FrameRunner.group_table), filled beside the code-0 rows
+        self.group_batches = {b: _GraphBatch(b, dev) for b in self.buckets} if runner.group_table is not None else None
         self.staging = staging_for(dev)
         from runner.kernels.graph_inputs import unpack_graph_inputs  # Triton: CUDA only (as DecodeGraphs)
 
@@ -115,9 +118,13 @@ class FrameGraphs:
         m, k = self.model, self.k
         self._unpack(self.staged, self.runner.slots.last_token, self.input_ids[:b], self.positions[:b],
                      self.slot_mapping[:b], self.seq_lens[:b], self.block_tables[:b], self.scratch_slot)
-        fin = self.frames_in[: b * (k + 1)].view(b, k + 1)
+        w = self.w
+        fin = self.frames_in[: b * (w + 1)].view(b, w + 1)
         src = fin[:, 0]
-        frames_in = torch.where(src[:, None] >= 0, self.runner.last_frame[src.clamp(min=0)], fin[:, 1:])
+        # an in-flight row's codes from last_frame; a text column always from the host
+        frames_in = torch.where(src[:, None] >= 0, self.runner.last_frame[src.clamp(min=0)], fin[:, 1 : k + 1])
+        if w > k:
+            frames_in = torch.cat([frames_in, fin[:, k + 1 :]], dim=1)
         meta = AttentionMetadata(query_start_loc=self.query_start_loc[: b + 1], seq_lens=self.seq_lens[:b],
                                  block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b],
                                  max_query_len=1, max_seq_len=self.max_blocks * self.runner.block_size,
@@ -130,7 +137,8 @@ class FrameGraphs:
         m = self.model
         hidden, logits0 = m.head(h)
         batch = self.batches[b].batch
-        sampler = self.runner.codebook_sampler(batch)
+        groups = self.group_batches[b].batch if self.group_batches is not None else None
+        sampler = self.runner.codebook_sampler(batch, groups)
         frames = m.depth_decode(hidden, sampler(logits0, 0), sampler)
         self.runner.record_frames(frames, batch.slots)
         return frames
@@ -155,31 +163,37 @@ class FrameGraphs:
             torch.cuda.synchronize(self.device)
         log.info("captured frame-step CUDA graphs for batch sizes %s", self.buckets)
 
-    def run(self, b: int, inp: StepInputs, frames: np.ndarray, src: np.ndarray, tab_rows: tuple) -> torch.Tensor:
+    def _pack_batches(self, b: int, tab_rows: tuple, group_rows: tuple | None) -> None:
+        gb = self.batches[b]
+        self.staging.copy_into(gb.buf, gb.pack(*tab_rows))
+        if self.group_batches is not None:
+            gg = self.group_batches[b]
+            self.staging.copy_into(gg.buf, gg.pack(*group_rows))
+
+    def run(self, b: int, inp: StepInputs, frames: np.ndarray, src: np.ndarray, tab_rows: tuple,
+            group_rows: tuple | None = None) -> torch.Tensor:
         """Replay bucket b for a pure decode step of n <= b rows: inputs (pack_step_inputs),
-        their input frames [n, K] and in-flight sources [2, D] (FrameRunner._pack_frames), the
-        sampling rows (SamplingTable arrays) -> the frames [n, K] (a view of the graph's output,
-        valid until the next replay)."""
+        their input rows [n, W] and in-flight sources [2, D] (FrameRunner._pack_frames), the
+        sampling rows (SamplingTable arrays; group_rows: the group table's, where the runner
+        has one) -> the frames [n, K] (a view of the graph's output, valid until the next replay)."""
         n = inp.num_seqs
         ids, pos, slot_map, seq_lens, _ = inp.split(inp.pack)
         staged = pack_graph_inputs(ids, pos, slot_map, seq_lens, np.full(n, -1, dtype=np.int64), inp.tables)
         self.staging.copy_into(self.staged, staged)
-        fin = np.empty((n, self.k + 1), dtype=np.int64)
+        fin = np.empty((n, self.w + 1), dtype=np.int64)
         fin[:, 0] = -1
         fin[src[0], 0] = src[1]
         fin[:, 1:] = frames
         self.staging.copy_into(self.frames_in, fin.reshape(-1))
-        gb = self.batches[b]
-        self.staging.copy_into(gb.buf, gb.pack(*tab_rows))
+        self._pack_batches(b, tab_rows, group_rows)
         self.graphs[(b, True)].replay()
         return self.out[(b, True)][:n]
 
-    def run_depth(self, b: int, hidden: torch.Tensor, tab_rows: tuple) -> torch.Tensor:
+    def run_depth(self, b: int, hidden: torch.Tensor, tab_rows: tuple, group_rows: tuple | None = None) -> torch.Tensor:
         """Replay bucket b's depth graph for n <= b sampling rows: their backbone outputs
         [n, H] (an eager step's) and sampling rows -> frames [n, K] (valid until the next replay)."""
         n = hidden.shape[0]
         self.hidden_in[:n].copy_(hidden)
-        gb = self.batches[b]
-        self.staging.copy_into(gb.buf, gb.pack(*tab_rows))
+        self._pack_batches(b, tab_rows, group_rows)
         self.graphs[(b, False)].replay()
         return self.out[(b, False)][:n]

@@ -16,9 +16,18 @@ copier it reuses):
                         its batch); records the frames in `last_frame` and copies frames and
                         their position ids to the host asynchronously.
 
-The id reported per row is `audio_token_id`, or `audio_eos_token_id` for the frame that ends
-the audio: the scheduler's stop rule and the prefix cache's ids then work unchanged (the cache
-hashes the frames too, runner/engine/kv_cache.py).
+The id reported per row is the layout's `frame_id`, or `end_id` for the frame that ends the
+audio: the scheduler's stop rule and the prefix cache's ids then work unchanged (the cache
+hashes the rows too, runner/engine/kv_cache.py).
+
+What the family declares (runner/families/base.py FrameLayout), chosen once here: a text column
+in the rows (Qwen3-TTS: a generated position's input is its frame plus a text id the host
+packs, FrameLog.step_text), a code-0 rule (csm_sampling.Code0Window) and separate parameters
+for groups 1..K-1 (a second SamplingTable, same seeds and counters).
+
+The model (CsmModel, Qwen3TtsModel) provides: `num_codebooks`, `attn`, `backbone` (a
+DecoderStack), `embed_inputs(ids [T], rows [T, W])`, `head`, `depth_decode`, `frame_is_eos`,
+`allocate_depth_kv`.
 """
 
 from __future__ import annotations
@@ -33,27 +42,38 @@ from runner.engine.output_copier import AsyncOutput
 from runner.engine.request import Request
 from runner.engine.scheduler import SchedulerOutput
 from runner.engine.step_inputs import StepInputs, pack_step_inputs
-from runner.layers.sampling_batch import SamplingBatch
-from runner.models.csm import CsmModel
-from runner.models.csm_sampling import CodebookSampler, CodecRange, FusedCodebooks, GreedyCodebooks, RaceCodebooks
+from runner.families.base import FrameLayout
+from runner.layers.sampling_batch import SamplingBatch, SamplingTable
+from runner.models.csm_sampling import (CodebookSampler, Code0Window, CodecRange, FusedCodebooks, GreedyCodebooks,
+                                        RaceCodebooks, SplitCodebooks)
 
 
 class FrameRunner(ModelRunner):
-    def __init__(self, cfg: EngineConfig, model: CsmModel, num_blocks: int, code_limit: int | None = None):
-        """code_limit: codes at or above it are never drawn (the codec's codebook size)."""
+    def __init__(self, cfg: EngineConfig, model: torch.nn.Module, num_blocks: int, layout: FrameLayout,
+                 code_limit: int | None = None):
+        """layout: the family's rows and draws; code_limit: codes at or above it are never
+        drawn (the codec's codebook size)."""
+        self.layout = layout
         super().__init__(cfg, model, num_blocks)
         self.code_limit = code_limit
-        S, k = cfg.scheduler.max_num_seqs, model.num_codebooks
+        S, k = cfg.scheduler.max_num_seqs, layout.num_codebooks
+        if model.num_codebooks != k:
+            raise ValueError(f"FrameRunner: the model yields {model.num_codebooks} codes a frame, the layout {k}")
         self.num_codebooks = k
-        self.audio_token_id = model.cfg.audio_token_id
-        self.audio_eos_token_id = model.cfg.audio_eos_token_id
+        self.row_width = layout.row_width
+        self.audio_token_id = layout.frame_id
+        self.audio_eos_token_id = layout.end_id
+        # groups 1..K-1 under their own parameters: per slot, as the code-0 table (same seeds)
+        self.group_table = SamplingTable(S, ()) if layout.group_sampling is not None else None
         # every slot's latest frame (row S: the scratch row padding rows write)
         self.last_frame = torch.zeros(S + 1, k, dtype=torch.int64, device=self.device)
         # whether each slot's request feeds the codec (its codes are kept below code_limit); row S: padding
         self.slot_audio = torch.zeros(S + 1, dtype=torch.bool, device=self.device)
         # one launch per codebook (csm_sampling.FusedCodebooks) where it applies, else the sampler's path
+        # (not with a code-0 rule or group parameters: the kernel takes one vocabulary and batch)
         self._fused_codebooks = (self.device.type == "cuda" and self.sampler.backend == "triton"
-                                 and model.cfg.codebook_size <= FusedCodebooks.max_vocab())
+                                 and layout.code0 is None and self.group_table is None
+                                 and layout.codebook_size <= FusedCodebooks.max_vocab())
         model.allocate_depth_kv(S)
         self._frames_in: torch.Tensor | None = None  # the frame step's output when a graph ran it
         self.frame_graphs: FrameGraphs | None = None
@@ -65,7 +85,7 @@ class FrameRunner(ModelRunner):
         return ()  # codebook draws mask no stop ids (the end is a frame rule, not an id)
 
     def _frame_width(self) -> int:
-        return self.model.num_codebooks
+        return self.layout.num_codebooks
 
     def _build_graphs(self) -> None:
         """The token decode graphs do not apply: FrameGraphs captures the frame step."""
@@ -89,15 +109,15 @@ class FrameRunner(ModelRunner):
         graphable = g is not None and inp.pure_decode and len(inp.sample.reqs) == inp.num_seqs and not inp.hidden_spans
         bucket = g.bucket_for(inp.num_seqs) if graphable else None
         if bucket is not None:
-            self._frames_in = g.run(bucket, inp, frames, src, self._table_rows(st))
+            self._frames_in = g.run(bucket, inp, frames, src, self._table_rows(st), self._group_rows(st))
         else:
             q_lens = np.diff(inp.split(inp.pack)[4])
             token_rows = self.token_rows and int(q_lens.max()) <= MAX_TOKEN_ROW_QUERY
             input_ids, pos_d, meta = self._eager_inputs(inp, q_lens, token_rows)
             frames_d = self._to_dev(frames)
-            if len(src):
+            if len(src):  # in-flight frames: their codes from the device (a text column stays the host's)
                 rows = self._to_dev(src)
-                frames_d[rows[0]] = self.last_frame[rows[1]]
+                frames_d[rows[0], : self.num_codebooks] = self.last_frame[rows[1]]
             h, captured = self.model.backbone.forward_capture(self.model.embed_inputs(input_ids, frames_d), pos_d,
                                                               self.kv_caches, meta, inp.capture)
             st.hidden, st.hidden_spans = self._gather_hidden(inp, captured), inp.hidden_spans
@@ -106,16 +126,21 @@ class FrameRunner(ModelRunner):
         self._state = st
 
     def _pack_frames(self, sched: SchedulerOutput, inp: StepInputs) -> tuple[np.ndarray, np.ndarray]:
-        """frames [T, K] int64 of the step's rows from the requests' FrameLogs, and [2, D] (flat
-        row, slot) of the rows whose frame is still in flight (read from last_frame on the
-        device). Their ids are `audio_token_id`: a generated position is always a frame."""
-        frames = np.zeros((inp.num_tokens, self.num_codebooks), dtype=np.int64)
+        """frames [T, W] int64 of the step's rows from the requests' FrameLogs, and [2, D] (flat
+        row, slot) of the rows whose frame is still in flight (its codes read from last_frame on
+        the device; its text id, with a text column, packed here: the host knows its frame
+        index). Their ids are `frame_id`: a generated position is always a frame."""
+        frames = np.zeros((inp.num_tokens, self.row_width), dtype=np.int64)
+        text = self.layout.text_column
         t = 0
         for e in sched.scheduled:
             req = e.req
-            known = min(e.start + e.num_tokens, req.frames.num_rows)
+            end = e.start + e.num_tokens
+            known = min(end, req.frames.num_rows)
             if known > e.start:
                 frames[t : t + known - e.start] = req.frames.rows(e.start, known)
+            if text and known < end:  # the last position's frame is in flight
+                frames[t + e.num_tokens - 1, -1] = req.frames.text_at(end - 1)
             t += e.num_tokens
         if inp.dev_rows:
             inp.split(inp.pack)[0][inp.dev_rows] = self.audio_token_id
@@ -129,7 +154,10 @@ class FrameRunner(ModelRunner):
             if self.slot_owner[req.slot] is not req:
                 self.slot_owner[req.slot] = req
                 p = req.sampling
-                self.sampling_table.set(req.slot, p, p.seed if p.seed is not None else self._seed_rng.getrandbits(63))
+                seed = p.seed if p.seed is not None else self._seed_rng.getrandbits(63)
+                self.sampling_table.set(req.slot, p, seed)
+                if self.group_table is not None:
+                    self.group_table.set(req.slot, req.group_sampling or self.layout.group_sampling, seed)
                 fresh.append(req)
         if fresh and self.code_limit is not None:
             rows = self._to_dev(np.asarray([[r.slot for r in fresh], [r.audio for r in fresh]], dtype=np.int64))
@@ -150,10 +178,10 @@ class FrameRunner(ModelRunner):
         if self._frames_in is not None:  # the graph ran the whole frame step
             frames, self._frames_in = self._frames_in, None
         elif bucket is not None:  # an eager backbone (prompt chunks in the step): the depth graph
-            frames = g.run_depth(bucket, st.final_hidden, self._table_rows(st))
+            frames = g.run_depth(bucket, st.final_hidden, self._table_rows(st), self._group_rows(st))
         else:
             batch = self._sampling_batch(st)
-            sampler = self.codebook_sampler(batch)
+            sampler = self.codebook_sampler(batch, self._group_batch(st))
             hidden, logits0 = self.model.head(st.final_hidden)
             frames = self.model.depth_decode(hidden, sampler(logits0, 0), sampler)
             self.record_frames(frames, batch.slots)
@@ -165,21 +193,40 @@ class FrameRunner(ModelRunner):
             self._t0 = None
         return self.copier.copy(ids, st.hidden, st.hidden_spans, frames=frames)
 
-    def _table_rows(self, st: ExecuteState) -> tuple[np.ndarray, ...]:
-        """The sampling rows of the step as SamplingTable arrays (a graph's batch is filled from them)."""
-        tab, sl = self.sampling_table, np.asarray(st.sample.slots, dtype=np.int64)
+    def _group_batch(self, st: ExecuteState) -> SamplingBatch | None:
+        """The step's sampling rows under the groups' parameters (None: groups use the code-0 batch)."""
+        if self.group_table is None:
+            return None
+        s = st.sample
+        params = [r.group_sampling or self.layout.group_sampling for r in s.reqs]
+        return self.group_table.batch(s.slots, s.out_index, params, self.device)
+
+    def _table_rows(self, st: ExecuteState, table: SamplingTable | None = None) -> tuple[np.ndarray, ...]:
+        """The sampling rows of the step as SamplingTable arrays (a graph's batch is filled from
+        them), from `table` (default: the code-0 one)."""
+        tab, sl = self.sampling_table if table is None else table, np.asarray(st.sample.slots, dtype=np.int64)
         return tab.floats[sl], tab.top_k[sl], sl, tab.seeds[sl], np.asarray(st.sample.out_index, dtype=np.int64)
 
-    def codebook_sampler(self, batch: SamplingBatch) -> CodebookSampler:
+    def _group_rows(self, st: ExecuteState) -> tuple[np.ndarray, ...] | None:
+        return self._table_rows(st, self.group_table) if self.group_table is not None else None
+
+    def codebook_sampler(self, batch: SamplingBatch, group_batch: SamplingBatch | None = None) -> CodebookSampler:
+        """The frame's per-codebook draws: `batch` for code 0 (and every group unless
+        `group_batch` is given: the layout's group parameters), under the layout's code-0 rule
+        and the codec's range."""
         rows = None  # the rows feeding the codec (their codes stay below code_limit)
         if self.code_limit is not None:
             rows = self.slot_audio[torch.where(batch.slots >= 0, batch.slots, self.slot_audio.shape[0] - 1)]
         if self._fused_codebooks:
             return FusedCodebooks(batch, self.num_codebooks, self.code_limit, rows)
-        race = RaceCodebooks(self.sampler, batch, self.num_codebooks)
+        sampler: CodebookSampler = RaceCodebooks(self.sampler, batch, self.num_codebooks)
+        if group_batch is not None:
+            sampler = SplitCodebooks(sampler, RaceCodebooks(self.sampler, group_batch, self.num_codebooks))
+        if self.layout.code0 is not None:
+            sampler = Code0Window(self.layout.code0, batch.counters, sampler)
         if rows is None:
-            return race
-        return CodecRange(race, self.code_limit, rows, self.model.cfg.codebook_size)
+            return sampler
+        return CodecRange(sampler, self.code_limit, rows, self.layout.codebook_size)
 
     def frame_ids(self, frames: torch.Tensor) -> torch.Tensor:
         """[B, K] -> [B] the position id the scheduler sees: the end id for the ending frame."""

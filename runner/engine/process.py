@@ -110,7 +110,8 @@ class EngineLoop:
                 self._added[msg.request_id] = time.perf_counter()
             try:
                 eng.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.hidden_state_layers, msg.audio,
-                                prompt_frames=msg.prompt_frames)
+                                prompt_frames=msg.prompt_frames, step_text_ids=msg.step_text_ids,
+                                group_sampling=msg.group_sampling)
             except InvalidRequest as e:
                 self._added.pop(msg.request_id, None)
                 out = ipc.RequestOutput(msg.request_id, finished=True, finish_reason="error", error=str(e), error_field=e.field)

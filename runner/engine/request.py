@@ -41,40 +41,75 @@ class Status(enum.Enum):
     FINISHED = 3
 
 
-class FrameLog:
-    """The codes of every position of a multi-codebook request: one row of K codes per position,
-    the prompt's first (rows of text positions are never read: zeros), then one per accepted
-    output frame. The model embeds a frame position from its row; the prefix cache hashes the
-    rows with the ids (two voice prompts differ only in their frames)."""
+@dataclass(frozen=True)
+class StepText:
+    """The text ids fed with a request's generated frames (Qwen3-TTS's trailing text,
+    docs/qwen3_tts.md §1): output frame n is embedded with ids[n], then with `pad` once the
+    ids run out. The host knows every row's frame index, even while that frame is on the
+    device, so the id is packed on the host like any input."""
 
-    def __init__(self, prompt_frames: np.ndarray):
-        n, k = prompt_frames.shape
-        self._rows = np.empty((max(2 * n, 64), k), dtype=np.int64)
-        self._rows[:n] = prompt_frames
+    ids: tuple[int, ...]
+    pad: int
+
+    def at(self, n: int) -> int:
+        return self.ids[n] if n < len(self.ids) else self.pad
+
+
+class FrameLog:
+    """The input row of every position of a multi-codebook request: the prompt's first, then
+    one per accepted output frame. A row is the frame's K codes, then, for a family whose
+    generated positions also carry a text id (`step_text`), that id: width K or K + 1. The
+    model embeds a position from its row (rows of text-only positions are the family's
+    business: CSM leaves zeros, Qwen3-TTS -1 codes); the prefix cache hashes the whole rows
+    with the ids (two voice prompts differ only in their frames, two trailing texts only in
+    the text column)."""
+
+    def __init__(self, prompt_rows: np.ndarray, num_codes: int | None = None, step_text: StepText | None = None):
+        n, w = prompt_rows.shape
+        self.num_codes = w if num_codes is None else num_codes
+        if w != self.num_codes + (step_text is not None):
+            raise ValueError(f"FrameLog: rows of width {w} for {self.num_codes} codes "
+                             f"{'with' if step_text is not None else 'without'} a text column")
+        self.step_text = step_text
+        self.num_prompt = n
+        self._rows = np.empty((max(2 * n, 64), w), dtype=np.int64)
+        self._rows[:n] = prompt_rows
         self.num_rows = n
 
     @property
     def width(self) -> int:
         return self._rows.shape[1]
 
+    def text_at(self, position: int) -> int:
+        """The text id of a generated position (known or still in flight)."""
+        assert self.step_text is not None and position >= self.num_prompt, position
+        return self.step_text.at(position - self.num_prompt)
+
     def append(self, frame: np.ndarray) -> None:
+        """frame (K,): the codes of the next position (its text id, if any, is filled in here)."""
         # once per request per step: locals over repeated attribute reads
-        n, rows = self.num_rows, self._rows
+        n, rows, k = self.num_rows, self._rows, self.num_codes
         if n == len(rows):
             rows = np.empty((2 * n, self.width), dtype=np.int64)
             rows[:n] = self._rows[:n]
             self._rows = rows
-        rows[n] = frame
+        rows[n, :k] = frame
+        if self.step_text is not None:
+            rows[n, k] = self.step_text.at(n - self.num_prompt)
         self.num_rows = n + 1
 
     def last(self) -> np.ndarray:
-        """(K,) view of the latest position's row (the frame just accepted)."""
-        return self._rows[self.num_rows - 1]
+        """(K,) view of the latest position's codes (the frame just accepted)."""
+        return self._rows[self.num_rows - 1, : self.num_codes]
 
     def rows(self, start: int, end: int) -> np.ndarray:
-        """[end - start, K] view of positions start .. end - 1 (all known)."""
+        """[end - start, width] view of positions start .. end - 1 (all known)."""
         assert end <= self.num_rows, (start, end, self.num_rows)
         return self._rows[start:end]
+
+    def codes(self, start: int, end: int) -> np.ndarray:
+        """[end - start, K] view of the codes of positions start .. end - 1 (all known)."""
+        return self.rows(start, end)[:, : self.num_codes]
 
 
 @dataclass(eq=False)
@@ -89,6 +124,9 @@ class Request:
     # Multi-codebook families: the codes of every position (the token ids then only say which
     # positions are frames); None for one-token-per-step families.
     frames: FrameLog | None = None
+    # Families that sample groups 1..K-1 with their own parameters (Qwen3-TTS's subtalker_*):
+    # this request's, or None for the family's defaults.
+    group_sampling: SamplingParams | None = None
     arrival: int = field(default_factory=lambda: next(_seq_counter))
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, for the admission hold
 

@@ -9,17 +9,19 @@ K). The engine calls these at construction and per request, never per step on th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
 
 from runner.config import EngineConfig
+from runner.engine.request import StepText
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.llama import build_random_model
 from runner.models.loader import load_model
 from streaming.profile import ModelProfile
-from streaming.sampling_params import InvalidRequest
+from streaming.sampling_params import InvalidRequest, SamplingParams
 
 
 class LogitsConstraint(Protocol):
@@ -38,6 +40,43 @@ class LogitsConstraint(Protocol):
     def gather_window(self, logits: torch.Tensor, out_index: torch.Tensor, base: int = 0) -> torch.Tensor: ...
 
     def window_ids(self, cols: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Code0Rule:
+    """Which code-0 ids a frame may draw (Qwen3-TTS, M:2044-2066): ids [0, num_codes) and
+    `eos`, eos only from the request's frame `min_frames` on. Applied on the device from the
+    rows' frame counters: no host sync, CUDA-graph safe."""
+
+    vocab: int  # code 0's logits width (the talker's codec table: codes + special ids)
+    num_codes: int
+    eos: int
+    min_frames: int
+
+
+@dataclass(frozen=True)
+class FrameLayout:
+    """What the frame runner (runner/engine/frame_runner.py) needs to know of a multi-codebook
+    family's rows and draws, declared once by the family.
+
+    A position's input row is its K codes, then a text id where `text_column` (the family feeds
+    a text id with every generated frame: FrameLog.step_text). The scheduler sees one id per
+    generated position: `frame_id`, or `end_id` for the frame that ends the audio (the view's
+    eos, so the stop rule is unchanged)."""
+
+    num_codebooks: int  # K
+    codebook_size: int  # codes of each group (the codec's); code 0 may have more logits (code0)
+    frame_id: int
+    end_id: int
+    text_column: bool = False
+    code0: Code0Rule | None = None  # None: code 0 draws from its logits as they are
+    # groups 1..K-1 sample with these parameters unless the request gives its own; None: with
+    # the request's (CSM: one set of parameters per frame)
+    group_sampling: SamplingParams | None = None
+
+    @property
+    def row_width(self) -> int:
+        return self.num_codebooks + int(self.text_column)
 
 
 class CodecStageLike(Protocol):
@@ -100,6 +139,18 @@ class ModelFamily(ABC):
         frames). Raises InvalidRequest naming `prompt_frames`."""
         if frames is not None:
             raise InvalidRequest("prompt_frames", f"the {self.name} family takes no audio frames in a prompt")
+        return None
+
+    def frame_layout(self) -> FrameLayout | None:
+        """A multi-codebook family's rows and draws (codes_per_frame > 1); None for a family
+        that yields one token per step."""
+        return None
+
+    def step_text(self, step_text_ids: list[int] | None) -> StepText | None:
+        """The text ids a request feeds with its generated frames; None for a family without
+        them (which refuses any). Raises InvalidRequest naming `step_text_ids`."""
+        if step_text_ids:
+            raise InvalidRequest("step_text_ids", f"the {self.name} family takes no per-step text ids")
         return None
 
     @property

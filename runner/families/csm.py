@@ -23,7 +23,7 @@ import torch
 from runner.codecs.mimi_loader import load_csm_codec
 from runner.codecs.mimi_stage import MimiCodecConfig, MimiCodecStage
 from runner.config import EngineConfig
-from runner.families.base import CodecStageLike, LogitsConstraint, ModelFamily
+from runner.families.base import CodecStageLike, FrameLayout, LogitsConstraint, ModelFamily
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.csm import CsmModel, build_empty_csm
 from runner.models.csm_config import CsmModelConfig
@@ -71,6 +71,11 @@ class CsmFamily(ModelFamily):
     def encode_reference(self, codec: CodecStageLike, pcm: np.ndarray) -> np.ndarray:
         assert isinstance(codec, MimiCodecStage)
         return codec.encode(pcm)
+
+    def frame_layout(self) -> FrameLayout:
+        c = self.config
+        return FrameLayout(num_codebooks=c.num_codebooks, codebook_size=c.codebook_size,
+                           frame_id=c.audio_token_id, end_id=c.audio_eos_token_id)
 
     def logits_constraint(self, backend: str) -> LogitsConstraint | None:
         return None  # every codebook's logits are its codes: nothing to mask

@@ -82,6 +82,37 @@ class CodecRange:
         return self.inner(logits, codebook, out)
 
 
+class SplitCodebooks:
+    """Code 0 drawn by one sampler, groups 1..K-1 by another (Qwen3-TTS: the talker's and the
+    subtalker's parameters, two SamplingBatch views with the same seeds and counters)."""
+
+    def __init__(self, code0: CodebookSampler, groups: CodebookSampler):
+        self.code0 = code0
+        self.groups = groups
+
+    def __call__(self, logits: Tensor, codebook: int, out: Tensor | None = None) -> Tensor:
+        return (self.code0 if codebook == 0 else self.groups)(logits, codebook, out)
+
+
+class Code0Window:
+    """Code 0 drawn only from `rule`'s window (runner/families/base.py Code0Rule): ids >=
+    num_codes other than eos get -inf, and eos too on rows whose frame counter ([B] int64,
+    the request's frames so far) is below min_frames. Other codebooks pass through. The mask
+    [B, vocab] is built once per frame step from device tensors: no host sync, graph safe."""
+
+    def __init__(self, rule, counters: Tensor, inner: CodebookSampler):
+        ids = torch.arange(rule.vocab, device=counters.device)
+        is_eos = ids == rule.eos
+        outside = (ids >= rule.num_codes) & ~is_eos  # [V0]
+        self.barred = outside[None, :] | (is_eos[None, :] & (counters < rule.min_frames)[:, None])  # [B, V0]
+        self.inner = inner
+
+    def __call__(self, logits: Tensor, codebook: int, out: Tensor | None = None) -> Tensor:
+        if codebook == 0:
+            logits.masked_fill_(self.barred, float("-inf"))
+        return self.inner(logits, codebook, out)
+
+
 class FusedCodebooks:
     """`CodecRange(RaceCodebooks(sampler, batch, K), limit, rows, V)` (or the bare
     `RaceCodebooks` when `limit` is None) in one launch per codebook: the codec range, the
