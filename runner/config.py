@@ -23,6 +23,9 @@ SUPPORTED_ARCHITECTURES = {
     "CsmForConditionalGeneration": "csm",
 }
 
+# runner/families/qwen3_tts.py: a talker with its own config layout (ModelConfig.from_dict)
+QWEN3_TTS_ARCHITECTURE = "Qwen3TTSForConditionalGeneration"
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -93,6 +96,12 @@ class ModelConfig:
     @staticmethod
     def from_dict(raw: dict, path: str = "") -> "ModelConfig":
         archs = raw.get("architectures") or []
+        if QWEN3_TTS_ARCHITECTURE in archs:
+            # Qwen3-TTS: the engine's view is its talker (runner/models/qwen3_tts_config.py
+            # parses the folder; it builds its decoders with this function, hence the late import)
+            from runner.models.qwen3_tts_config import Qwen3TtsConfig
+
+            return Qwen3TtsConfig.from_dict(raw, path).engine_view
         decoder = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if decoder is None:
             raise ConfigError(

@@ -5,12 +5,14 @@ from __future__ import annotations
 from runner.families.base import ModelFamily
 from runner.families.csm import CsmFamily
 from runner.families.orpheus import OrpheusFamily
+from runner.families.qwen3_tts import Qwen3TtsFamily
 from runner.families.text import TextFamily
 from streaming.profile import ModelProfile
 
 FAMILIES: dict[str, type[ModelFamily]] = {
     CsmFamily.name: CsmFamily,
     OrpheusFamily.name: OrpheusFamily,
+    Qwen3TtsFamily.name: Qwen3TtsFamily,
     TextFamily.name: TextFamily,
 }
 
@@ -20,4 +22,4 @@ def family_for(profile: ModelProfile, model_path: str = "") -> ModelFamily:
     return FAMILIES[profile.family](profile, model_path)
 
 
-__all__ = ["FAMILIES", "CsmFamily", "ModelFamily", "OrpheusFamily", "TextFamily", "family_for"]
+__all__ = ["FAMILIES", "CsmFamily", "ModelFamily", "OrpheusFamily", "Qwen3TtsFamily", "TextFamily", "family_for"]

@@ -5,7 +5,7 @@ M:n is line n of its qwen_tts/core/models/modeling_qwen3_tts.py, as in the doc).
 A frame is K codes (code 0 from the talker, groups 1..K-1 from the code predictor). One frame
 step, for B rows, is CSM's (runner/models/csm.py) with other tables:
 
-    embeds = embed_inputs(text_ids, codes)              # prompt rows, or generated frames + text
+    embeds = embed_inputs(ids, rows)                    # rows: codes + text id (prompt or generated)
     hidden, logits0 = backbone_step(embeds, positions, kv_caches, meta, last_rows)
     code0 = sampler(logits0, 0)                         # over codec_vocab_size ids (codes + specials)
     frames = depth_decode(hidden, code0, sampler)       # [B, K]; K - 1 batched sub-steps
@@ -22,7 +22,8 @@ Every input position is a text part plus a codec part (M:2022-2234):
               special id is codes [id, -1, ...]; a codec frame is all K codes.
 Both parts of a position come as host-built rows (`embed_inputs`): the prompt's layout is the
 front end's business (a later stage), and a generated step's row is its frame plus the step's
-trailing text id (or tts_pad). The tables live in one concatenated parameter `codec_embedding`
+trailing text id (or tts_pad). The talker's stack is `backbone`, as CSM's (the frame runner's
+name for it). The tables live in one concatenated parameter `codec_embedding`
 [codec_vocab_size + (K - 1) * V, H] at `cfg.table_offsets`, shared with the code predictor
 (its code 0 and group inputs read the same rows). Parameter names follow qwen-tts's
 (runner/models/qwen3_tts_loader.py maps them; q/k/v and gate/up fused as in LlamaForCausalLM).
@@ -90,7 +91,7 @@ class Qwen3TtsModel(nn.Module):
         self.text_embedding = nn.Embedding(cfg.text_vocab_size, th)
         self.text_projection = TextProjection(th, h)
         self.codec_embedding = nn.Embedding(cfg.codec_vocab_size + (k - 1) * cfg.codebook_size, h)
-        self.talker = DecoderStack(cfg.talker, attn, ops)
+        self.backbone = DecoderStack(cfg.talker, attn, ops)  # the talker's stack (the engine's backbone)
         self.codec_head = nn.Linear(h, cfg.codec_vocab_size, bias=False)  # code 0 (and the special ids)
         self.predictor = Qwen3TtsCodePredictor(cfg, attn, ops)
         self.register_buffer("table_offsets", torch.tensor(cfg.table_offsets, dtype=torch.int64), persistent=False)
@@ -104,7 +105,7 @@ class Qwen3TtsModel(nn.Module):
 
     def reset_buffers(self, device: torch.device | str) -> None:
         """Non-parameter state on `device` after a meta-device build: RoPE tables, offsets."""
-        self.talker.rotary.reset(device)
+        self.backbone.rotary.reset(device)
         self.predictor.rotary.reset(device)
         self.table_offsets = torch.tensor(self.cfg.table_offsets, dtype=torch.int64, device=device)
 
@@ -133,26 +134,35 @@ class Qwen3TtsModel(nn.Module):
         """[N, K] int64 codes (all present) -> [N, H]: the frame's codec part."""
         return self.codec_embedding(frames + self.table_offsets).sum(dim=1)
 
-    def embed_inputs(self, text_ids: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        """The engine's rows: text_ids [T] int64 (NO_TEXT: no text part), codes [T, K] int64
-        (NO_CODE entries: tables not read) -> [T, H] = text part + codec part. An x-vector
-        speaker position (Base) is added over its row by the caller."""
+    def embed_parts(self, text_ids: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """text_ids [T] int64 (NO_TEXT: no text part), codes [T, K] int64 (NO_CODE entries:
+        tables not read) -> [T, H] = text part + codec part. An x-vector speaker position
+        (Base) is added over its row by the caller."""
         has_text = (text_ids >= 0)[:, None]
         text = self.embed_text(text_ids.clamp(min=0)) * has_text.to(self.codec_embedding.weight.dtype)
         return text + self.embed_codes(codes)
+
+    def embed_inputs(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The engine's rows (runner/families/qwen3_tts.py's layout): rows [T, K + 1] int64 =
+        a position's K codes (NO_CODE: table not read), then its text id (NO_TEXT: none) ->
+        [T, H]. ids [T] (the scheduler's view of the positions) carry nothing more: every
+        prompt id is its row's text id, and a generated position's text id is packed in its
+        row by the host (its trailing text)."""
+        k = self.num_codebooks
+        return self.embed_parts(rows[:, k], rows[:, :k])
 
     # ---- the frame step ----------------------------------------------------------------------
 
     def head(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, H] last hidden states -> (the same, code-0 logits [B, codec_vocab_size], model dtype)."""
-        return last, self.talker.ops.head(last, self.codec_head.weight, None)
+        return last, self.backbone.ops.head(last, self.codec_head.weight, None)
 
     def backbone_step(self, embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                       meta: AttentionMetadata, last_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """embeds [T, H] of a flattened batch (positions [T] = 0..P-1 per sequence: the reference's
         MRoPE streams are identical and unpadded here; the paged KV and its metadata as for
         LlamaForCausalLM), last_rows [B] int64 -> (final hidden [B, H], code-0 logits [B, V0])."""
-        h = self.talker(embeds, positions, kv_caches, meta)
+        h = self.backbone(embeds, positions, kv_caches, meta)
         return self.head(h.index_select(0, last_rows))
 
     def depth_decode(self, hidden: torch.Tensor, code0: torch.Tensor, sampler: CodebookSampler) -> torch.Tensor:

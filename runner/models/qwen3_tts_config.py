@@ -15,12 +15,10 @@ ids (tts_pad/bos/eos, im_start/end) are top-level fields.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from runner.config import ConfigError, ModelConfig
-
-QWEN3_TTS_ARCHITECTURE = "Qwen3TTSForConditionalGeneration"
+from runner.config import QWEN3_TTS_ARCHITECTURE, ConfigError, ModelConfig
 # the decoder fields whose other values change what the layers compute
 _REQUIRED = (("hidden_act", "silu"), ("use_sliding_window", False), ("mlp_bias", False))
 
@@ -64,6 +62,14 @@ class Qwen3TtsConfig:
         """The code predictor has an input projection (Linear with bias, talker width -> its
         own) where its width differs from the talker's; the Identity otherwise (M:1171)."""
         return self.predictor.hidden_size != self.talker.hidden_size
+
+    @property
+    def engine_view(self) -> ModelConfig:
+        """The talker as the engine schedules it (EngineConfig.model): its stack's shape (the
+        KV cache's), positions named by text ids (every prompt position has one; a generated
+        frame is reported as tts_pad, the frame that ends the audio as tts_eos: the view's
+        end id, runner/families/qwen3_tts.py)."""
+        return replace(self.talker, vocab_size=self.text_vocab_size, eos_token_ids=(self.tts_eos_id,))
 
     @property
     def table_offsets(self) -> tuple[int, ...]:

@@ -56,7 +56,7 @@ def expected_qwen3_tts_tensors(cfg: Qwen3TtsConfig) -> dict[str, _Target]:
             _Target("predictor.inputs_embeds_projector.weight", 0, (hp, h))
         out["talker.code_predictor.small_to_mtp_projection.bias"] = \
             _Target("predictor.inputs_embeds_projector.bias", 0, (hp,))
-    out.update(stack_tensors(cfg.talker, "talker.model.", "talker."))
+    out.update(stack_tensors(cfg.talker, "talker.model.", "backbone."))
     out.update(stack_tensors(cfg.predictor, "talker.code_predictor.model.", "predictor."))
     return out
 

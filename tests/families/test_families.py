@@ -13,7 +13,7 @@ CODEC = {"path": "/nowhere", "audio_token_offset": 512, "codebook_size": 64, "en
 
 
 def test_registry_picks_the_profile_family():
-    assert set(FAMILIES) == {"orpheus", "csm", "text"}
+    assert set(FAMILIES) == {"orpheus", "csm", "qwen3_tts", "text"}
     assert isinstance(family_for(ModelProfile()), OrpheusFamily)
     assert isinstance(family_for(ModelProfile(family="text", speech=None)), TextFamily)
 

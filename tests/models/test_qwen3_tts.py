@@ -56,8 +56,8 @@ def loaded(request, golden) -> tuple[Qwen3TtsModel, dict[str, dict[str, torch.Te
 
 
 def prompt_embeds(model: Qwen3TtsModel, case: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The case's prompt rows through embed_inputs, the x-vector added over its row."""
-    embeds = model.embed_inputs(case["text_ids"], case["codec_ids"])
+    """The case's prompt rows through embed_parts, the x-vector added over its row."""
+    embeds = model.embed_parts(case["text_ids"], case["codec_ids"])
     if "xvector" in case:
         embeds[int(case["xvector_row"])] += case["xvector"]
     return embeds
@@ -72,7 +72,7 @@ def step_text(model: Qwen3TtsModel, case: dict[str, torch.Tensor], frame: int) -
 def step_rows(model: Qwen3TtsModel, cases: list[dict], frames: list[torch.Tensor], index: list[int]) -> torch.Tensor:
     """Generated-step inputs: frame [K] of each row + the text part of its frame index."""
     text = torch.tensor([step_text(model, c, i) for c, i in zip(cases, index)])
-    return model.embed_inputs(text, torch.stack(frames))
+    return model.embed_parts(text, torch.stack(frames))
 
 
 class Code0Window(GreedyCodebooks):
@@ -181,12 +181,12 @@ def test_config_errors_name_the_field(edit, message):
 @torch.no_grad()
 def test_prompt_rows_embed_as_the_reference(loaded):
     """Every prompt kind (speaker / dialect / instruct / x-vector / ICL frames, streaming and
-    not): embed_inputs over the rows = generate's own inputs_embeds."""
+    not): embed_parts over the rows = generate's own inputs_embeds."""
     model, cases, _ = loaded
     for name, case in cases.items():
         torch.testing.assert_close(prompt_embeds(model, case), case["prompt_embeds"], rtol=0, atol=1e-5, msg=name)
     codes = torch.full((2, model.num_codebooks), NO_CODE)
-    assert torch.equal(model.embed_inputs(torch.tensor([NO_TEXT, NO_TEXT]), codes), torch.zeros(2, 64))
+    assert torch.equal(model.embed_parts(torch.tensor([NO_TEXT, NO_TEXT]), codes), torch.zeros(2, 64))
 
 
 @torch.no_grad()

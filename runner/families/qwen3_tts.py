@@ -1,0 +1,139 @@
+"""Qwen3-TTS (12 Hz): a multi-codebook talker (docs/qwen3_tts.md). Each step yields a frame of K
+codes per row (the talker predicts code 0, the code predictor groups 1..K-1 in the same step);
+a generated position's input is its frame's summed codec embeddings plus a text id (the
+request's trailing text, then tts_pad), and the 12 Hz codec turns frames into 24 kHz PCM.
+
+What the engine asks of the family:
+- the model: runner/models/qwen3_tts.py from a qwen-tts `Qwen3TTSForConditionalGeneration`
+  folder; the engine's view of it is the talker (Qwen3TtsConfig.engine_view);
+- rows (FrameLayout): a position's K codes (-1: a table the position does not read), then its
+  text id. Prompts come as text ids (`prompt_token_ids`, one per position: every position of
+  the reference's prompts has a text part) and their codec part (`prompt_frames` [P, K], all
+  -1 on text-only positions); generated frames take their text id from `step_text_ids`;
+- ids: a generated frame is reported as tts_pad, the frame that ends the audio as tts_eos (the
+  view's end id, so the scheduler's stop rule is unchanged);
+- code 0 (M:2044-2066): drawn from the codes and eos only, eos not before frame
+  MIN_NEW_TOKENS; groups 1..K-1 drawn with the folder's subtalker_* parameters
+  (generation_config.json, else qwen-tts's defaults) unless the request gives its own;
+- the end: code 0 == codec eos (Qwen3TtsModel.frame_is_eos); that frame is not audio;
+- the codec: the folder's speech_tokenizer/ (or `codec.path`) as Qwen12HzCodecStage.
+
+Not yet (docs/qwen3_tts.md §5): the code-0 repetition penalty (SamplingParams.validate refuses
+penalties for frame families), x-vector speakers and reference clips (Stage 5), the front end
+(profile, voices; Stage 4).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runner.codecs.mimi_stage import MimiCodecConfig
+from runner.codecs.qwen12hz_stage import Qwen12HzCodecStage
+from runner.config import EngineConfig
+from runner.engine.request import StepText
+from runner.families.base import CodecStageLike, Code0Rule, FrameLayout, LogitsConstraint, ModelFamily
+from runner.layers.base import AttentionBackend, OpsBackend
+from runner.models.qwen3_tts import NO_CODE, Qwen3TtsModel, build_empty_qwen3_tts
+from runner.models.qwen3_tts_config import Qwen3TtsConfig
+from runner.models.qwen3_tts_loader import load_qwen3_tts
+from streaming.profile import ModelProfile
+from streaming.sampling_params import InvalidRequest, SamplingParams
+
+# qwen-tts's generate (W:319-330): eos may end the audio from the third frame on
+MIN_NEW_TOKENS = 2
+# the subtalker's sampling where the folder has no generation_config.json (W:319-330)
+SUBTALKER_DEFAULTS = {"subtalker_dosample": True, "subtalker_top_k": 50, "subtalker_top_p": 1.0,
+                      "subtalker_temperature": 0.9}
+
+
+def subtalker_sampling(model_path: str | Path) -> SamplingParams:
+    """Groups 1..K-1's parameters: the folder's generation_config.json subtalker_* over
+    qwen-tts's defaults (do_sample false: greedy)."""
+    raw = dict(SUBTALKER_DEFAULTS)
+    gen = Path(model_path) / "generation_config.json"
+    if gen.is_file():
+        raw.update({k: v for k, v in json.loads(gen.read_text()).items() if k in SUBTALKER_DEFAULTS})
+    temperature = float(raw["subtalker_temperature"]) if raw["subtalker_dosample"] else 0.0
+    return SamplingParams(temperature=temperature, top_k=int(raw["subtalker_top_k"]),
+                          top_p=float(raw["subtalker_top_p"]))
+
+
+class Qwen3TtsFamily(ModelFamily):
+    name = "qwen3_tts"
+
+    def __init__(self, profile: ModelProfile, model_path: str = ""):
+        super().__init__(profile, model_path)
+        self.config = Qwen3TtsConfig.from_pretrained(model_path)
+        self.codes_per_frame = self.config.num_code_groups
+        self.group_sampling = subtalker_sampling(model_path)
+        self.group_sampling.validate(self.config.codebook_size, self.codes_per_frame)
+        self.codec_config = MimiCodecConfig(**profile.codec) if profile.codec is not None else None
+
+    def load_model(self, cfg: EngineConfig, attn: AttentionBackend, ops: OpsBackend,
+                   random_weights: bool = False) -> Qwen3TtsModel:
+        r = cfg.runner
+        if random_weights:
+            model = build_empty_qwen3_tts(self.config, r.torch_device, r.torch_dtype, attn, ops)
+            gen = torch.Generator(device=r.torch_device).manual_seed(0)
+            for p in model.parameters():  # small values: a random deep stack stays finite in bf16
+                p.normal_(0.0, 0.02, generator=gen)
+            return model
+        return load_qwen3_tts(self.config, r.torch_device, r.torch_dtype, attn, ops)
+
+    def frame_layout(self) -> FrameLayout:
+        c = self.config
+        # the reference suppresses ids [vocab - 1024, vocab) but eos: the specials, past the codes
+        code0 = Code0Rule(vocab=c.codec_vocab_size, num_codes=c.codebook_size, eos=c.codec.eos,
+                          min_frames=MIN_NEW_TOKENS)
+        return FrameLayout(num_codebooks=c.num_code_groups, codebook_size=c.codebook_size, frame_id=c.tts_pad_id,
+                           end_id=c.tts_eos_id, text_column=True, code0=code0, group_sampling=self.group_sampling)
+
+    def build_codec(self, device: torch.device, dtype: torch.dtype, tuning: str = "auto") -> CodecStageLike | None:
+        c = self.codec_config
+        if c is None:
+            return None
+        stage = Qwen12HzCodecStage(c, device, dtype, tuning)
+        if (stage.num_codebooks, stage.codebook_size) != (self.codes_per_frame, self.config.codebook_size):
+            raise ValueError(f"codec: the 12 Hz codec decodes frames of {stage.num_codebooks} codes of "
+                             f"{stage.codebook_size}, the model emits {self.codes_per_frame} of {self.config.codebook_size}")
+        return stage
+
+    def logits_constraint(self, backend: str) -> LogitsConstraint | None:
+        return None  # code 0's window is the frame runner's (FrameLayout.code0)
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return (self.config.tts_eos_id,)
+
+    def step_text(self, step_text_ids: list[int] | None) -> StepText:
+        """The trailing text (streaming text mode), one id a generated frame, then tts_pad;
+        None or [] for the non-streaming mode (every frame gets tts_pad)."""
+        ids = list(step_text_ids or ())
+        v = self.config.text_vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or not 0 <= t < v:
+                raise InvalidRequest("step_text_ids", f"id {t!r} at index {i} is outside the text vocabulary [0, {v})")
+        return StepText(tuple(ids), self.config.tts_pad_id)
+
+    def prompt_frames(self, prompt_token_ids: list[int], frames: np.ndarray | None) -> np.ndarray:
+        """Rows [P, K + 1]: the codec part of every prompt position (`frames` [P, K]: code 0
+        any id of the talker's codec table (codes, pad, bos, speakers, languages, think tags),
+        groups codes of their codebook, NO_CODE (-1) where the position reads no table), then
+        its text id (the prompt's id)."""
+        c, k, p = self.config, self.codes_per_frame, len(prompt_token_ids)
+        if frames is None:
+            raise InvalidRequest("prompt_frames", f"the {self.name} family needs the codec part of every "
+                                 f"prompt position ([{p}, {k}], -1 where none)")
+        frames = np.asarray(frames)
+        if frames.ndim != 2 or frames.shape != (p, k) or frames.dtype.kind not in "iu":
+            raise InvalidRequest("prompt_frames", f"must be integer codes of shape [{p}, {k}] (one row a prompt "
+                                 f"position), got {frames.dtype} {list(frames.shape)}")
+        for col, hi in ((0, c.codec_vocab_size), (slice(1, None), c.codebook_size)):
+            part = frames[:, col]
+            if part.size and (part.min() < NO_CODE or part.max() >= hi):
+                which = "code 0" if col == 0 else "groups 1.."
+                raise InvalidRequest("prompt_frames", f"{which} must lie in [{NO_CODE}, {hi}) ({NO_CODE}: none)")
+        return np.concatenate([frames.astype(np.int64), np.asarray(prompt_token_ids, dtype=np.int64)[:, None]], axis=1)

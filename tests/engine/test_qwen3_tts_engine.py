@@ -1,0 +1,219 @@
+"""Qwen3-TTS through the real engine (Engine -> scheduler -> FrameRunner -> FrameLog) on the CPU,
+on the golden tiny checkpoints of tests/reference/qwen3_tts_golden.py: greedy frames equal the
+reference's generate() (its N - 1 frames), batched with different prompts and trailing texts,
+rows joining mid-run, async scheduling on and off, prefix cache on; the stop on code 0 == eos
+(not before frame 2); the groups' own parameters; seeded sampling alone = in a busy batch;
+request validation naming the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from runner.config import EngineConfig
+from runner.engine.engine import Engine
+from runner.families import Qwen3TtsFamily
+from runner.families.qwen3_tts import SUBTALKER_DEFAULTS, subtalker_sampling
+from streaming.profile import ModelProfile
+from streaming.sampling_params import InvalidRequest, SamplingParams
+from tests.models.test_qwen3_tts import one_thread  # noqa: F401 (autouse fixture)
+
+MODELS = ("custom_voice", "ends")  # "base": its prompts carry an x-vector (not yet in the engine)
+GREEDY_GROUPS = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def golden(qwen3_tts_golden) -> Path:
+    return qwen3_tts_golden("qwen3_tts_golden")
+
+
+def cases(golden: Path, model: str) -> list[dict[str, np.ndarray]]:
+    names = json.loads((golden / "manifest.json").read_text())["models"][model]
+    return [dict(np.load(golden / model / f"{n}.npz")) for n in names]
+
+
+def make_engine(folder: Path, *, async_scheduling: bool, prefix: bool = True, max_num_seqs: int = 8) -> Engine:
+    cfg = EngineConfig.build(folder, device="cpu", dtype="float32", max_model_len=128, max_num_batched_tokens=64,
+                             max_num_seqs=max_num_seqs, block_size=4, num_blocks=256,
+                             enable_prefix_caching=prefix, async_scheduling=async_scheduling)
+    family = Qwen3TtsFamily(ModelProfile(family="qwen3_tts", speech=None, codec=None), str(folder))
+    return Engine(cfg, family=family)
+
+
+def drive(engine: Engine, reqs: list[dict], sampling, join_every: int = 0) -> dict[str, dict]:
+    """Add case i at step i * join_every (prompt = its text ids, prompt_frames = its codec part,
+    step_text_ids = its trailing text); collect frames, ids and the finish."""
+    got = {f"r{i}": {"ids": [], "frames": [], "finish": None} for i in range(len(reqs))}
+    pending, step = list(enumerate(reqs)), 0
+    while pending or engine.has_unfinished:
+        while pending and step >= pending[0][0] * join_every:
+            i, c = pending.pop(0)
+            sp = sampling[i] if isinstance(sampling, list) else sampling
+            engine.add_request(f"r{i}", c["text_ids"].tolist(), sp, prompt_frames=c["codec_ids"],
+                               step_text_ids=c["trailing_ids"].tolist(), group_sampling=c.get("groups"))
+        for o in engine.step():
+            g = got[o.request_id]
+            g["ids"] += o.new_token_ids
+            if o.frames is not None:
+                assert o.frames.shape == (len(o.new_token_ids), engine.family.codes_per_frame)
+                g["frames"].append(o.frames)
+            if o.finished:
+                g["finish"] = o.finish_reason
+        step += 1
+    for g in got.values():
+        g["frames"] = np.concatenate(g["frames"]) if g["frames"] else np.zeros((0, engine.family.codes_per_frame))
+    return got
+
+
+def test_engine_view_and_layout(golden):
+    folder = golden / "custom_voice" / "checkpoint"
+    eng = make_engine(folder, async_scheduling=False)
+    c = eng.family.config
+    m = eng.cfg.model
+    assert (m.vocab_size, m.eos_token_ids, m.num_layers, m.hidden_size) == (c.text_vocab_size, (c.tts_eos_id,), 2, 64)
+    lay = eng.runner.layout
+    assert (lay.row_width, lay.frame_id, lay.end_id) == (c.num_code_groups + 1, c.tts_pad_id, c.tts_eos_id)
+    assert (lay.code0.vocab, lay.code0.num_codes, lay.code0.eos, lay.code0.min_frames) == (1056, 32, 42, 2)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("join_every", [0, 2])
+def test_greedy_frames_equal_the_reference(golden, model, async_scheduling, join_every):
+    """Every prompt kind of the model batched: each request's frames = the reference's generate()
+    alone (max_new_tokens N: N - 1 frames). "ends": requests stop on code 0 == eos at frames 3,
+    5 and 2 (the first min_new_tokens allows); the eos frame is reported as tts_eos."""
+    refs = cases(golden, model)
+    n = json.loads((golden / "manifest.json").read_text())["max_new_tokens"] - 1
+    eng = make_engine(golden / model / "checkpoint", async_scheduling=async_scheduling)
+    reqs = [dict(c, groups=GREEDY_GROUPS) for c in refs]
+    got = drive(eng, reqs, SamplingParams(temperature=0.0, max_tokens=n), join_every=join_every)
+    c = eng.family.config
+    lengths = []
+    for i, ref in enumerate(refs):
+        g = got[f"r{i}"]
+        ended = g["finish"] == "stop"
+        np.testing.assert_array_equal(g["frames"][: len(g["frames"]) - ended], ref["frames"], err_msg=f"r{i}")
+        assert g["ids"] == [c.tts_pad_id] * len(ref["frames"]) + [c.tts_eos_id] * ended
+        if ended:
+            assert g["frames"][-1, 0] == c.codec.eos
+        lengths.append(len(ref["frames"]))
+    assert [got[f"r{i}"]["finish"] for i in range(len(refs))] == (
+        ["stop", "length", "stop", "stop"] if model == "ends" else ["length"] * len(refs))
+    assert lengths == ([3, n, 5, 2] if model == "ends" else [n] * len(refs))
+    assert not eng.requests
+
+
+def test_trailing_text_feeds_the_frames(golden):
+    """The same prompt with another trailing text gives other frames (the text column is read),
+    and equal frames again when given the reference's."""
+    ref = cases(golden, "custom_voice")[0]
+    n = len(ref["frames"])
+    other = dict(ref, trailing_ids=ref["trailing_ids"][::-1].copy(), groups=GREEDY_GROUPS)
+    got = drive(make_engine(golden / "custom_voice" / "checkpoint", async_scheduling=True),
+                [dict(ref, groups=GREEDY_GROUPS), other], SamplingParams(temperature=0.0, max_tokens=n))
+    np.testing.assert_array_equal(got["r0"]["frames"], ref["frames"])
+    assert not np.array_equal(got["r1"]["frames"], ref["frames"])
+    np.testing.assert_array_equal(got["r1"]["frames"][0], ref["frames"][0])  # frame 0 reads no trailing text
+
+
+def test_groups_sample_with_the_subtalker_parameters(golden, tmp_path):
+    """Without group_sampling the groups draw with the folder's subtalker_* (sampled, so not the
+    greedy reference's), code 0 stays greedy's for the first frame; generation_config.json is read."""
+    ref = cases(golden, "custom_voice")[0]
+    folder = golden / "custom_voice" / "checkpoint"
+    assert subtalker_sampling(folder) == SamplingParams(temperature=0.9, top_k=50, top_p=1.0)
+    assert subtalker_sampling(tmp_path) == SamplingParams(temperature=SUBTALKER_DEFAULTS["subtalker_temperature"],
+                                                          top_k=50, top_p=1.0)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"subtalker_dosample": False, "subtalker_top_k": 7}))
+    assert subtalker_sampling(tmp_path) == SamplingParams(temperature=0.0, top_k=7, top_p=1.0)
+    sp = SamplingParams(temperature=0.0, max_tokens=len(ref["frames"]), seed=5)
+    got = drive(make_engine(folder, async_scheduling=False), [ref], sp)["r0"]["frames"]
+    assert got[0, 0] == ref["frames"][0, 0] and not np.array_equal(got[:, 1:], ref["frames"][:, 1:])
+
+
+def test_code0_window_and_eos_bar_under_sampling(golden):
+    """Hot sampling over a head that favours eos ("ends"): code 0 is always a code or eos, and
+    eos never comes before frame 2."""
+    refs = cases(golden, "ends")
+    eng = make_engine(golden / "ends" / "checkpoint", async_scheduling=True)
+    sps = [SamplingParams(temperature=5.0, max_tokens=8, seed=s) for s in range(len(refs))]
+    got = drive(eng, refs, sps)
+    eos, v = eng.family.config.codec.eos, eng.family.config.codebook_size
+    for g in got.values():
+        code0 = g["frames"][:, 0]
+        assert (code0[:-1] < v).all() and code0[-1] in (*range(v), eos)
+        assert (code0[-1] == eos) == (g["finish"] == "stop")
+        assert len(code0) >= 3 or g["finish"] == "length"  # eos not at frames 0, 1
+
+
+def test_seeded_sampling_same_alone_and_in_a_busy_batch(golden):
+    refs = cases(golden, "custom_voice")
+    folder = golden / "custom_voice" / "checkpoint"
+    sp = SamplingParams(temperature=0.9, top_k=20, max_tokens=8, seed=11)
+    alone = drive(make_engine(folder, async_scheduling=True), [refs[1]], sp)["r0"]["frames"]
+    others = [SamplingParams(temperature=1.0, top_p=0.8, max_tokens=8, seed=s) for s in (1, 2)]
+    busy = drive(make_engine(folder, async_scheduling=True), [refs[0], refs[1], refs[2]],
+                 [others[0], sp, others[1]], join_every=2)["r1"]["frames"]
+    np.testing.assert_array_equal(alone, busy)
+    assert len(np.unique(alone[:, 1:])) > 1  # sampled, not a constant
+
+
+def test_prefix_cache_keys_on_the_rows(golden):
+    """A second request with the same prompt hits the cache; its frames are unchanged; one whose
+    prompt differs only in a codec id does not hit it past that position."""
+    ref = dict(cases(golden, "custom_voice")[0], groups=GREEDY_GROUPS)
+    eng = make_engine(golden / "custom_voice" / "checkpoint", async_scheduling=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=len(ref["frames"]))
+    first = drive(eng, [ref], sp)["r0"]["frames"]
+    hits = eng.blocks.hit_tokens_total
+    again = drive(eng, [ref], sp)["r0"]["frames"]
+    assert eng.blocks.hit_tokens_total > hits
+    np.testing.assert_array_equal(first, again)
+    np.testing.assert_array_equal(first, ref["frames"])
+    other = dict(ref, codec_ids=ref["codec_ids"].copy())
+    other["codec_ids"][1, 0] = ref["codec_ids"][3, 0]  # a think tag on a text-only position, block 0
+    hits = eng.blocks.hit_tokens_total
+    drive(eng, [other], sp)
+    assert eng.blocks.hit_tokens_total == hits
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(step_text_ids=[0, 10_000]), "step_text_ids"),
+    (dict(prompt_frames=None), "prompt_frames"),
+    (dict(prompt_frames="short"), "prompt_frames"),
+    (dict(prompt_frames="bad_group"), "prompt_frames"),
+    (dict(group_sampling=SamplingParams(temperature=-1.0)), "group_sampling.temperature"),
+    (dict(group_sampling=SamplingParams(repetition_penalty=1.05)), "group_sampling.repetition_penalty"),
+    # the code-0 repetition penalty (qwen-tts's 1.05) is not there yet: refused, not ignored
+    (dict(sampling=SamplingParams(repetition_penalty=1.05)), "sampling.repetition_penalty"),
+])
+def test_bad_requests_name_the_field(golden, kwargs, field):
+    ref = cases(golden, "custom_voice")[0]
+    eng = make_engine(golden / "custom_voice" / "checkpoint", async_scheduling=False)
+    frames = ref["codec_ids"]
+    if kwargs.get("prompt_frames") == "short":
+        kwargs["prompt_frames"] = frames[:-1]
+    elif kwargs.get("prompt_frames") == "bad_group":
+        kwargs["prompt_frames"] = frames.copy()
+        kwargs["prompt_frames"][0, 1] = 32
+    args = dict(prompt_frames=frames, step_text_ids=ref["trailing_ids"].tolist()) | kwargs
+    sampling = args.pop("sampling", SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequest) as e:
+        eng.add_request("x", ref["text_ids"].tolist(), sampling, **args)
+    assert e.value.field == field
+    assert not eng.requests
+
+
+def test_other_families_refuse_step_text(tmp_path):
+    from runner.families import TextFamily
+
+    fam = TextFamily(ModelProfile(family="text", speech=None))
+    assert fam.step_text(None) is None and fam.step_text([]) is None
+    with pytest.raises(InvalidRequest) as e:
+        fam.step_text([1])
+    assert e.value.field == "step_text_ids"
