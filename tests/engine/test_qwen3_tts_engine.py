@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from runner.codecs.mimi_stage import MimiCodecConfig
+from runner.codecs.qwen12hz_stage import Qwen12HzCodecStage
 from runner.config import EngineConfig
 from runner.engine.engine import Engine
 from runner.families import Qwen3TtsFamily
@@ -21,6 +23,7 @@ from runner.families.qwen3_tts import SUBTALKER_DEFAULTS, subtalker_sampling
 from streaming.profile import ModelProfile
 from streaming.sampling_params import InvalidRequest, SamplingParams
 from tests.models.test_qwen3_tts import one_thread  # noqa: F401 (autouse fixture)
+from tests.support.tiny_qwen12hz import make_tiny_qwen12hz
 
 MODELS = ("custom_voice", "ends")  # "base": its prompts carry an x-vector (not yet in the engine)
 GREEDY_GROUPS = SamplingParams(temperature=0.0)
@@ -36,31 +39,34 @@ def cases(golden: Path, model: str) -> list[dict[str, np.ndarray]]:
     return [dict(np.load(golden / model / f"{n}.npz")) for n in names]
 
 
-def make_engine(folder: Path, *, async_scheduling: bool, prefix: bool = True, max_num_seqs: int = 8) -> Engine:
+def make_engine(folder: Path, *, async_scheduling: bool, prefix: bool = True, max_num_seqs: int = 8,
+                codec: dict | None = None) -> Engine:
     cfg = EngineConfig.build(folder, device="cpu", dtype="float32", max_model_len=128, max_num_batched_tokens=64,
                              max_num_seqs=max_num_seqs, block_size=4, num_blocks=256,
                              enable_prefix_caching=prefix, async_scheduling=async_scheduling)
-    family = Qwen3TtsFamily(ModelProfile(family="qwen3_tts", speech=None, codec=None), str(folder))
-    return Engine(cfg, family=family)
+    family = Qwen3TtsFamily(ModelProfile(family="qwen3_tts", speech=None, codec=codec), str(folder))
+    return Engine(cfg, family=family, codec=family.build_codec(torch.device("cpu"), torch.float32))
 
 
-def drive(engine: Engine, reqs: list[dict], sampling, join_every: int = 0) -> dict[str, dict]:
+def drive(engine: Engine, reqs: list[dict], sampling, join_every: int = 0, audio: bool = False) -> dict[str, dict]:
     """Add case i at step i * join_every (prompt = its text ids, prompt_frames = its codec part,
-    step_text_ids = its trailing text); collect frames, ids and the finish."""
-    got = {f"r{i}": {"ids": [], "frames": [], "finish": None} for i in range(len(reqs))}
+    step_text_ids = its trailing text); collect frames, ids, PCM and the finish."""
+    got = {f"r{i}": {"ids": [], "frames": [], "pcm": [], "finish": None} for i in range(len(reqs))}
     pending, step = list(enumerate(reqs)), 0
     while pending or engine.has_unfinished:
         while pending and step >= pending[0][0] * join_every:
             i, c = pending.pop(0)
             sp = sampling[i] if isinstance(sampling, list) else sampling
             engine.add_request(f"r{i}", c["text_ids"].tolist(), sp, prompt_frames=c["codec_ids"],
-                               step_text_ids=c["trailing_ids"].tolist(), group_sampling=c.get("groups"))
+                               step_text_ids=c["trailing_ids"].tolist(), group_sampling=c.get("groups"), audio=audio)
         for o in engine.step():
             g = got[o.request_id]
             g["ids"] += o.new_token_ids
             if o.frames is not None:
                 assert o.frames.shape == (len(o.new_token_ids), engine.family.codes_per_frame)
                 g["frames"].append(o.frames)
+            if o.audio is not None:
+                g["pcm"].append(o.audio)
             if o.finished:
                 g["finish"] = o.finish_reason
         step += 1
@@ -217,3 +223,49 @@ def test_other_families_refuse_step_text(tmp_path):
     with pytest.raises(InvalidRequest) as e:
         fam.step_text([1])
     assert e.value.field == "step_text_ids"
+
+
+@pytest.fixture(scope="module")
+def codec_dir(tmp_path_factory) -> Path:
+    """A tiny 12 Hz codec of the golden talkers' frames: 4 codebooks of 32 codes."""
+    return make_tiny_qwen12hz(tmp_path_factory.mktemp("qwen12hz") / "tiny4", seed=1, num_quantizers=4)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_audio_through_the_12hz_codec(golden, codec_dir, model):
+    """Audio requests: the family's codec (Qwen12HzCodecStage from `codec.path`) gets every
+    frame but the eos one, and streams their decode (= a fresh stage's decode of the same
+    frames, within 1 int16 LSB: chunks differ); frames and ids are those without audio."""
+    refs = [dict(c, groups=GREEDY_GROUPS) for c in cases(golden, model)]
+    n = json.loads((golden / "manifest.json").read_text())["max_new_tokens"] - 1
+    sp = SamplingParams(temperature=0.0, max_tokens=n)
+    eng = make_engine(golden / model / "checkpoint", async_scheduling=True, codec={"path": str(codec_dir)})
+    assert isinstance(eng.codec, Qwen12HzCodecStage)
+    got = drive(eng, refs, sp, join_every=1, audio=True)
+    plain = drive(make_engine(golden / model / "checkpoint", async_scheduling=True), refs, sp, join_every=1)
+    fresh = Qwen12HzCodecStage(MimiCodecConfig(path=str(codec_dir), max_chunk_frames=64), torch.device("cpu"))
+    for i, ref in enumerate(refs):
+        g, p = got[f"r{i}"], plain[f"r{i}"]
+        assert (g["ids"], g["finish"]) == (p["ids"], p["finish"])
+        np.testing.assert_array_equal(g["frames"], p["frames"])
+        pcm = np.concatenate(g["pcm"])
+        assert pcm.dtype == np.int16 and len(pcm) == len(ref["frames"]) * fresh.samples_per_frame
+        fresh.open(i)
+        fresh.push_many([(i, f) for f in ref["frames"]])
+        fresh.close(i)
+        want, done = [], False
+        while not done:
+            r = fresh.step(wait=True).get(i)
+            if r is not None:
+                want += [r.pcm] if r.pcm is not None and len(r.pcm) else []
+                done = r.done
+        assert np.abs(pcm.astype(np.int32) - np.concatenate(want)).max() <= 1
+        assert np.abs(pcm).max() > 100  # not silence
+
+
+def test_a_codec_of_other_frames_is_refused(golden, tmp_path):
+    other = make_tiny_qwen12hz(tmp_path / "tiny16", seed=1)  # 16 codebooks: not the talker's 4
+    family = Qwen3TtsFamily(ModelProfile(family="qwen3_tts", speech=None, codec={"path": str(other)}),
+                            str(golden / "custom_voice" / "checkpoint"))
+    with pytest.raises(ValueError, match="frames of 16 codes of 32, the model emits 4 of 32"):
+        family.build_codec(torch.device("cpu"), torch.float32)
