@@ -40,9 +40,9 @@ def cases(golden: Path, model: str) -> list[dict[str, np.ndarray]]:
 
 
 def make_engine(folder: Path, *, async_scheduling: bool, prefix: bool = True, max_num_seqs: int = 8,
-                codec: dict | None = None) -> Engine:
+                codec: dict | None = None, num_blocks: int = 256) -> Engine:
     cfg = EngineConfig.build(folder, device="cpu", dtype="float32", max_model_len=128, max_num_batched_tokens=64,
-                             max_num_seqs=max_num_seqs, block_size=4, num_blocks=256,
+                             max_num_seqs=max_num_seqs, block_size=4, num_blocks=num_blocks,
                              enable_prefix_caching=prefix, async_scheduling=async_scheduling)
     family = Qwen3TtsFamily(ModelProfile(family="qwen3_tts", speech=None, codec=codec), str(folder))
     return Engine(cfg, family=family, codec=family.build_codec(torch.device("cpu"), torch.float32))
@@ -112,6 +112,20 @@ def test_greedy_frames_equal_the_reference(golden, model, async_scheduling, join
         ["stop", "length", "stop", "stop"] if model == "ends" else ["length"] * len(refs))
     assert lengths == ([3, n, 5, 2] if model == "ends" else [n] * len(refs))
     assert not eng.requests
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preempted_requests_recompute_their_rows(golden, async_scheduling):
+    """A KV cache too small for all four: requests are preempted and recompute prompt + frames
+    from their FrameLog rows (the generated positions' text ids included); frames unchanged."""
+    refs = [dict(c, groups=GREEDY_GROUPS) for c in cases(golden, "custom_voice")]
+    n = len(refs[0]["frames"])
+    eng = make_engine(golden / "custom_voice" / "checkpoint", async_scheduling=async_scheduling, num_blocks=14,
+                      prefix=False)
+    got = drive(eng, refs, SamplingParams(temperature=0.0, max_tokens=n))
+    assert eng.scheduler.num_preemptions > 0
+    for i, ref in enumerate(refs):
+        np.testing.assert_array_equal(got[f"r{i}"]["frames"], ref["frames"], err_msg=f"r{i}")
 
 
 def test_trailing_text_feeds_the_frames(golden):
