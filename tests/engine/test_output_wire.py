@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from streaming import ipc
+from streaming.sampling_params import SamplingParams
 
 
 def _full_output() -> ipc.RequestOutput:
@@ -67,6 +68,11 @@ def test_other_outbound_messages_and_the_inbound_ones():
     assert dead == ipc.EngineDead("boom")
     add = ipc.AddRequest("r", [1, 2], hidden_state_layers=[-1], audio=True)
     assert ipc.decode_inbound(ipc.encode_inbound(add)) == add
+    # a Qwen3-TTS request: codec part per prompt position, trailing text, the groups' parameters
+    qwen = ipc.AddRequest("q", [7, 8], prompt_frames=[[-1, -1], [41, -1]], step_text_ids=[5, 6],
+                          group_sampling=SamplingParams(temperature=0.5, top_k=3))
+    back = ipc.decode_inbound(ipc.encode_inbound(qwen))
+    assert back == qwen and back.group_sampling.top_k == 3
     assert ipc.decode_inbound(ipc.encode_inbound(ipc.GetStats())) == ipc.GetStats()
 
 
