@@ -17,8 +17,8 @@ generation_config.json):
 
 Writes OUT/<model>/:
   checkpoint/       the folder above
-  <case>.npz        one `generate()` call per prompt kind, greedy, repetition_penalty 1.0 (the
-                    penalty is Stage 2's), MAX_NEW_TOKENS steps; the prompt is built by
+  <case>.npz        one `generate()` call per prompt kind, greedy, repetition_penalty 1.0,
+                    MAX_NEW_TOKENS steps; the prompt is built by
                     generate's own code, captured by hooking `talker.generate`:
     prompt_embeds [P, H]    talker inputs_embeds of the prompt
     text_ids [P]            the prompt as rows: the text id of each position's text part (-1: none)
@@ -32,6 +32,9 @@ Writes OUT/<model>/:
                             the prompt's last; n >= 1: generated frame n - 1 fed back)
     frames [F, G]           generate()'s frames (F = N - 1 when no frame ends the audio: the
                             last step's code 0 is sampled but its groups never are)
+  <case>_rep<P>.npz (custom_voice, ends) the same prompt, greedy with code 0's repetition_penalty
+                    P / 100 (qwen-tts's default 1.05, and a strong one) over PENALTY_NEW_TOKENS
+                    steps: longer, so that generated code-0 ids repeat and the penalty bites
   depth.npz         the code predictor alone: hidden [B, H], frames [B, G] (code 0 given, groups
                     from `code_predictor.generate`, greedy), logits [B, G-1, Vc] teacher-forced
                     (`forward_sub_talker_finetune` over the whole frame)
@@ -62,6 +65,10 @@ TEXT_VOCAB = 200
 IM_START, IM_END, TTS_PAD, TTS_BOS, TTS_EOS = 150, 151, 152, 153, 154
 ASSISTANT, NEWLINE = 155, 156
 MAX_NEW_TOKENS = 9
+# greedy with code 0's repetition penalty (generate's input_ids start empty: only generated
+# code-0 ids count); run after every other output, so those stay byte-identical
+PENALTIES = (1.05, 1.5)
+PENALTY_NEW_TOKENS = 24
 ROLE = [IM_START, ASSISTANT, NEWLINE]
 MODELS = {
     "custom_voice": dict(kind="custom_voice", seed=11, predictor_hidden=64),
@@ -206,7 +213,8 @@ def cases(kind: str, gen: torch.Generator) -> dict[str, dict]:
 
 
 @torch.no_grad()
-def run_case(model: Qwen3TTSForConditionalGeneration, case: dict, gen: torch.Generator) -> dict[str, np.ndarray]:
+def run_case(model: Qwen3TTSForConditionalGeneration, case: dict, gen: torch.Generator | None,
+             repetition_penalty: float = 1.0, max_new_tokens: int = MAX_NEW_TOKENS) -> dict[str, np.ndarray]:
     talker = model.talker
     hidden = talker.config.hidden_size
     captured: dict = {}
@@ -220,8 +228,8 @@ def run_case(model: Qwen3TTSForConditionalGeneration, case: dict, gen: torch.Gen
 
     talker.generate = hooked
     kw: dict = dict(input_ids=[input_ids(case["text"])], languages=[case["language"]],
-                    non_streaming_mode=case["non_streaming"], max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                    subtalker_dosample=False, repetition_penalty=1.0)
+                    non_streaming_mode=case["non_streaming"], max_new_tokens=max_new_tokens, do_sample=False,
+                    subtalker_dosample=False, repetition_penalty=repetition_penalty)
     xvector = None
     if "instruct" in case:
         kw["instruct_ids"] = [torch.tensor([case["instruct"]])]
@@ -293,12 +301,31 @@ def depth_golden(model: Qwen3TTSForConditionalGeneration, gen: torch.Generator) 
     return dict(hidden=hidden.numpy(), frames=frames.numpy(), logits=logits.numpy())
 
 
+def penalty_cases(model: Qwen3TTSForConditionalGeneration, folder: str, specs: dict[str, dict]) -> list[str]:
+    """Every prompt of `specs` greedy under each of PENALTIES: OUT/<model>/<case>_rep<P>.npz. Asserts
+    that the penalty changes some frames (else these files would test nothing)."""
+    names, differ = [], 0
+    for name, case in specs.items():
+        plain = run_case(model, case, None, 1.0, PENALTY_NEW_TOKENS)["frames"]
+        for p in PENALTIES:
+            arrays = run_case(model, case, None, p, PENALTY_NEW_TOKENS)
+            stem = f"{name}_rep{round(p * 100)}"
+            np.savez(os.path.join(folder, f"{stem}.npz"), **arrays)
+            names.append(stem)
+            same = arrays["frames"].shape == plain.shape and bool((arrays["frames"] == plain).all())
+            differ += not same
+            print(f"{stem}: frames {arrays['frames'].shape[0]}, {'same as' if same else 'differ from'} penalty 1.0")
+    assert differ, "no penalty changed a greedy frame: the penalty cases would prove nothing"
+    return names
+
+
 def main(out: str) -> None:
     assert transformers.__version__ == "4.57.3", f"reference transformers 4.57.3, got {transformers.__version__}"
     torch.set_num_threads(1)
     manifest: dict = dict(groups=G, codebook_size=CB, vocab=VOCAB, max_new_tokens=MAX_NEW_TOKENS,
                           ids=dict(pad=PAD, bos=BOS, eos=EOS, tts_pad=TTS_PAD, tts_bos=TTS_BOS, tts_eos=TTS_EOS),
-                          models={})
+                          models={}, penalties=list(PENALTIES), penalty_new_tokens=PENALTY_NEW_TOKENS,
+                          penalty_cases={})
     for label, spec in MODELS.items():
         kind = spec["kind"]
         torch.manual_seed(spec["seed"])
@@ -323,6 +350,8 @@ def main(out: str) -> None:
                   f"frames {arrays['frames'].shape[0]}")
         np.savez(os.path.join(folder, "depth.npz"), **depth_golden(model, gen))
         manifest["models"][label] = names
+        if kind == "custom_voice":  # no x-vector: the engine runs these prompts
+            manifest["penalty_cases"][label] = penalty_cases(model, folder, cases(kind, torch.Generator().manual_seed(spec["seed"])))
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
 
