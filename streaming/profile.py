@@ -24,7 +24,10 @@ chat template, `[speaker]text` between begin- and end-of-text, voices are speake
 config.json names `CsmForConditionalGeneration` (its codec is the folder's own `codec_model`
 unless `codec.path` or --codec names a Mimi folder); else `orpheus` when its vocabulary holds
 Orpheus's audio tokens or a codec is given on the command line; else `text`: a plain Llama /
-Qwen folder serves completions, never a speech profile it does not have.
+Qwen folder serves completions, never a speech profile it does not have. A folder naming
+`Qwen3TTSForConditionalGeneration` is `qwen3_tts` (streaming/qwen3_tts_profile.py: voices are
+its speakers, the prompt is laid out by server/tts/qwen3_tts_prompt.py; its codec is the
+folder's `speech_tokenizer/` unless `codec.path` or --codec names one).
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ from pathlib import Path
 
 import msgspec
 
+from runner.config import ConfigError
+from streaming.qwen3_tts_profile import (
+    QWEN3_TTS_SAMPLE_RATE,
+    Qwen3TtsPromptIds,
+    qwen3_tts_prompt_ids,
+    qwen3_tts_sampling,
+)
 from streaming.sampling_params import (
     InvalidRequest,
     SamplingParams,
@@ -41,7 +51,7 @@ from streaming.sampling_params import (
 )
 
 PROFILE_FILE = "omnistream.json"
-FAMILIES = ("orpheus", "csm", "text")
+FAMILIES = ("orpheus", "csm", "qwen3_tts", "text")
 
 # Orpheus-3B's layout: the defaults of the `orpheus` family, stated here once.
 ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
@@ -61,6 +71,9 @@ CSM_BEGIN_OF_TEXT = 128000
 CSM_END_OF_TEXT = 128001
 CSM_VOICES = ("0", "1")  # speaker ids
 CSM_SAMPLE_RATE = 24000
+
+QWEN3_TTS_ARCHITECTURE = "Qwen3TTSForConditionalGeneration"
+QWEN3_TTS_CODEC_DIR = "speech_tokenizer"  # the 12 Hz codec inside a released folder
 
 
 def csm_speech() -> SpeechSpec:
@@ -96,6 +109,9 @@ class SpeechSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # take uploaded reference voices (CSM: config.json's audio_token_id, audio_eos_token_id);
     # None: only the built-in voices
     reference_audio_ids: tuple[int, int] | None = None
+    # Qwen3-TTS: the prompt is rows of text and codec ids (server/tts/qwen3_tts_prompt.py), not
+    # text_template; None for every other family
+    qwen3_tts: Qwen3TtsPromptIds | None = None
 
     def check(self) -> None:
         """Raise ProfileError naming the field."""
@@ -158,6 +174,8 @@ def read_profile(model_dir: str | Path, codec_path: str | None = None) -> ModelP
         arch = _architectures(folder)
         if CSM_ARCHITECTURE in arch:
             family = "csm"
+        elif QWEN3_TTS_ARCHITECTURE in arch:
+            family = "qwen3_tts"
         else:
             family = "orpheus" if codec_path is not None or _holds_orpheus_tokens(folder) else "text"
         raw = _ProfileFile(family=family)
@@ -171,10 +189,17 @@ def read_profile(model_dir: str | Path, codec_path: str | None = None) -> ModelP
     if raw.family == "text":
         return ModelProfile(family="text", speech=None, codec=None)
     try:
-        speech = _speech(raw, csm_speech() if raw.family == "csm" else SpeechSpec())
+        if raw.family == "qwen3_tts":
+            defaults = _qwen3_tts_speech(folder)
+        else:
+            defaults = csm_speech() if raw.family == "csm" else SpeechSpec()
+        speech = _speech(raw, defaults)
         speech.check()
     except (ProfileError, InvalidRequest) as e:
         raise ProfileError(f"{path}: {e}") from None
+    if raw.family == "qwen3_tts":
+        return ModelProfile(family="qwen3_tts", speech=speech,
+                            codec=_csm_codec(folder, raw.codec, codec_path, default=folder / QWEN3_TTS_CODEC_DIR))
     if raw.family == "csm":
         cfg = _config(folder)
         speech = msgspec.structs.replace(speech, reference_audio_ids=(int(cfg.get("audio_token_id", 128002)),
@@ -225,12 +250,31 @@ def _speech(raw: _ProfileFile, defaults: SpeechSpec) -> SpeechSpec:
     return msgspec.structs.replace(defaults, **kw)
 
 
-def _csm_codec(folder: Path, section: dict | None, codec_path: str | None) -> dict:
-    """CSM's codec section (runner/codecs/mimi_stage.py MimiCodecConfig): its path is the model
-    folder itself (the checkpoint's `codec_model`) unless a Mimi folder is named."""
+def _qwen3_tts_speech(folder: Path) -> SpeechSpec:
+    """Qwen3-TTS's defaults: its speakers as voices (the first the default), its prompt ids and
+    code-0 sampling. A folder without speakers (Base, VoiceDesign) is refused until their
+    prompts are served (Stage 5; VoiceDesign's instruct needs the request's `instructions`)."""
+    try:
+        ids = qwen3_tts_prompt_ids(folder)
+        sampling = qwen3_tts_sampling(folder)
+    except ConfigError as e:
+        raise ProfileError(str(e)) from None
+    if not ids.speakers:
+        raise ProfileError("voices: this Qwen3-TTS folder has no speakers (talker_config.spk_id): only "
+                           "CustomVoice folders are served so far (Base and VoiceDesign are not)")
+    voices = tuple(ids.speakers)
+    return SpeechSpec(voices=voices, default_voice=voices[0], text_template="{text}", prefix_token_ids=(),
+                      suffix_token_ids=(), add_bos=False, sample_rate=QWEN3_TTS_SAMPLE_RATE, sampling=sampling,
+                      qwen3_tts=ids)
+
+
+def _csm_codec(folder: Path, section: dict | None, codec_path: str | None, default: Path | None = None) -> dict:
+    """A MimiCodecConfig-style codec section (runner/codecs/mimi_stage.py): its path is `default`
+    (CSM: the model folder itself, the checkpoint's `codec_model`; Qwen3-TTS: its
+    speech_tokenizer/) unless a codec folder is named."""
     section = dict(section or {})
     path = codec_path or section.get("path")
-    p = folder if path is None else Path(path)
+    p = (default or folder) if path is None else Path(path)
     if not p.is_absolute() and (folder / p).exists():
         p = folder / p
     section["path"] = str(p)

@@ -74,7 +74,7 @@ async def speech_add_request(
             f"{param}: the text makes a {len(prompt.ids)}-token prompt; the model takes fewer than {limit}", param=param
         )
     return AddRequest(request_id=f"speech-{uuid.uuid4().hex}", prompt_token_ids=prompt.ids, sampling=sampling,
-                      audio=True, prompt_frames=prompt.frames)
+                      audio=True, prompt_frames=prompt.frames, step_text_ids=prompt.step_text_ids)
 
 
 async def parse_speech_body(ctx: ServerContext, req: SpeechRequest) -> SpeechJob:

@@ -209,7 +209,8 @@ class ZmqGateway:
                 raise SchemaError("voice", f"unknown voice {voice!r}; available: {', '.join(self.profile.voices)}")
             sampling = sampling_params(given, self.profile.sampling, limits, nested_names())
             prompt = self.profile.build_prompt(self.tokenizer, voice, text)
-            return AddRequest(rid, prompt.ids, sampling, audio=True, prompt_frames=prompt.frames)
+            return AddRequest(rid, prompt.ids, sampling, audio=True, prompt_frames=prompt.frames,
+                              step_text_ids=prompt.step_text_ids)
         job = generate_job(msg.generate_request(), SamplingParams(), limits)
         prompt = job.prompt_token_ids
         if prompt is None:  # text, already checked (Unicode, control characters, max_input_chars)

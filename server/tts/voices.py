@@ -22,6 +22,7 @@ from pathlib import Path
 
 from server.errors import APIError, invalid_request
 from server.tokenizer import TextTokenizer
+from server.tts.qwen3_tts_prompt import Qwen3TtsPrompts, Qwen3TtsRows
 from server.tts.voice_store import ReferenceVoice, VoiceStore
 from streaming.profile import SpeechSpec, read_profile
 from streaming.sampling_params import SamplingParams
@@ -36,6 +37,8 @@ def no_speech_error() -> APIError:
 class SpeechPrompt:
     ids: list[int]
     frames: list[list[int]] | None = None  # a reference voice's codes, one row per frame position
+    # Qwen3-TTS (frames: the codec part of every position): the text ids fed with generated frames
+    step_text_ids: list[int] | None = None
 
 
 class SpeechProfile:
@@ -45,6 +48,8 @@ class SpeechProfile:
         if spec is not None:
             spec.check()
         self.store = store if spec is not None and spec.reference_audio_ids is not None else None
+        # the prompt layout, chosen once: Qwen3-TTS's rows, else text_template's ids
+        self._qwen3 = Qwen3TtsPrompts(spec.qwen3_tts) if spec is not None and spec.qwen3_tts is not None else None
 
     @property
     def takes_reference_voices(self) -> bool:
@@ -132,6 +137,8 @@ class SpeechProfile:
 
     def build_prompt(self, tokenizer: TextTokenizer, voice: str, text: str) -> SpeechPrompt:
         ref = self._known(voice)
+        if self._qwen3 is not None:
+            return _rows_prompt(self._qwen3.encode(tokenizer, voice, text))
         if ref is not None:
             return self.build_prompt_for(tokenizer, ref, text)
         s = self._need()
@@ -147,6 +154,12 @@ class SpeechProfile:
         """build_prompt with a long text tokenized off the event loop (TextTokenizer.encode_async)."""
         s = self._need()
         ref = self._known(voice)
+        if self._qwen3 is not None:
+            return _rows_prompt(await self._qwen3.encode_async(tokenizer, voice, text))
         speaker = ref.speaker if ref is not None else voice
         body = await tokenizer.encode_async(s.text_template.format(voice=speaker, text=text), add_bos=s.add_bos)
         return SpeechPrompt([*self._reference_ids(tokenizer, ref), *self._turn(body)], self._frames(ref))
+
+
+def _rows_prompt(rows: Qwen3TtsRows) -> SpeechPrompt:
+    return SpeechPrompt(rows.ids, rows.frames, rows.step_text_ids or None)

@@ -1,0 +1,121 @@
+"""Qwen3-TTS's front end (docs/qwen3_tts.md Stage 4) on the golden tiny checkpoints of
+tests/reference/qwen3_tts_golden.py: a folder naming Qwen3TTSForConditionalGeneration is the
+qwen3_tts family with its speakers as voices, its speech_tokenizer/ as codec and
+generation_config.json's code-0 sampling; the prompt rows (text ids, codec part, trailing text)
+equal those generate() itself embedded, for every prompt kind; the served tokenizer's text
+reaches them through the wrapper's assistant turn."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from server.errors import APIError
+from server.tokenizer import TextTokenizer
+from server.tts.qwen3_tts_prompt import assistant_turn, qwen3_tts_rows, split_turn
+from server.tts.voices import SpeechProfile
+from streaming.profile import ProfileError, read_profile
+from streaming.qwen3_tts_profile import APPLY_FOLDER_REPETITION_PENALTY, qwen3_tts_sampling
+from streaming.sampling_params import SamplingParams
+from tests.support.tiny_qwen3_tts import ASSISTANT, IM_START, NEWLINE, write_tiny_qwen_tokenizer
+
+# tests/reference/qwen3_tts_golden.py's cases(): language, speaker, text mode, instruct
+CASES = {
+    "speaker_streaming": ("english", "alice", False),
+    "speaker_non_streaming": ("auto", "alice", True),
+    "dialect_streaming": ("auto", "bob", False),  # bob's dialect replaces auto
+    "instruct_no_speaker": ("chinese", None, True),
+}
+ROLE = [IM_START, ASSISTANT, NEWLINE]
+
+
+@pytest.fixture(scope="module")
+def golden(qwen3_tts_golden) -> Path:
+    return qwen3_tts_golden("qwen3_tts_golden")
+
+
+def text_of(case: dict[str, np.ndarray], non_streaming: bool) -> tuple[list[int], list[int]]:
+    """(instruct ids, text ids) the golden case was generated from, read back off its rows."""
+    ids, codec = case["text_ids"].tolist(), case["codec_ids"]
+    role_at = next(i for i in range(len(ids)) if ids[i : i + 3] == ROLE)
+    if not non_streaming:
+        return ids[:role_at], [ids[-1], *case["trailing_ids"].tolist()[:-1]]
+    tts_bos_at = role_at + 3 + int(np.argmax(np.asarray(ids[role_at + 3 :]) == 153))
+    return ids[:role_at], ids[tts_bos_at + 1 : -2]  # ... text, tts_eos, tts_pad
+
+
+@pytest.mark.parametrize("model", ["custom_voice", "ends"])
+def test_rows_equal_the_references_prompts(golden, model):
+    spec = read_profile(golden / model / "checkpoint").speech
+    names = json.loads((golden / "manifest.json").read_text())["models"][model]
+    assert set(names) == set(CASES)
+    for name in names:
+        case = dict(np.load(golden / model / f"{name}.npz"))
+        language, speaker, non_streaming = CASES[name]
+        instruct, text = text_of(case, non_streaming)
+        rows = qwen3_tts_rows(spec.qwen3_tts, ROLE, text, speaker, language, instruct, non_streaming)
+        assert rows.ids == case["text_ids"].tolist(), name
+        np.testing.assert_array_equal(np.array(rows.frames), case["codec_ids"], err_msg=name)
+        assert rows.step_text_ids == case["trailing_ids"].tolist(), name
+
+
+def test_a_qwen3_tts_folder_is_detected_with_its_speakers_codec_and_sampling(golden):
+    folder = golden / "custom_voice" / "checkpoint"
+    p = read_profile(folder)
+    assert p.family == "qwen3_tts" and p.speaks
+    assert (p.speech.voices, p.speech.default_voice, p.sample_rate) == (("alice", "bob"), "alice", 24000)
+    assert p.codec == {"path": str(folder / "speech_tokenizer")}
+    assert read_profile(folder, "/elsewhere/codec").codec == {"path": "/elsewhere/codec"}
+    ids = p.speech.qwen3_tts
+    assert (ids.speakers, ids.speaker_dialects, ids.non_streaming) == ({"alice": 60, "bob": 61}, {"bob": "sichuan"}, True)
+    # generation_config.json's code-0 keys; its repetition_penalty 1.05 only once the engine takes it
+    assert not APPLY_FOLDER_REPETITION_PENALTY
+    assert p.speech.sampling == SamplingParams(temperature=0.9, top_k=50, top_p=1.0, max_tokens=1125)
+
+
+def test_sampling_follows_generation_config(golden, tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "top_k": 7, "temperature": 0.5}))
+    assert qwen3_tts_sampling(tmp_path) == SamplingParams(temperature=0.0, top_k=7, top_p=1.0, max_tokens=1125)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.5}))
+    assert qwen3_tts_sampling(tmp_path).temperature == 0.5
+
+
+def test_a_folder_without_speakers_is_refused_naming_voices(golden):
+    with pytest.raises(ProfileError, match="voices: .*no speakers"):
+        read_profile(golden / "base" / "checkpoint")
+
+
+def test_bad_config_is_a_profile_error(golden, tmp_path):
+    folder = tmp_path / "bad"
+    shutil.copytree(golden / "custom_voice" / "checkpoint", folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw["talker_config"]["codec_pad_id"] = 5  # a code, not a special id
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ProfileError, match="codec_pad_id"):
+        read_profile(folder)
+
+
+def test_served_prompt_through_the_tokenizer(golden, tmp_path):
+    """SpeechProfile.build_prompt: the assistant turn tokenized whole, role and text sliced off
+    it, the non-streaming rows (CustomVoice's default) of the voice's speaker; unknown voices
+    refused naming `voice`."""
+    folder = tmp_path / "cv"
+    shutil.copytree(golden / "custom_voice" / "checkpoint", folder)
+    write_tiny_qwen_tokenizer(folder)
+    tok = TextTokenizer.from_folder(folder)
+    profile = SpeechProfile(read_profile(folder).speech)
+    turn = tok.encode(assistant_turn("Hi."))
+    assert split_turn(turn) == (ROLE, tok.encode("Hi."))
+    got = profile.build_prompt(tok, "bob", "Hi.")
+    want = qwen3_tts_rows(profile.spec.qwen3_tts, ROLE, tok.encode("Hi."), "bob", "auto", (), True)
+    assert (got.ids, got.frames, got.step_text_ids) == (want.ids, want.frames, None)
+    # role (3), think, think_bos, sichuan (bob's dialect for auto), think_eos, bob, codec_pad
+    assert [f[0] for f in got.frames[3:9]] == [43, 45, 52, 46, 61, 40]
+    assert profile.resolve_voice(None) == "alice"
+    with pytest.raises(APIError) as e:
+        profile.resolve_voice("carol")
+    assert e.value.param == "voice" and "alice, bob" in str(e.value)
