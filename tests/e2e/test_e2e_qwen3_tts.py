@@ -1,0 +1,79 @@
+"""A Qwen3-TTS CustomVoice folder served by the real server (`serve --model FOLDER`): the golden
+tiny talker (tests/reference/qwen3_tts_golden.py) with a character tokenizer and a tiny 12 Hz
+codec as its speech_tokenizer/. The OpenAI client and a WebSocket session get whole 12 Hz frames
+of PCM (1920 samples each) in the folder's speakers, seeded requests repeat, the voice list is
+the speakers, and an unknown speaker is refused naming `voice`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import openai
+import pytest
+import websockets
+
+from tests.e2e.helpers import WAIT_S
+from tests.support.server_proc import ServerProc, start_server
+from tests.support.tiny_qwen3_tts import make_served_qwen3_tts
+
+pytestmark = pytest.mark.e2e
+
+FRAME_BYTES = 1920 * 2  # int16 PCM of one 12.5 Hz frame
+MAX_FRAMES = 12
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(tmp_path_factory, qwen3_tts_golden) -> ServerProc:
+    ckpt = qwen3_tts_golden("qwen3_tts_golden") / "custom_voice" / "checkpoint"
+    folder = make_served_qwen3_tts(tmp_path_factory.mktemp("qwen3") / "cv", ckpt, max_frames=MAX_FRAMES)
+    srv = start_server(tmp_path_factory.mktemp("qwen3-server") / "srv", "--model", str(folder))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def speak(client: openai.OpenAI, seed: int, voice: str, text: str = "Hello there.") -> bytes:
+    with client.audio.speech.with_streaming_response.create(
+            model="omnistream", voice=voice, input=text, response_format="pcm", extra_body={"seed": seed}) as r:
+        assert r.status_code == 200, r.text
+        return b"".join(r.iter_bytes())
+
+
+def test_openai_client_speaks_in_the_folders_speakers(qwen3_server: ServerProc):
+    client = openai.OpenAI(base_url=qwen3_server.base_url + "/v1", api_key="none", max_retries=0)
+    a, b, c = speak(client, 3, "alice"), speak(client, 3, "alice"), speak(client, 3, "bob")
+    assert a == b  # seeded: the same frames, the same PCM
+    for pcm in (a, c):
+        assert 0 < len(pcm) <= MAX_FRAMES * FRAME_BYTES and len(pcm) % FRAME_BYTES == 0
+    assert a != c  # another speaker's codec id in the prompt
+    assert np.abs(np.frombuffer(a, dtype=np.int16)).max() > 100  # the codec's decode, not silence
+    voices = client.get("/audio/voices", cast_to=object)
+    assert [v["voice_id"] for v in voices["voices"]] == ["alice", "bob"] and voices["sample_rate"] == 24000
+    with pytest.raises(openai.BadRequestError) as e:
+        client.audio.speech.create(model="omnistream", voice="carol", input="Hi.", response_format="pcm")
+    assert e.value.body["param"] == "voice" and "alice, bob" in e.value.body["message"]
+
+
+async def test_ws_session_streams_qwen3_audio(qwen3_server: ServerProc):
+    url = qwen3_server.base_url.replace("http", "ws") + "/v1/audio/speech/stream"
+    async with websockets.connect(url) as ws:
+        await ws.send(json.dumps({"type": "session.config", "voice": "bob", "seed": 5}))
+        await ws.send(json.dumps({"type": "input.text", "text": "Hello there. How are you today?"}))
+        await ws.send(json.dumps({"type": "session.close"}))
+        audio, done = b"", []
+        while True:
+            msg = await asyncio.wait_for(ws.recv(), WAIT_S)
+            if isinstance(msg, bytes):
+                audio += msg
+                continue
+            event = json.loads(msg)
+            assert event["type"] != "error", event
+            if event["type"] == "audio.done":
+                done.append(event)
+            if event["type"] == "session.done":
+                break
+    assert len(done) == 2  # one utterance per sentence
+    assert audio and len(audio) % FRAME_BYTES == 0
