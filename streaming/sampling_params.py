@@ -40,9 +40,12 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
-    def validate(self, vocab_size: int, codes_per_frame: int = 1) -> None:
+    def validate(self, vocab_size: int, codes_per_frame: int = 1, code0_penalty: bool = False) -> None:
         """Bounds of every field; a multi-codebook model (codes_per_frame > 1) takes no token
-        penalty, logit bias or min_tokens: its codes have no history, no per-id bias."""
+        penalty, logit bias or min_tokens: its codes have no history, no per-id bias. Except
+        code0_penalty (a family whose code 0 keeps a per-request history, Qwen3-TTS): then
+        repetition_penalty applies to code 0 over its generated ids; frequency / presence
+        penalties stay refused."""
 
         def bad(field: str, msg: str) -> InvalidRequest:
             return InvalidRequest(f"sampling.{field}", msg)
@@ -76,9 +79,12 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             if not (0 <= tok < vocab_size):
                 raise bad("stop_token_ids", f"token id {tok} outside the vocabulary [0, {vocab_size})")
         if codes_per_frame > 1:
-            for name, off in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
-                if getattr(self, name) != off:
-                    raise bad(name, "not supported by multi-codebook models (codes have no history)")
+            if self.repetition_penalty != 1.0 and not code0_penalty:
+                raise bad("repetition_penalty", "not supported by multi-codebook models (codes have no history)")
+            for name in ("frequency_penalty", "presence_penalty"):
+                if getattr(self, name) != 0.0:
+                    why = ("code 0 takes repetition_penalty only" if code0_penalty else "codes have no history")
+                    raise bad(name, f"not supported by multi-codebook models ({why})")
             if self.logit_bias:
                 raise bad("logit_bias", "not supported by multi-codebook models (no per-id bias of codes)")
             if self.min_tokens:

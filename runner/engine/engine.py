@@ -138,7 +138,8 @@ class Engine(WarmUp):
             )
         if len(prompt_token_ids) + 1 > self.num_blocks * self.cfg.cache.block_size:
             raise InvalidRequest("prompt_token_ids", "prompt does not fit in the KV cache")
-        sampling.validate(m.vocab_size, self.family.codes_per_frame)
+        layout = self.runner.layout if self.frames else None
+        sampling.validate(m.vocab_size, self.family.codes_per_frame, code0_penalty=bool(layout and layout.code0_penalty))
         layers = tuple(hidden_state_layers)
         for l in layers:
             if not (-(m.num_layers + 1) <= l <= m.num_layers):
@@ -151,7 +152,6 @@ class Engine(WarmUp):
             if missing:
                 sampling = msgspec.structs.replace(sampling, stop_token_ids=[*sampling.stop_token_ids, *missing])
         step_text = self.family.step_text(None if step_text_ids is None else list(step_text_ids))
-        layout = self.runner.layout if self.frames else None
         if group_sampling is not None:
             if layout is None or layout.group_sampling is None:
                 raise InvalidRequest("group_sampling", f"the {self.family.name} family samples every code with `sampling`")

@@ -42,7 +42,9 @@ class _GraphBatch:
     """One bucket's persistent sampling rows: ints [4, b] (top_k, slots, seeds, counters) then
     floats [6, b] in one byte buffer, so a step's rows are one host -> device copy."""
 
-    def __init__(self, b: int, device: torch.device):
+    def __init__(self, b: int, device: torch.device, repetition: bool = False):
+        """repetition: the batch applies its rows' repetition penalty (code 0's, where the
+        runner keeps a code-0 history); a row without one carries 1.0, an exact identity."""
         self.b = b
         self.n_int = 4 * 8 * b
         self.buf = torch.zeros(self.n_int + NUM_FLOAT_PARAMS * 4 * b, dtype=torch.uint8, device=device)
@@ -51,8 +53,8 @@ class _GraphBatch:
         self.batch = SamplingBatch(
             temperature=f[0], top_p=f[1], min_p=f[2], repetition_penalty=f[3], frequency_penalty=f[4],
             presence_penalty=f[5], top_k=ints[0], slots=ints[1], seeds=ints[2], counters=ints[3],
-            bias_rows=None, bias_cols=None, bias_vals=None, all_greedy=False, any_penalty=False,
-            any_top_k=True, any_top_p=True, any_min_p=True, any_greedy=True, any_repetition=False,
+            bias_rows=None, bias_cols=None, bias_vals=None, all_greedy=False, any_penalty=repetition,
+            any_top_k=True, any_top_p=True, any_min_p=True, any_greedy=True, any_repetition=repetition,
             any_frequency=False, any_presence=False)
         self.host = np.zeros(self.buf.numel(), dtype=np.uint8)
 
@@ -91,7 +93,8 @@ class FrameGraphs:
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         self.block_tables = torch.full((max_bs, self.max_blocks), nb, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        self.batches = {b: _GraphBatch(b, dev) for b in self.buckets}
+        penalty = runner.code0_history is not None  # code 0's penalty inside the graphs
+        self.batches = {b: _GraphBatch(b, dev, repetition=penalty) for b in self.buckets}
         # the groups' own parameters (FrameRunner.group_table), filled beside the code-0 rows
         self.group_batches = {b: _GraphBatch(b, dev) for b in self.buckets} if runner.group_table is not None else None
         self.staging = staging_for(dev)
@@ -140,7 +143,7 @@ class FrameGraphs:
         groups = self.group_batches[b].batch if self.group_batches is not None else None
         sampler = self.runner.codebook_sampler(batch, groups)
         frames = m.depth_decode(hidden, sampler(logits0, 0), sampler)
-        self.runner.record_frames(frames, batch.slots)
+        self.runner.record_frames(frames, batch)
         return frames
 
     @torch.inference_mode()

@@ -22,8 +22,11 @@ hashes the rows too, runner/engine/kv_cache.py).
 
 What the family declares (runner/families/base.py FrameLayout), chosen once here: a text column
 in the rows (Qwen3-TTS: a generated position's input is its frame plus a text id the host
-packs, FrameLog.step_text), a code-0 rule (csm_sampling.Code0Window) and separate parameters
-for groups 1..K-1 (a second SamplingTable, same seeds and counters).
+packs, FrameLog.step_text), a code-0 rule (csm_sampling.Code0Window), code 0's repetition
+penalty (csm_sampling.Code0Penalty over `code0_history`, a SlotState of code 0's vocabulary:
+reset when a request takes its slot, refilled from its FrameLog after a preemption, recorded
+with every drawn frame) and separate parameters for groups 1..K-1 (a second SamplingTable,
+same seeds and counters).
 
 The model (CsmModel, Qwen3TtsModel) provides: `num_codebooks`, `attn`, `backbone` (a
 DecoderStack), `embed_inputs(ids [T], rows [T, W])`, `head`, `depth_decode`, `frame_is_eos`,
@@ -44,8 +47,9 @@ from runner.engine.scheduler import SchedulerOutput
 from runner.engine.step_inputs import StepInputs, pack_step_inputs
 from runner.families.base import FrameLayout
 from runner.layers.sampling_batch import SamplingBatch, SamplingTable
-from runner.models.csm_sampling import (CodebookSampler, Code0Window, CodecRange, FusedCodebooks, GreedyCodebooks,
-                                        RaceCodebooks, SplitCodebooks)
+from runner.layers.slot_state import SlotState
+from runner.models.csm_sampling import (CodebookSampler, Code0Penalty, Code0Window, CodecRange, FusedCodebooks,
+                                        GreedyCodebooks, RaceCodebooks, SplitCodebooks)
 
 
 class FrameRunner(ModelRunner):
@@ -69,6 +73,14 @@ class FrameRunner(ModelRunner):
         self.last_frame = torch.zeros(S + 1, k, dtype=torch.int64, device=self.device)
         # whether each slot's request feeds the codec (its codes are kept below code_limit); row S: padding
         self.slot_audio = torch.zeros(S + 1, dtype=torch.bool, device=self.device)
+        # code 0's generated ids per slot ([S + 1, V0] counts, row S the padding rows' scratch):
+        # the repetition penalty's history, kept for every request (a graph records whatever
+        # the rows' penalties), allocated here so graphs capture the buffers they will read
+        self.code0_history: SlotState | None = None
+        if layout.code0_penalty:
+            self.code0_history = SlotState(S, layout.code0.vocab, cfg.scheduler.max_model_len, self.device,
+                                           backend=self.sampler.backend, tuning=cfg.runner.tuning)
+            self.code0_history.allocate_penalty_buffers()
         # one launch per codebook (csm_sampling.FusedCodebooks) where it applies, else the sampler's path
         # (not with a code-0 rule or group parameters: the kernel takes one vocabulary and batch)
         self._fused_codebooks = (self.device.type == "cuda" and self.sampler.backend == "triton"
@@ -147,8 +159,9 @@ class FrameRunner(ModelRunner):
         return frames, np.asarray([inp.dev_rows, inp.dev_slots], dtype=np.int64).reshape(2, -1)
 
     def _admit(self, admitted: list[Request]) -> None:
-        """Sampling parameters and seeds of the requests starting in their slot (codes have no
-        penalties, so no token history is kept)."""
+        """Sampling parameters and seeds of the requests starting in their slot, and (with a
+        code-0 penalty) their code-0 history: empty for a new request, its generated frames'
+        code 0 for one recomputing after a preemption (FrameLog rows after the prompt)."""
         fresh = []
         for req in admitted:
             if self.slot_owner[req.slot] is not req:
@@ -162,6 +175,14 @@ class FrameRunner(ModelRunner):
         if fresh and self.code_limit is not None:
             rows = self._to_dev(np.asarray([[r.slot for r in fresh], [r.audio for r in fresh]], dtype=np.int64))
             self.slot_audio[rows[0]] = rows[1].bool()
+        if admitted and self.code0_history is not None:
+            self.code0_history.admit_many([(r.slot, [], self._generated_code0(r), True) for r in admitted])
+
+    @staticmethod
+    def _generated_code0(req: Request) -> list[int]:
+        """Code 0 of the request's confirmed output frames (none for a new request)."""
+        f, n = req.frames, len(req.output_token_ids)
+        return f.codes(f.num_prompt, f.num_prompt + n)[:, 0].tolist() if n else []
 
     # ---- phase 2 ---------------------------------------------------------------------------
 
@@ -184,7 +205,7 @@ class FrameRunner(ModelRunner):
             sampler = self.codebook_sampler(batch, self._group_batch(st))
             hidden, logits0 = self.model.head(st.final_hidden)
             frames = self.model.depth_decode(hidden, sampler(logits0, 0), sampler)
-            self.record_frames(frames, batch.slots)
+            self.record_frames(frames, batch)
         ids = self.frame_ids(frames)
         if self.record_timeline and self._t0 is not None:
             t1 = torch.cuda.Event(enable_timing=True)
@@ -224,6 +245,8 @@ class FrameRunner(ModelRunner):
             sampler = SplitCodebooks(sampler, RaceCodebooks(self.sampler, group_batch, self.num_codebooks))
         if self.layout.code0 is not None:
             sampler = Code0Window(self.layout.code0, batch.counters, sampler)
+        if self.code0_history is not None:  # the penalty before the window (transformers' order is moot: -inf stays -inf)
+            sampler = Code0Penalty(self.sampler, batch, self.code0_history, sampler)
         if rows is None:
             return sampler
         return CodecRange(sampler, self.code_limit, rows, self.layout.codebook_size)
@@ -232,10 +255,15 @@ class FrameRunner(ModelRunner):
         """[B, K] -> [B] the position id the scheduler sees: the end id for the ending frame."""
         return torch.where(self.model.frame_is_eos(frames), self.audio_eos_token_id, self.audio_token_id)
 
-    def record_frames(self, frames: torch.Tensor, slots: torch.Tensor) -> None:
-        """last_frame[slot] = frame (padding rows, slot -1, write the scratch row)."""
+    def record_frames(self, frames: torch.Tensor, batch: SamplingBatch) -> None:
+        """last_frame[slot] = frame, and code 0 into the slot's code-0 history (padding rows,
+        slot -1, write the scratch row / nothing). frames [B, K]; batch: the step's code-0 rows
+        (slots, and counters = each row's frame index)."""
+        slots = batch.slots
         rows = torch.where(slots >= 0, slots, self.last_frame.shape[0] - 1)
         self.last_frame.index_copy_(0, rows, frames)
+        if self.code0_history is not None:
+            self.code0_history.record(slots, frames[:, 0], batch.counters)
 
     @torch.inference_mode()
     def warm_sampling(self) -> None:

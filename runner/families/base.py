@@ -46,12 +46,17 @@ class LogitsConstraint(Protocol):
 class Code0Rule:
     """Which code-0 ids a frame may draw (Qwen3-TTS, M:2044-2066): ids [0, num_codes) and
     `eos`, eos only from the request's frame `min_frames` on. Applied on the device from the
-    rows' frame counters: no host sync, CUDA-graph safe."""
+    rows' frame counters: no host sync, CUDA-graph safe.
+
+    repetition_penalty: code 0 takes the request's `sampling.repetition_penalty` (transformers'
+    RepetitionPenaltyLogitsProcessor) over the code-0 ids the request has generated (not its
+    prompt's), before the window; the frame runner keeps that history per slot on the device."""
 
     vocab: int  # code 0's logits width (the talker's codec table: codes + special ids)
     num_codes: int
     eos: int
     min_frames: int
+    repetition_penalty: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,11 @@ class FrameLayout:
     @property
     def row_width(self) -> int:
         return self.num_codebooks + int(self.text_column)
+
+    @property
+    def code0_penalty(self) -> bool:
+        """Whether code 0 takes the request's repetition_penalty (SamplingParams.validate's flag)."""
+        return self.code0 is not None and self.code0.repetition_penalty
 
 
 class CodecStageLike(Protocol):

@@ -15,11 +15,13 @@ What the engine asks of the family:
 - code 0 (M:2044-2066): drawn from the codes and eos only, eos not before frame
   MIN_NEW_TOKENS; groups 1..K-1 drawn with the folder's subtalker_* parameters
   (generation_config.json, else qwen-tts's defaults) unless the request gives its own;
+- code 0's repetition penalty (the reference's `repetition_penalty`, qwen-tts's default 1.05
+  is the request's to give): over the code-0 ids the request generated, never its prompt's
+  (generate() gets inputs_embeds: its input_ids start empty); groups take none;
 - the end: code 0 == codec eos (Qwen3TtsModel.frame_is_eos); that frame is not audio;
 - the codec: the folder's speech_tokenizer/ (or `codec.path`) as Qwen12HzCodecStage.
 
-Not yet (docs/qwen3_tts.md §5): the code-0 repetition penalty (SamplingParams.validate refuses
-penalties for frame families), x-vector speakers and reference clips (Stage 5), the front end
+Not yet (docs/qwen3_tts.md §5): x-vector speakers and reference clips (Stage 5), the front end
 (profile, voices; Stage 4).
 """
 
@@ -88,7 +90,7 @@ class Qwen3TtsFamily(ModelFamily):
         c = self.config
         # the reference suppresses ids [vocab - 1024, vocab) but eos: the specials, past the codes
         code0 = Code0Rule(vocab=c.codec_vocab_size, num_codes=c.codebook_size, eos=c.codec.eos,
-                          min_frames=MIN_NEW_TOKENS)
+                          min_frames=MIN_NEW_TOKENS, repetition_penalty=True)
         return FrameLayout(num_codebooks=c.num_code_groups, codebook_size=c.codebook_size, frame_id=c.tts_pad_id,
                            end_id=c.tts_eos_id, text_column=True, code0=code0, group_sampling=self.group_sampling)
 

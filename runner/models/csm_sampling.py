@@ -7,7 +7,8 @@ frames, say). Greedy is an argmax; `RaceCodebooks` runs the project's sampler
 (runner/layers/sampler.py: temperature, top-k / top-p / min-p, the counter-keyed exponential race)
 with the race counter of codebook k of frame n set to n * K + k: each code of a request gets its
 own noise key, so a seeded request's frames do not depend on the batch (the same argument as for
-tokens). Penalties and logit bias (the sampler's stages 1-2) do not apply to codes.
+tokens). Penalties and logit bias (the sampler's stages 1-2) do not apply to codes, except code
+0's repetition penalty where the family declares one (`Code0Penalty`).
 
 `FusedCodebooks` draws the same ids as `CodecRange(RaceCodebooks(...))` in one Triton launch per
 codebook (runner/kernels/codebook_sampling.py: CUDA, a vocabulary of at most MAX_VOCAB codes);
@@ -25,6 +26,7 @@ from torch import Tensor
 from runner.layers.noise import NOISE_SALTS
 from runner.layers.sampler import Sampler
 from runner.layers.sampling_batch import SamplingBatch
+from runner.layers.slot_state import SlotState
 
 
 class CodebookSampler(Protocol):
@@ -110,6 +112,30 @@ class Code0Window:
     def __call__(self, logits: Tensor, codebook: int, out: Tensor | None = None) -> Tensor:
         if codebook == 0:
             logits.masked_fill_(self.barred, float("-inf"))
+        return self.inner(logits, codebook, out)
+
+
+class Code0Penalty:
+    """Code 0's repetition penalty (Qwen3-TTS: the talker's `repetition_penalty`, transformers'
+    RepetitionPenaltyLogitsProcessor: a seen id's logit > 0 is divided by the row's penalty,
+    else multiplied, once however often it was drawn) over the code-0 ids the row's request
+    generated so far. The history is `state` (a SlotState of code 0's vocabulary whose output
+    counts the frame runner records and whose prompt mask stays empty: prompt codes do not
+    count); the row's penalty is `batch.repetition_penalty`. The sampler's stage 1 does the
+    work (Sampler.penalize: torch or its Triton kernel), in float32 as transformers' generate
+    does. Groups 1..K-1 pass through untouched. No host sync, graph safe (a graph's batch has
+    any_repetition set; a row without a penalty carries 1.0, an exact identity)."""
+
+    def __init__(self, sampler: Sampler, batch: SamplingBatch, state: SlotState, inner: CodebookSampler):
+        self.sampler = sampler
+        self.batch = batch
+        self.state = state
+        self.inner = inner
+
+    def __call__(self, logits: Tensor, codebook: int, out: Tensor | None = None) -> Tensor:
+        if codebook == 0:
+            logits = logits.float()  # [B, V0]: in place when already float32
+            self.sampler.penalize(logits, self.batch, self.state)
         return self.inner(logits, codebook, out)
 
 

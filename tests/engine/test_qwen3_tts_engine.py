@@ -209,8 +209,9 @@ def test_prefix_cache_keys_on_the_rows(golden):
     (dict(prompt_frames="bad_group"), "prompt_frames"),
     (dict(group_sampling=SamplingParams(temperature=-1.0)), "group_sampling.temperature"),
     (dict(group_sampling=SamplingParams(repetition_penalty=1.05)), "group_sampling.repetition_penalty"),
-    # the code-0 repetition penalty (qwen-tts's 1.05) is not there yet: refused, not ignored
-    (dict(sampling=SamplingParams(repetition_penalty=1.05)), "sampling.repetition_penalty"),
+    # code 0 takes repetition_penalty only (the reference has no other): refused, not ignored
+    (dict(sampling=SamplingParams(frequency_penalty=0.5)), "sampling.frequency_penalty"),
+    (dict(sampling=SamplingParams(presence_penalty=0.5)), "sampling.presence_penalty"),
 ])
 def test_bad_requests_name_the_field(golden, kwargs, field):
     ref = cases(golden, "custom_voice")[0]

@@ -1,0 +1,97 @@
+"""Qwen3-TTS's code-0 repetition penalty through the real engine (CPU), against the reference's
+greedy generate() with repetition_penalty 1.05 (qwen-tts's default) and 1.5
+(tests/reference/qwen3_tts_golden.py `<case>_rep<P>.npz`, 24 steps: the penalty changes frames
+there, the golden script checks it). The history is per request: only generated code-0 ids
+count (the prompt's codes do not), a slot handed to a new request starts clean, a preempted
+request recomputes it from its FrameLog rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from streaming.sampling_params import SamplingParams
+from tests.engine.test_qwen3_tts_engine import GREEDY_GROUPS, cases, drive, make_engine
+from tests.models.test_qwen3_tts import one_thread  # noqa: F401 (autouse fixture)
+
+
+@pytest.fixture(scope="module")
+def golden(qwen3_tts_golden) -> Path:
+    return qwen3_tts_golden("qwen3_tts_golden")
+
+
+def penalty_cases(golden: Path, model: str) -> list[tuple[float, dict[str, np.ndarray]]]:
+    """(penalty, case) of every `<case>_rep<P>` file of the model."""
+    names = json.loads((golden / "manifest.json").read_text())["penalty_cases"][model]
+    return [(int(n.rsplit("_rep", 1)[1]) / 100, dict(np.load(golden / model / f"{n}.npz"), groups=GREEDY_GROUPS))
+            for n in names]
+
+
+def check_frames(eng, got: dict, refs: list[dict]) -> None:
+    """Each request's frames = the reference's (its eos frame, when it ended, beyond them)."""
+    c = eng.family.config
+    for i, ref in enumerate(refs):
+        g = got[f"r{i}"]
+        ended = g["finish"] == "stop"
+        np.testing.assert_array_equal(g["frames"][: len(g["frames"]) - ended], ref["frames"], err_msg=f"r{i}")
+        if ended:
+            assert g["frames"][-1, 0] == c.codec.eos
+
+
+def steps(golden: Path) -> int:
+    return json.loads((golden / "manifest.json").read_text())["penalty_new_tokens"] - 1
+
+
+@pytest.mark.parametrize("model", ["custom_voice", "ends"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("join_every", [0, 3])
+def test_greedy_frames_with_penalty_equal_the_reference(golden, model, async_scheduling, join_every):
+    """Every prompt under penalties 1.05 and 1.5, batched together (rows of different penalties
+    side by side, joining mid-run): frames = the reference's alone."""
+    pcs = penalty_cases(golden, model)
+    eng = make_engine(golden / model / "checkpoint", async_scheduling=async_scheduling)
+    sps = [SamplingParams(temperature=0.0, repetition_penalty=p, max_tokens=steps(golden)) for p, _ in pcs]
+    got = drive(eng, [c for _, c in pcs], sps, join_every=join_every)
+    check_frames(eng, got, [c for _, c in pcs])
+
+
+def test_penalised_and_plain_rows_in_one_batch(golden):
+    """A row without a penalty beside penalised ones keeps the unpenalised reference's frames
+    (the batch's penalty is per row), and theirs stay the penalised reference's."""
+    pcs = penalty_cases(golden, "custom_voice")[:4]
+    plain = [dict(c, groups=GREEDY_GROUPS) for c in cases(golden, "custom_voice")]
+    n_plain = len(plain[0]["frames"])
+    eng = make_engine(golden / "custom_voice" / "checkpoint", async_scheduling=True)
+    sps = [SamplingParams(temperature=0.0, repetition_penalty=p, max_tokens=steps(golden)) for p, _ in pcs]
+    sps += [SamplingParams(temperature=0.0, max_tokens=n_plain)] * len(plain)
+    reqs = [c for _, c in pcs] + plain
+    got = drive(eng, reqs, sps, join_every=1)
+    check_frames(eng, got, reqs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_reused_slot_starts_clean(golden, async_scheduling):
+    """Two slots for eight penalised requests: each slot serves several requests in turn, and
+    every request's frames are the reference's (a history left over from the slot's previous
+    request would penalise other ids)."""
+    pcs = penalty_cases(golden, "custom_voice")
+    eng = make_engine(golden / "custom_voice" / "checkpoint", async_scheduling=async_scheduling, max_num_seqs=2)
+    sps = [SamplingParams(temperature=0.0, repetition_penalty=p, max_tokens=steps(golden)) for p, _ in pcs]
+    got = drive(eng, [c for _, c in pcs], sps)
+    check_frames(eng, got, [c for _, c in pcs])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preempted_requests_recompute_their_history(golden, async_scheduling):
+    """A KV cache too small for all of them: preempted requests are recomputed, their code-0
+    history refilled from their FrameLog rows; frames unchanged."""
+    pcs = penalty_cases(golden, "custom_voice")[:4]
+    eng = make_engine(golden / "custom_voice" / "checkpoint", async_scheduling=async_scheduling, num_blocks=24,
+                      prefix=False)
+    sps = [SamplingParams(temperature=0.0, repetition_penalty=p, max_tokens=steps(golden)) for p, _ in pcs]
+    got = drive(eng, [c for _, c in pcs], sps)
+    assert eng.scheduler.num_preemptions > 0
+    check_frames(eng, got, [c for _, c in pcs])
