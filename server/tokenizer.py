@@ -8,6 +8,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from server.qwen2_tokenizer import has_qwen2_files, qwen2_bpe
+
 # Longer texts are tokenized off the event loop (encode_async); below it, inline is cheaper
 # than the thread hop (~1 ms of tokenizing).
 INLINE_ENCODE_CHARS = 4096
@@ -20,12 +22,16 @@ class TextTokenizer:
 
     @classmethod
     def from_folder(cls, path: str | Path) -> "TextTokenizer":
-        """Read `tokenizer.json` and, when present, the BOS token from `tokenizer_config.json`."""
+        """Read `tokenizer.json` (else a Qwen2 BPE's vocab.json + merges.txt) and, when present,
+        the BOS token from `tokenizer_config.json`."""
         folder = Path(path)
-        if not (folder / "tokenizer.json").is_file():
+        if (folder / "tokenizer.json").is_file():
+            tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        elif has_qwen2_files(folder):  # Qwen folders without tokenizer.json (Qwen3-TTS)
+            tok = qwen2_bpe(folder)
+        else:
             raise FileNotFoundError(f"{folder / 'tokenizer.json'}: missing (the front end tokenizes with the model "
-                                    "folder's tokenizer.json)")
-        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+                                    "folder's tokenizer.json, or a Qwen2 BPE's vocab.json + merges.txt)")
         bos_id: int | None = None
         cfg_path = folder / "tokenizer_config.json"
         if cfg_path.exists():
