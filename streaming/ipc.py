@@ -130,6 +130,7 @@ class Ready(msgspec.Struct, tag="ready"):
     sample_rate: int = 0  # 0 when no codec stage is loaded
     dtype: str = ""
     codes_per_frame: int = 1  # codes a step yields per request (a multi-codebook model: K)
+    code0_penalty: bool = False  # a multi-codebook model whose code 0 takes repetition_penalty (Qwen3-TTS)
 
 
 class EncodedAudio(msgspec.Struct, tag="encoded"):

@@ -171,7 +171,7 @@ def sampling_params(
         raise SchemaError(names.get("top_k", "top_k"), f"must be in [0, {limits.vocab_size}] (0 disables), got {top_k}")
     params = SamplingParams(**merged)
     try:
-        params.validate(limits.vocab_size, limits.codes_per_frame)
+        params.validate(limits.vocab_size, limits.codes_per_frame, limits.code0_penalty)
     except InvalidRequest as e:
         field = e.field.removeprefix("sampling.")
         detail = str(e).split(": ", 1)[1] if ": " in str(e) else str(e)

@@ -63,12 +63,13 @@ class RequestLimits:
     max_input_chars: int
     max_depth: int = 32
     codes_per_frame: int = 1  # > 1: a multi-codebook model (SamplingParams.validate's rules)
+    code0_penalty: bool = False  # ... whose code 0 takes repetition_penalty (validate's flag)
 
     @classmethod
     def of(cls, info: Any, max_input_chars: int, max_depth: int = 32) -> RequestLimits:
         """From the engine's Ready message (streaming.ipc.Ready) and the server's settings."""
         return cls(info.vocab_size, info.max_model_len, info.num_layers, max_input_chars, max_depth,
-                   info.codes_per_frame)
+                   info.codes_per_frame, info.code0_penalty)
 
 
 # ---- JSON at the door ------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ class Engine(WarmUp):
         if len(prompt_token_ids) + 1 > self.num_blocks * self.cfg.cache.block_size:
             raise InvalidRequest("prompt_token_ids", "prompt does not fit in the KV cache")
         layout = self.runner.layout if self.frames else None
-        sampling.validate(m.vocab_size, self.family.codes_per_frame, code0_penalty=bool(layout and layout.code0_penalty))
+        sampling.validate(m.vocab_size, self.family.codes_per_frame, code0_penalty=self.code0_penalty)
         layers = tuple(hidden_state_layers)
         for l in layers:
             if not (-(m.num_layers + 1) <= l <= m.num_layers):
@@ -199,6 +199,12 @@ class Engine(WarmUp):
             self.codec.abort(id(req))
         self._finished_out.append(self._output(req, [], finished=True))
         return True
+
+    @property
+    def code0_penalty(self) -> bool:
+        """Whether requests may give sampling.repetition_penalty to a multi-codebook family's
+        code 0 (its FrameLayout's Code0Rule; streaming.ipc.Ready carries it to the front end)."""
+        return self.frames and self.runner.layout.code0_penalty
 
     @property
     def has_unfinished(self) -> bool:

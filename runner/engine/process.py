@@ -216,6 +216,7 @@ class EngineLoop:
             sample_rate=eng.codec.sample_rate if eng.codec is not None else 0,
             dtype=str(eng.cfg.runner.torch_dtype).removeprefix("torch."),
             codes_per_frame=eng.family.codes_per_frame,
+            code0_penalty=eng.code0_penalty,
         )
         self.outbound.put(ipc.encode_outbound(ready))
         give_up_s = self.args.process.stall_exit_s  # 0: never; the stack report comes first either way

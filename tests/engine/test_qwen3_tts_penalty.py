@@ -53,6 +53,7 @@ def test_greedy_frames_with_penalty_equal_the_reference(golden, model, async_sch
     side by side, joining mid-run): frames = the reference's alone."""
     pcs = penalty_cases(golden, model)
     eng = make_engine(golden / model / "checkpoint", async_scheduling=async_scheduling)
+    assert eng.code0_penalty  # what the engine's Ready tells the front end
     sps = [SamplingParams(temperature=0.0, repetition_penalty=p, max_tokens=steps(golden)) for p, _ in pcs]
     got = drive(eng, [c for _, c in pcs], sps, join_every=join_every)
     check_frames(eng, got, [c for _, c in pcs])

@@ -263,6 +263,21 @@ def test_sampling_defaults_over_the_model_length_are_capped_not_blamed():
     assert sampling_params({"max_tokens": 4096}, SamplingParams(), LIMITS).max_tokens == 4096
 
 
+def test_code0_penalty_at_the_door_follows_the_engine():
+    """A multi-codebook engine whose Ready says code0_penalty (Qwen3-TTS) takes repetition_penalty
+    and still refuses frequency / presence; one without (CSM) refuses all three."""
+    from streaming.ipc import Ready
+
+    info = Ready(model="m", vocab_size=1000, hidden_size=8, num_layers=4, max_model_len=4096, max_num_seqs=2,
+                 codes_per_frame=16, code0_penalty=True)
+    qwen = RequestLimits.of(info, 100)
+    csm = RequestLimits.of(msgspec.structs.replace(info, code0_penalty=False), 100)
+    assert sampling_params({"repetition_penalty": 1.05}, SamplingParams(), qwen).repetition_penalty == 1.05
+    assert refused(sampling_params, {"repetition_penalty": 1.05}, SamplingParams(), csm).field == "repetition_penalty"
+    for f in ("frequency_penalty", "presence_penalty"):
+        assert refused(sampling_params, {f: 0.5}, SamplingParams(), qwen).field == f
+
+
 def test_generation_options_given():
     opts = convert({"temperature": 0, "stop_token_ids": [1]}, GenerationOptions)
     assert opts.given() == {"temperature": 0.0, "stop_token_ids": [1]}
