@@ -96,3 +96,31 @@ def test_preempted_requests_recompute_their_history(golden, async_scheduling):
     got = drive(eng, [c for _, c in pcs], sps)
     assert eng.scheduler.num_preemptions > 0
     check_frames(eng, got, [c for _, c in pcs])
+
+
+def test_history_holds_generated_code0_only(golden):
+    """Prompts whose codec part carries codes (code 0 in [0, num_codes), as an ICL prompt's
+    reference frames do): after every step each running request's code-0 history is the
+    bincount of the code 0s it generated, the prompt's never counted (the reference's
+    input_ids start empty)."""
+    refs = cases(golden, "custom_voice")
+    eng = make_engine(golden / "custom_voice" / "checkpoint", async_scheduling=False)
+    c, hist = eng.family.config, eng.runner.code0_history
+    for i, ref in enumerate(refs):
+        rows = ref["codec_ids"].copy()
+        rows[:3, 0] = [i, i + 1, 7]  # the role positions: codes instead of nothing
+        eng.add_request(f"r{i}", ref["text_ids"].tolist(), SamplingParams(temperature=0.0, repetition_penalty=1.05,
+                                                                         max_tokens=6),
+                        prompt_frames=rows, step_text_ids=ref["trailing_ids"].tolist(), group_sampling=GREEDY_GROUPS)
+    checked = 0
+    while eng.has_unfinished:
+        eng.step()
+        for req in eng.requests.values():
+            f, n = req.frames, len(req.output_token_ids)
+            if req.slot is None or n == 0:
+                continue
+            want = np.bincount(f.codes(f.num_prompt, f.num_prompt + n)[:, 0], minlength=c.codec_vocab_size)
+            np.testing.assert_array_equal(hist.output_counts[req.slot].numpy(), want, err_msg=req.request_id)
+            assert not hist.prompt_mask[req.slot].any()
+            checked += 1
+    assert checked >= len(refs)
