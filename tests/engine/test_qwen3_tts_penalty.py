@@ -124,3 +124,49 @@ def test_history_holds_generated_code0_only(golden):
             assert not hist.prompt_mask[req.slot].any()
             checked += 1
     assert checked >= len(refs)
+
+
+def test_graph_batch_rows_penalise_and_padding_writes_no_slot(golden):
+    """The frame graphs' code-0 batch (frame_graphs._GraphBatch with any_repetition on: every
+    stage on, padding rows greedy with penalty 1.0 and slot -1) through the runner's code-0
+    sampler and record_frames, on the CPU: its real rows draw what an eager batch of them
+    draws (= argmax of transformers' penalised, windowed logits), and the padding rows touch
+    no slot's history (CUDA graphs replay exactly this; tests/gpu checks graph = eager)."""
+    import torch
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from runner.engine.frame_graphs import _GraphBatch
+    from runner.layers.sampling_batch import SamplingBatch, float_params
+
+    eng = make_engine(golden / "custom_voice" / "checkpoint", async_scheduling=False, max_num_seqs=4)
+    run, hist = eng.runner, eng.runner.code0_history
+    rule = run.layout.code0
+    histories = {0: [1, 1, 5, 30], 1: [7, 2]}
+    hist.admit_many([(s, [], h, True) for s, h in histories.items()])
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5), SamplingParams(temperature=0.0, repetition_penalty=1.05)]
+    slots, counters = np.array([0, 1]), np.array([4, 2])
+    gb = _GraphBatch(4, torch.device("cpu"), repetition=True)
+    floats = np.array([float_params(p) for p in params], dtype=np.float32)
+    gb.buf.copy_(torch.from_numpy(gb.pack(floats, np.zeros(2, np.int64), slots, np.zeros(2, np.int64), counters).copy()))
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, rule.vocab, generator=gen)
+    logits[:, : rule.num_codes] = logits[:, : rule.num_codes].abs() + 2.0  # positive: divided
+    for s, h in histories.items():  # a seen code on top, by a margin the 1.5 penalty (row 0) undoes
+        logits[s, h[0]] = logits[s, : rule.num_codes].max() + 0.1
+    drawn = run.codebook_sampler(gb.batch, None)(logits.clone(), 0)
+    eager = SamplingBatch.build(params, slots.tolist(), [0, 0], counters.tolist(), [], "cpu")
+    want_eager = run.codebook_sampler(eager, None)(logits[:2].clone(), 0)
+    assert torch.equal(drawn[:2], want_eager)
+    for r, (s, p) in enumerate(zip(slots.tolist(), params)):
+        ref = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(torch.tensor([histories[s]]), logits[r : r + 1].clone())[0]
+        ref[rule.num_codes :] = float("-inf")  # the window (eos barred: counters >= 2 lets it through)
+        ref[rule.eos] = logits[r, rule.eos] if counters[r] >= rule.min_frames else float("-inf")
+        assert drawn[r] == ref.argmax(), (r, drawn[r], ref.argmax())
+    assert drawn[0] != histories[0][0]  # the penalty changed row 0's draw
+    before = hist.output_counts.clone()
+    frames = torch.zeros(4, run.num_codebooks, dtype=torch.int64)
+    frames[:, 0] = torch.tensor([3, 9, 20, 21])
+    run.record_frames(frames, gb.batch)
+    after = hist.output_counts
+    assert after[0, 3] == before[0, 3] + 1 and after[1, 9] == before[1, 9] + 1
+    assert (after - before).sum() == 2  # padding rows (20, 21 at slot -1): no slot's row

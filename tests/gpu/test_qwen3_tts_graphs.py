@@ -1,7 +1,7 @@
 """Qwen3-TTS's frame step on CUDA (runner/families/qwen3_tts.py): the captured graphs (whole
 decode steps, and the depth half when prompts join) give the frames the eager step gives, with
 the text column of in-flight rows, the code-0 window over the released 3072-id codec table and
-the groups' own sampling batch inside the graphs. Frames against the reference are held on the
+the groups' own sampling batch and code 0's repetition penalty inside the graphs. Frames against the reference are held on the
 CPU (tests/engine/test_qwen3_tts_engine.py)."""
 
 from __future__ import annotations
@@ -85,8 +85,12 @@ def test_graphs_are_used_and_equal_eager(folder):
     sps = [SamplingParams(temperature=0.0, max_tokens=20),
            SamplingParams(temperature=0.9, top_k=50, max_tokens=20, seed=4),
            SamplingParams(temperature=1.0, top_p=0.8, max_tokens=20, seed=5),
-           SamplingParams(temperature=0.0, max_tokens=20, seed=6)]  # greedy code 0, default groups (sampled)
-    groups = [SamplingParams(temperature=0.0), None, SamplingParams(temperature=0.7, top_k=5), None]
+           SamplingParams(temperature=0.0, max_tokens=20, seed=6),  # greedy code 0, default groups (sampled)
+           # code 0's repetition penalty inside the graphs (the code-0 history per slot)
+           SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=20),
+           SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, max_tokens=20, seed=7)]
+    groups = [SamplingParams(temperature=0.0), None, SamplingParams(temperature=0.7, top_k=5), None,
+              SamplingParams(temperature=0.0), None]
     reqs = requests(len(sps))
     g = engine(folder, graphs=True)
     fg = g.runner.frame_graphs
