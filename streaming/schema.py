@@ -281,10 +281,11 @@ def check_speed(speed: float | None, param: str = "speed") -> None:
         raise SchemaError(param, f"only 1.0 is supported by this server (got {speed})", UNSUPPORTED)
 
 
-def check_speech_options(opts: SpeechOptions) -> None:
-    """The speech fields HTTP and session.config share (sampling goes through sampling_params)."""
+def check_speech_options(opts: SpeechOptions, takes_instructions: bool = False) -> None:
+    """The speech fields HTTP and session.config share (sampling goes through sampling_params).
+    takes_instructions: the served model reads `instructions` (Qwen3-TTS's instruct)."""
     check_speed(opts.speed)
-    if opts.instructions is not None and opts.instructions.strip():
+    if not takes_instructions and opts.instructions is not None and opts.instructions.strip():
         raise SchemaError("instructions", "this model does not take voice instructions", UNSUPPORTED)
 
 

@@ -63,11 +63,13 @@ class SpeechJob:
 
 
 async def speech_add_request(
-    ctx: ServerContext, voice: str, text: str, sampling: SamplingParams, param: str = "input"
+    ctx: ServerContext, voice: str, text: str, sampling: SamplingParams, param: str = "input",
+    language: str | None = None, instructions: str | None = None,
 ) -> AddRequest:
     """One engine request speaking `text` in `voice` (shared with the WebSocket sessions); a
-    long text is tokenized off the event loop."""
-    prompt = await ctx.profile.build_prompt_async(ctx.tokenizer, voice, text)
+    long text is tokenized off the event loop. language / instructions: only for a profile that
+    takes them (checked before: check_speech_options, the session's language check)."""
+    prompt = await ctx.profile.build_prompt_async(ctx.tokenizer, voice, text, language, instructions)
     limit = ctx.engine.info.max_model_len
     if len(prompt.ids) >= limit:
         raise invalid_request(
@@ -89,7 +91,7 @@ async def parse_speech_body(ctx: ServerContext, req: SpeechRequest) -> SpeechJob
         fmt = resolve_format(fmt_name)
     except UnsupportedFormat as e:
         raise SchemaError("response_format", str(e), UNSUPPORTED) from None
-    check_speech_options(req)
+    check_speech_options(req, ctx.profile.takes_instructions)
     stream_format = req.stream_format or "audio"
     if stream_format not in STREAM_FORMATS:
         raise SchemaError(
@@ -99,7 +101,9 @@ async def parse_speech_body(ctx: ServerContext, req: SpeechRequest) -> SpeechJob
     if not stream and stream_format == "sse":
         raise SchemaError("stream", "stream_format 'sse' needs stream=true")
     sampling = sampling_params(req.given(), ctx.speech_sampling, limits, SPEECH_FIELDS)
-    return SpeechJob(await speech_add_request(ctx, voice, text, sampling), fmt, stream_format, stream)
+    instructions = req.instructions if req.instructions and req.instructions.strip() else None
+    return SpeechJob(await speech_add_request(ctx, voice, text, sampling, instructions=instructions), fmt,
+                     stream_format, stream)
 
 
 async def create_speech(request: web.Request) -> web.StreamResponse:

@@ -22,8 +22,9 @@ speaks the buffered text, sends `session.done` and ends the session); `sentence_
 the whole session, as vllm-omni counts sentences); `total_sentences` is how many segments were
 spoken or failed. In `session.config`, `task_type` "CustomVoice" (named voices) and
 `stream_audio` true are what this server does; `language` "Auto" lets the model read the text as
-it is; any other value is an `unsupported_value` error naming the field (`instructions` likewise,
-as on POST /v1/audio/speech).
+it is, and a model with languages (Qwen3-TTS: its codec_language_id names) takes one of them;
+any other value is an error naming the field (`instructions` likewise, as on POST
+/v1/audio/speech: taken by a model with an instruct turn, Qwen3-TTS 1.7B).
 
 Text is cut into segments (server.tts.text_segmenter); each segment is one engine request,
 spoken in order by a `server.tts.speaker.Speaker` (bounded prefetch).
@@ -102,7 +103,7 @@ PCM_FORMAT = "pcm_s16le"
 # vllm-omni's session.config values: what this server does, and the ones it knows but cannot do.
 TASK_TYPES = ("CustomVoice",)  # a named voice; VoiceDesign (described voice) and Base (clone) are not served
 VLLM_OMNI_TASK_TYPES = ("CustomVoice", "VoiceDesign", "Base")
-AUTO_LANGUAGE = "auto"  # the model reads the text as it is; it takes no language hint
+AUTO_LANGUAGE = "auto"  # the model reads the text as it is (its only language, but for Qwen3-TTS)
 
 
 class TextSession(Sink):
@@ -240,8 +241,8 @@ class SpeechStreamSession(TextSession):
         ctx = self.ctx
         name = voice_name(msg.voice)
         voice = ctx.profile.resolve_voice(name) if name is not None else self.voicing.voice
-        check_speech_options(msg)
-        check_vllm_omni_options(msg)
+        check_speech_options(msg, ctx.profile.takes_instructions)
+        check_vllm_omni_options(msg, ctx.profile.languages)
         if msg.response_format not in (None, "pcm"):
             raise SchemaError(
                 "response_format",
@@ -253,7 +254,13 @@ class SpeechStreamSession(TextSession):
                 "sample_rate", f"the model produces {ctx.profile.sample_rate} Hz audio, got {msg.sample_rate}", UNSUPPORTED
             )
         sampling = sampling_params(msg.given(), self.voicing.sampling, request_limits(ctx), SPEECH_FIELDS)
-        return replace(self.voicing, voice=voice, sampling=sampling)
+        # a field left out keeps the session's value; "" / "Auto" clear it
+        style = {}
+        if msg.language is not None:
+            style["language"] = None if msg.language.lower() == AUTO_LANGUAGE else msg.language.lower()
+        if msg.instructions is not None:
+            style["instructions"] = msg.instructions if msg.instructions.strip() else None
+        return replace(self.voicing, voice=voice, sampling=sampling, **style)
 
     async def utterance_start(self, utt: Utterance) -> None:
         await self.send_json(
@@ -291,8 +298,9 @@ class SpeechStreamSession(TextSession):
         self.close_from_writer(WSCloseCode.OK, last_event={"type": "session.done", "total_sentences": self.sentences})
 
 
-def check_vllm_omni_options(msg: SessionConfig) -> None:
-    """vllm-omni's session.config fields: a value this server cannot honour names its field."""
+def check_vllm_omni_options(msg: SessionConfig, languages: tuple[str, ...] = ()) -> None:
+    """vllm-omni's session.config fields: a value this server cannot honour names its field.
+    languages: the served model's language names besides auto (Qwen3-TTS's; lower case)."""
     if msg.task_type is not None and msg.task_type not in TASK_TYPES:
         if msg.task_type in VLLM_OMNI_TASK_TYPES:
             raise SchemaError(
@@ -301,7 +309,10 @@ def check_vllm_omni_options(msg: SessionConfig) -> None:
                 UNSUPPORTED,
             )
         raise SchemaError("task_type", f"must be one of {', '.join(VLLM_OMNI_TASK_TYPES)}, got {msg.task_type!r}", INVALID_VALUE)
-    if msg.language is not None and msg.language.lower() != AUTO_LANGUAGE:
+    if msg.language is not None and languages and msg.language.lower() not in (AUTO_LANGUAGE, *languages):
+        raise SchemaError("language", f"must be 'Auto' or one of {', '.join(languages)}, got {msg.language!r}",
+                          INVALID_VALUE)
+    if msg.language is not None and not languages and msg.language.lower() != AUTO_LANGUAGE:
         raise SchemaError(
             "language",
             f"this model takes no language hint (it reads the text as written); omit it or send 'Auto', got {msg.language!r}",

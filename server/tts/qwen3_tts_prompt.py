@@ -40,6 +40,12 @@ def assistant_turn(text: str) -> str:
     return f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
+def instruct_turn(instructions: str) -> str:
+    """The wrapper's instruct text (W: _build_instruct_text): a user turn, its ids all text-only
+    prompt positions before the role."""
+    return f"<|im_start|>user\n{instructions}<|im_end|>\n"
+
+
 def split_turn(turn_ids: list[int]) -> tuple[list[int], list[int]]:
     """(role ids, text ids) of a tokenized assistant_turn (M: input_id[:, :3] and [:, 3:-5])."""
     if len(turn_ids) < ROLE_LEN + TURN_END_LEN:
@@ -94,16 +100,25 @@ class Qwen3TtsPrompts:
     def __init__(self, ids: Qwen3TtsPromptIds):
         self.ids = ids
 
-    def build(self, turn_ids: list[int], voice: str) -> Qwen3TtsRows:
+    def build(self, turn_ids: list[int], voice: str, language: str | None = None,
+              instruct_ids: list[int] = ()) -> Qwen3TtsRows:
         """Rows of a tokenized assistant_turn; invalid_request naming `input` when the text
-        has no ids."""
+        has no ids, `language` when the folder has no such language (None: auto)."""
         role, text = split_turn(turn_ids)
         if not text:
             raise invalid_request("input: the text has no tokens to speak", param="input")
-        return qwen3_tts_rows(self.ids, role, text, voice)
+        language = AUTO if language is None else language.lower()
+        if language != AUTO and language not in self.ids.languages:
+            raise invalid_request(f"language: {language!r} is not one of auto, {', '.join(self.ids.languages)}",
+                                  param="language")
+        return qwen3_tts_rows(self.ids, role, text, voice, language, instruct_ids)
 
-    def encode(self, tokenizer: TextTokenizer, voice: str, text: str) -> Qwen3TtsRows:
-        return self.build(tokenizer.encode(assistant_turn(text)), voice)
+    def encode(self, tokenizer: TextTokenizer, voice: str, text: str, language: str | None = None,
+               instructions: str | None = None) -> Qwen3TtsRows:
+        instruct = tokenizer.encode(instruct_turn(instructions)) if instructions else []
+        return self.build(tokenizer.encode(assistant_turn(text)), voice, language, instruct)
 
-    async def encode_async(self, tokenizer: TextTokenizer, voice: str, text: str) -> Qwen3TtsRows:
-        return self.build(await tokenizer.encode_async(assistant_turn(text)), voice)
+    async def encode_async(self, tokenizer: TextTokenizer, voice: str, text: str, language: str | None = None,
+                           instructions: str | None = None) -> Qwen3TtsRows:
+        instruct = await tokenizer.encode_async(instruct_turn(instructions)) if instructions else []
+        return self.build(await tokenizer.encode_async(assistant_turn(text)), voice, language, instruct)

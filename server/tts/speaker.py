@@ -40,6 +40,9 @@ class Voicing:
 
     voice: str
     sampling: SamplingParams
+    # models that take them (Qwen3-TTS): the prompt's language (None: auto) and instruct text
+    language: str | None = None
+    instructions: str | None = None
 
 
 @dataclass(eq=False)
@@ -213,7 +216,8 @@ class Speaker:
             utt = Utterance(index, text, queued_at, asyncio.Queue(maxsize=limit))
             index += 1
             try:
-                utt.add = await speech_add_request(self._ctx, voicing.voice, text, voicing.sampling, param="text")
+                utt.add = await speech_add_request(self._ctx, voicing.voice, text, voicing.sampling, param="text",
+                                                   language=voicing.language, instructions=voicing.instructions)
             except APIError as e:
                 utt.items.put_nowait(e)
             else:

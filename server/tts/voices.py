@@ -81,6 +81,17 @@ class SpeechProfile:
         return self.store.get(name) if self.store is not None else None
 
     @property
+    def languages(self) -> tuple[str, ...]:
+        """Language names a request may pick besides auto (Qwen3-TTS's); () for a model that
+        takes no language hint."""
+        return tuple(self.spec.qwen3_tts.languages) if self._qwen3 is not None else ()
+
+    @property
+    def takes_instructions(self) -> bool:
+        """Whether `instructions` reach the prompt (Qwen3-TTS's instruct turn)."""
+        return self._qwen3 is not None and self._qwen3.ids.takes_instruct
+
+    @property
     def default_voice(self) -> str | None:
         return self.spec.default_voice if self.spec is not None else None
 
@@ -150,12 +161,17 @@ class SpeechProfile:
         body = tokenizer.encode(s.text_template.format(voice=ref.speaker, text=text), add_bos=s.add_bos)
         return SpeechPrompt([*self._reference_ids(tokenizer, ref), *self._turn(body)], self._frames(ref))
 
-    async def build_prompt_async(self, tokenizer: TextTokenizer, voice: str, text: str) -> SpeechPrompt:
-        """build_prompt with a long text tokenized off the event loop (TextTokenizer.encode_async)."""
+    async def build_prompt_async(self, tokenizer: TextTokenizer, voice: str, text: str, language: str | None = None,
+                                 instructions: str | None = None) -> SpeechPrompt:
+        """build_prompt with a long text tokenized off the event loop (TextTokenizer.encode_async).
+        language (None: auto) / instructions: Qwen3-TTS only; others refuse them naming the field."""
         s = self._need()
         ref = self._known(voice)
         if self._qwen3 is not None:
-            return _rows_prompt(await self._qwen3.encode_async(tokenizer, voice, text))
+            return _rows_prompt(await self._qwen3.encode_async(tokenizer, voice, text, language, instructions))
+        for name, value in (("language", language), ("instructions", instructions)):
+            if value is not None:
+                raise invalid_request(f"{name}: this model takes none", param=name)
         speaker = ref.speaker if ref is not None else voice
         body = await tokenizer.encode_async(s.text_template.format(voice=speaker, text=text), add_bos=s.add_bos)
         return SpeechPrompt([*self._reference_ids(tokenizer, ref), *self._turn(body)], self._frames(ref))

@@ -55,12 +55,27 @@ def test_openai_client_speaks_in_the_folders_speakers(qwen3_server: ServerProc):
     with pytest.raises(openai.BadRequestError) as e:
         client.audio.speech.create(model="omnistream", voice="carol", input="Hi.", response_format="pcm")
     assert e.value.body["param"] == "voice" and "alice, bob" in e.value.body["message"]
+    # OpenAI's instructions: the instruct turn in the prompt, so other frames than without
+    with client.audio.speech.with_streaming_response.create(
+            model="omnistream", voice="alice", input="Hello there.", response_format="pcm",
+            instructions="Speak slowly.", extra_body={"seed": 3}) as r:
+        assert r.status_code == 200, r.text
+        d = b"".join(r.iter_bytes())
+    assert d and len(d) % FRAME_BYTES == 0 and d != a
 
 
 async def test_ws_session_streams_qwen3_audio(qwen3_server: ServerProc):
+    """vllm-omni's session.config language (one of the folder's, or Auto) and instructions are
+    taken; an unknown language is an error naming it and the session goes on."""
     url = qwen3_server.base_url.replace("http", "ws") + "/v1/audio/speech/stream"
     async with websockets.connect(url) as ws:
-        await ws.send(json.dumps({"type": "session.config", "voice": "bob", "seed": 5}))
+        await ws.send(json.dumps({"type": "session.config", "language": "Klingon"}))
+        event = json.loads(await asyncio.wait_for(ws.recv(), WAIT_S))
+        assert event["type"] == "session.created", event
+        event = json.loads(await asyncio.wait_for(ws.recv(), WAIT_S))
+        assert event["type"] == "error" and event["param"] == "language", event
+        await ws.send(json.dumps({"type": "session.config", "voice": "bob", "seed": 5, "language": "English",
+                                  "instructions": "Cheerful."}))
         await ws.send(json.dumps({"type": "input.text", "text": "Hello there. How are you today?"}))
         await ws.send(json.dumps({"type": "session.close"}))
         audio, done = b"", []

@@ -119,3 +119,28 @@ def test_served_prompt_through_the_tokenizer(golden, tmp_path):
     with pytest.raises(APIError) as e:
         profile.resolve_voice("carol")
     assert e.value.param == "voice" and "alice, bob" in str(e.value)
+
+
+async def test_language_and_instructions_reach_the_rows(golden, tmp_path):
+    """A language puts its codec id in the think prefix (a dialect speaker keeps its dialect
+    only for chinese/auto), instructions become the leading user turn, as generate() lays out
+    the golden instruct case; an unknown language is refused naming `language`; a 0.6B folder
+    (tts_model_size "0b6", whose instruct the wrapper drops) takes no instructions."""
+    folder = tmp_path / "cv"
+    shutil.copytree(golden / "custom_voice" / "checkpoint", folder)
+    write_tiny_qwen_tokenizer(folder)
+    tok = TextTokenizer.from_folder(folder)
+    profile = SpeechProfile(read_profile(folder).speech)
+    assert profile.languages == ("chinese", "english", "sichuan") and profile.takes_instructions
+    got = await profile.build_prompt_async(tok, "bob", "Hi.", "English", "Be calm.")
+    instruct = tok.encode("<|im_start|>user\nBe calm.<|im_end|>\n")
+    assert instruct[:2] == [IM_START, tok.encode("u")[0]] and len(instruct) == 16
+    want = qwen3_tts_rows(profile.spec.qwen3_tts, ROLE, tok.encode("Hi."), "bob", "english", instruct, True)
+    assert (got.ids, got.frames) == (want.ids, want.frames)
+    assert got.ids[: len(instruct)] == instruct and [f[0] for f in got.frames[19:24]] == [43, 45, 50, 46, 61]
+    with pytest.raises(APIError) as e:
+        await profile.build_prompt_async(tok, "bob", "Hi.", "klingon")
+    assert e.value.param == "language"
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(raw | {"tts_model_size": "0b6"}))
+    assert not SpeechProfile(read_profile(folder).speech).takes_instructions
