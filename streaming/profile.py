@@ -40,6 +40,7 @@ import msgspec
 from runner.config import ConfigError
 from streaming.qwen3_tts_profile import (
     QWEN3_TTS_SAMPLE_RATE,
+    VOICE_DESIGN_VOICE,
     Qwen3TtsPromptIds,
     qwen3_tts_prompt_ids,
     qwen3_tts_sampling,
@@ -252,17 +253,21 @@ def _speech(raw: _ProfileFile, defaults: SpeechSpec) -> SpeechSpec:
 
 def _qwen3_tts_speech(folder: Path) -> SpeechSpec:
     """Qwen3-TTS's defaults: its speakers as voices (the first the default), its prompt ids and
-    code-0 sampling. A folder without speakers (Base, VoiceDesign) is refused until their
-    prompts are served (Stage 5; VoiceDesign's instruct needs the request's `instructions`)."""
+    code-0 sampling. VoiceDesign: one voice, VOICE_DESIGN_VOICE (the request's instructions
+    describe it). A Base folder (no speakers) is refused until its clone prompts are served
+    (Stage 5)."""
     try:
         ids = qwen3_tts_prompt_ids(folder)
         sampling = qwen3_tts_sampling(folder)
     except ConfigError as e:
         raise ProfileError(str(e)) from None
-    if not ids.speakers:
-        raise ProfileError("voices: this Qwen3-TTS folder has no speakers (talker_config.spk_id): only "
-                           "CustomVoice folders are served so far (Base and VoiceDesign are not)")
-    voices = tuple(ids.speakers)
+    if ids.designs_voice:
+        voices: tuple[str, ...] = (VOICE_DESIGN_VOICE,)
+    elif ids.speakers:
+        voices = tuple(ids.speakers)
+    else:
+        raise ProfileError("voices: this Qwen3-TTS folder has no speakers (talker_config.spk_id): CustomVoice "
+                           "and VoiceDesign folders are served, Base (voice clone) not yet")
     return SpeechSpec(voices=voices, default_voice=voices[0], text_template="{text}", prefix_token_ids=(),
                       suffix_token_ids=(), add_bos=False, sample_rate=QWEN3_TTS_SAMPLE_RATE, sampling=sampling,
                       qwen3_tts=ids)

@@ -25,6 +25,8 @@ QWEN3_TTS_MAX_FRAMES = 1125
 # SamplingParams.validate accepts it for qwen3_tts.
 APPLY_FOLDER_REPETITION_PENALTY = False
 SIZE_WITHOUT_INSTRUCT = "0b6"  # config.json tts_model_size of the 0.6B folders
+VOICE_DESIGN_TYPE = "voice_design"  # config.json tts_model_type
+VOICE_DESIGN_VOICE = "design"  # a VoiceDesign folder's one voice name: the instructions describe it
 
 
 class Qwen3TtsPromptIds(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -50,18 +52,23 @@ class Qwen3TtsPromptIds(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # whether an instruct turn reaches the prompt: the wrapper drops it for the 0.6B folders
     # (W:799, tts_model_size "0b6"); this server refuses it there instead
     takes_instruct: bool = True
+    # VoiceDesign (tts_model_type "voice_design"): no speaker row; the voice is described by
+    # the request's instructions, and the profile's one voice is VOICE_DESIGN_VOICE
+    designs_voice: bool = False
 
 
 def qwen3_tts_prompt_ids(folder: str | Path) -> Qwen3TtsPromptIds:
     """The prompt ids of the folder's config.json; ConfigError naming the field."""
     c = Qwen3TtsConfig.from_pretrained(folder)
     size = str(json.loads((Path(folder) / "config.json").read_text()).get("tts_model_size", ""))
+    designs = c.model_type == VOICE_DESIGN_TYPE
     return Qwen3TtsPromptIds(
         num_code_groups=c.num_code_groups, tts_pad=c.tts_pad_id, tts_bos=c.tts_bos_id, tts_eos=c.tts_eos_id,
         codec_pad=c.codec.pad, codec_bos=c.codec.bos, think=c.codec.think, nothink=c.codec.nothink,
         think_bos=c.codec.think_bos, think_eos=c.codec.think_eos, speakers=dict(c.speakers),
         speaker_dialects={k: v for k, v in c.speaker_dialects.items() if v is not None},
-        languages=dict(c.languages), takes_instruct=size != SIZE_WITHOUT_INSTRUCT)
+        languages=dict(c.languages), takes_instruct=size != SIZE_WITHOUT_INSTRUCT,
+        designs_voice=designs)
 
 
 def qwen3_tts_sampling(folder: str | Path) -> SamplingParams:

@@ -95,7 +95,8 @@ def qwen3_tts_rows(p: Qwen3TtsPromptIds, role_ids: list[int], text_ids: list[int
 
 
 class Qwen3TtsPrompts:
-    """Text -> rows with the served folder's tokenizer and ids (CustomVoice: voice = speaker)."""
+    """Text -> rows with the served folder's tokenizer and ids (CustomVoice: voice = speaker;
+    VoiceDesign: no speaker, the instructions describe the voice)."""
 
     def __init__(self, ids: Qwen3TtsPromptIds):
         self.ids = ids
@@ -111,7 +112,8 @@ class Qwen3TtsPrompts:
         if language != AUTO and language not in self.ids.languages:
             raise invalid_request(f"language: {language!r} is not one of auto, {', '.join(self.ids.languages)}",
                                   param="language")
-        return qwen3_tts_rows(self.ids, role, text, voice, language, instruct_ids)
+        speaker = None if self.ids.designs_voice else voice  # VoiceDesign: no speaker row
+        return qwen3_tts_rows(self.ids, role, text, speaker, language, instruct_ids)
 
     def encode(self, tokenizer: TextTokenizer, voice: str, text: str, language: str | None = None,
                instructions: str | None = None) -> Qwen3TtsRows:

@@ -144,3 +144,25 @@ async def test_language_and_instructions_reach_the_rows(golden, tmp_path):
     raw = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(raw | {"tts_model_size": "0b6"}))
     assert not SpeechProfile(read_profile(folder).speech).takes_instructions
+
+
+async def test_voice_design_folder_speaks_without_a_speaker_row(golden, tmp_path):
+    """A VoiceDesign folder (tts_model_type "voice_design", no spk_id) has one voice, "design";
+    its prompt is the golden instruct_no_speaker layout: instruct turn, role, think prefix with
+    the language, no speaker row, text."""
+    folder = tmp_path / "vd"
+    shutil.copytree(golden / "custom_voice" / "checkpoint", folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw["tts_model_type"] = "voice_design"
+    raw["talker_config"].update(spk_id={}, spk_is_dialect={})
+    (folder / "config.json").write_text(json.dumps(raw))
+    write_tiny_qwen_tokenizer(folder)
+    tok = TextTokenizer.from_folder(folder)
+    profile = SpeechProfile(read_profile(folder).speech)
+    assert (profile.voices, profile.default_voice, profile.takes_instructions) == (("design",), "design", True)
+    got = await profile.build_prompt_async(tok, "design", "Hi.", "chinese", "A deep voice.")
+    instruct = tok.encode("<|im_start|>user\nA deep voice.<|im_end|>\n")
+    want = qwen3_tts_rows(profile.spec.qwen3_tts, ROLE, tok.encode("Hi."), None, "chinese", instruct, True)
+    assert (got.ids, got.frames) == (want.ids, want.frames)
+    n = len(instruct) + 3
+    assert [f[0] for f in got.frames[n : n + 5]] == [43, 45, 51, 46, 40]  # think.. chinese .., then codec_pad
