@@ -17,13 +17,9 @@ from streaming.sampling_params import SamplingParams
 
 QWEN3_TTS_SAMPLE_RATE = 24000  # the 12 Hz codec's output rate
 # qwen-tts's generate defaults (W:319-330) where generation_config.json lacks a key
-CODE0_DEFAULTS = {"do_sample": True, "top_k": 50, "top_p": 1.0, "temperature": 0.9}
+CODE0_DEFAULTS = {"do_sample": True, "top_k": 50, "top_p": 1.0, "temperature": 0.9, "repetition_penalty": 1.05}
 # Frames a request may generate by default: 90 s at 12.5 frames a second (as CSM's profile).
 QWEN3_TTS_MAX_FRAMES = 1125
-# The folder's code-0 repetition_penalty (qwen-tts: 1.05) is not a profile default yet: the
-# engine refuses penalties on frame families until the code-0 penalty lands. Flip this when
-# SamplingParams.validate accepts it for qwen3_tts.
-APPLY_FOLDER_REPETITION_PENALTY = False
 SIZE_WITHOUT_INSTRUCT = "0b6"  # config.json tts_model_size of the 0.6B folders
 VOICE_DESIGN_TYPE = "voice_design"  # config.json tts_model_type
 VOICE_DESIGN_VOICE = "design"  # a VoiceDesign folder's one voice name: the instructions describe it
@@ -72,19 +68,17 @@ def qwen3_tts_prompt_ids(folder: str | Path) -> Qwen3TtsPromptIds:
 
 
 def qwen3_tts_sampling(folder: str | Path) -> SamplingParams:
-    """Code 0's defaults: generation_config.json's do_sample/top_k/top_p/temperature over
-    qwen-tts's (do_sample false: greedy); the penalty per APPLY_FOLDER_REPETITION_PENALTY."""
+    """Code 0's defaults: generation_config.json's do_sample/top_k/top_p/temperature and
+    repetition_penalty (over code 0's generated ids: the engine's Code0Rule) over qwen-tts's
+    (do_sample false: greedy)."""
     raw = dict(CODE0_DEFAULTS)
     gen = Path(folder) / "generation_config.json"
-    extra: dict = {}
     if gen.is_file():
         try:
             got = json.loads(gen.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{gen}: not JSON ({e})") from None
         raw.update({k: v for k, v in got.items() if k in CODE0_DEFAULTS})
-        if APPLY_FOLDER_REPETITION_PENALTY and "repetition_penalty" in got:
-            extra["repetition_penalty"] = float(got["repetition_penalty"])
     temperature = float(raw["temperature"]) if raw["do_sample"] else 0.0
     return SamplingParams(temperature=temperature, top_k=int(raw["top_k"]), top_p=float(raw["top_p"]),
-                          max_tokens=QWEN3_TTS_MAX_FRAMES, **extra)
+                          repetition_penalty=float(raw["repetition_penalty"]), max_tokens=QWEN3_TTS_MAX_FRAMES)

@@ -19,7 +19,7 @@ from server.tokenizer import TextTokenizer
 from server.tts.qwen3_tts_prompt import assistant_turn, qwen3_tts_rows, split_turn
 from server.tts.voices import SpeechProfile
 from streaming.profile import ProfileError, read_profile
-from streaming.qwen3_tts_profile import APPLY_FOLDER_REPETITION_PENALTY, qwen3_tts_sampling
+from streaming.qwen3_tts_profile import qwen3_tts_sampling
 from streaming.sampling_params import SamplingParams
 from tests.support.tiny_qwen3_tts import ASSISTANT, IM_START, NEWLINE, write_tiny_qwen_tokenizer
 
@@ -72,14 +72,16 @@ def test_a_qwen3_tts_folder_is_detected_with_its_speakers_codec_and_sampling(gol
     assert read_profile(folder, "/elsewhere/codec").codec == {"path": "/elsewhere/codec"}
     ids = p.speech.qwen3_tts
     assert (ids.speakers, ids.speaker_dialects, ids.non_streaming) == ({"alice": 60, "bob": 61}, {"bob": "sichuan"}, True)
-    # generation_config.json's code-0 keys; its repetition_penalty 1.05 only once the engine takes it
-    assert not APPLY_FOLDER_REPETITION_PENALTY
-    assert p.speech.sampling == SamplingParams(temperature=0.9, top_k=50, top_p=1.0, max_tokens=1125)
+    # generation_config.json's code-0 keys, its repetition_penalty included (code 0's history)
+    assert p.speech.sampling == SamplingParams(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05,
+                                               max_tokens=1125)
 
 
 def test_sampling_follows_generation_config(golden, tmp_path):
-    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "top_k": 7, "temperature": 0.5}))
-    assert qwen3_tts_sampling(tmp_path) == SamplingParams(temperature=0.0, top_k=7, top_p=1.0, max_tokens=1125)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "top_k": 7, "temperature": 0.5,
+                                                                 "repetition_penalty": 1.2}))
+    assert qwen3_tts_sampling(tmp_path) == SamplingParams(temperature=0.0, top_k=7, top_p=1.0, repetition_penalty=1.2,
+                                                          max_tokens=1125)
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.5}))
     assert qwen3_tts_sampling(tmp_path).temperature == 0.5
 

@@ -43,10 +43,10 @@ def write_tiny_qwen_tokenizer(folder: Path) -> Tokenizer:
 def make_served_qwen3_tts(path: Path, checkpoint: Path, max_frames: int = 40) -> Path:
     """A copy of the golden `checkpoint` at `path` with tokenizer.json, a tiny 12 Hz codec of its
     frames (4 codebooks of 32 codes) as speech_tokenizer/ and an omnistream.json capping
-    utterances at max_frames."""
+    utterances at max_frames (sampling as generation_config.json's, code-0 penalty included)."""
     shutil.copytree(checkpoint, path)
     write_tiny_qwen_tokenizer(path)
     make_tiny_qwen12hz(path / "speech_tokenizer", seed=1, num_quantizers=4)
     (path / "omnistream.json").write_text(json.dumps({"family": "qwen3_tts", "sampling": {
-        "temperature": 0.9, "top_k": 50, "max_tokens": max_frames}}))
+        "temperature": 0.9, "top_k": 50, "repetition_penalty": 1.05, "max_tokens": max_frames}}))
     return path
