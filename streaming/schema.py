@@ -214,6 +214,7 @@ class SpeechOptions(SpeechSampling):
     voice: str | dict[str, Any] | None = None  # a name or OpenAI's {"id": name}
     speed: float | None = None
     instructions: str | None = None
+    language: str | None = None  # vllm-omni: "Auto" or one of the model's languages (Qwen3-TTS)
 
 
 class SpeechRequest(SpeechOptions):
@@ -233,7 +234,6 @@ class SessionConfig(SpeechOptions, tag_field="type", tag="session.config"):
     response_format: str | None = None  # only "pcm"
     sample_rate: int | None = None  # only the model's
     task_type: str | None = None  # vllm-omni: CustomVoice (named voices) | VoiceDesign | Base
-    language: str | None = None  # vllm-omni: "Auto" or a language name
     stream_audio: bool | None = None  # vllm-omni: true = PCM frames while they are produced
 
 
@@ -279,6 +279,24 @@ def check_speed(speed: float | None, param: str = "speed") -> None:
         raise SchemaError(param, f"must be in [{lo}, {hi}], got {speed}")
     if speed != 1.0:
         raise SchemaError(param, f"only 1.0 is supported by this server (got {speed})", UNSUPPORTED)
+
+
+AUTO_LANGUAGE = "auto"  # the model reads the text as it is
+
+
+def check_language(language: str | None, languages: tuple[str, ...] = ()) -> str | None:
+    """vllm-omni's `language`: None (absent or Auto: the model reads the text as it is) or one
+    of `languages` (the served model's, lower case; Qwen3-TTS's codec_language_id names),
+    returned lower case. A model without languages takes only Auto."""
+    if language is None or language.lower() == AUTO_LANGUAGE:
+        return None
+    if not languages:
+        raise SchemaError("language", f"this model takes no language hint (it reads the text as written); omit it "
+                          f"or send 'Auto', got {language!r}", UNSUPPORTED)
+    if language.lower() not in languages:
+        raise SchemaError("language", f"must be 'Auto' or one of {', '.join(languages)}, got {language!r}",
+                          INVALID_VALUE)
+    return language.lower()
 
 
 def check_speech_options(opts: SpeechOptions, takes_instructions: bool = False) -> None:

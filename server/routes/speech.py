@@ -41,6 +41,7 @@ from streaming.schema import (
     UNSUPPORTED,
     SchemaError,
     SpeechRequest,
+    check_language,
     check_speech_options,
     check_text,
     sampling_params,
@@ -102,8 +103,9 @@ async def parse_speech_body(ctx: ServerContext, req: SpeechRequest) -> SpeechJob
         raise SchemaError("stream", "stream_format 'sse' needs stream=true")
     sampling = sampling_params(req.given(), ctx.speech_sampling, limits, SPEECH_FIELDS)
     instructions = req.instructions if req.instructions and req.instructions.strip() else None
-    return SpeechJob(await speech_add_request(ctx, voice, text, sampling, instructions=instructions), fmt,
-                     stream_format, stream)
+    language = check_language(req.language, ctx.profile.languages)
+    return SpeechJob(await speech_add_request(ctx, voice, text, sampling, language=language, instructions=instructions),
+                     fmt, stream_format, stream)
 
 
 async def create_speech(request: web.Request) -> web.StreamResponse:

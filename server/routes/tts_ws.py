@@ -89,6 +89,7 @@ from streaming.schema import (
     InputText,
     SchemaError,
     SessionConfig,
+    check_language,
     check_speech_options,
     check_text,
     convert,
@@ -103,7 +104,6 @@ PCM_FORMAT = "pcm_s16le"
 # vllm-omni's session.config values: what this server does, and the ones it knows but cannot do.
 TASK_TYPES = ("CustomVoice",)  # a named voice; VoiceDesign (described voice) and Base (clone) are not served
 VLLM_OMNI_TASK_TYPES = ("CustomVoice", "VoiceDesign", "Base")
-AUTO_LANGUAGE = "auto"  # the model reads the text as it is (its only language, but for Qwen3-TTS)
 
 
 class TextSession(Sink):
@@ -257,7 +257,7 @@ class SpeechStreamSession(TextSession):
         # a field left out keeps the session's value; "" / "Auto" clear it
         style = {}
         if msg.language is not None:
-            style["language"] = None if msg.language.lower() == AUTO_LANGUAGE else msg.language.lower()
+            style["language"] = check_language(msg.language, ctx.profile.languages)
         if msg.instructions is not None:
             style["instructions"] = msg.instructions if msg.instructions.strip() else None
         return replace(self.voicing, voice=voice, sampling=sampling, **style)
@@ -309,15 +309,7 @@ def check_vllm_omni_options(msg: SessionConfig, languages: tuple[str, ...] = ())
                 UNSUPPORTED,
             )
         raise SchemaError("task_type", f"must be one of {', '.join(VLLM_OMNI_TASK_TYPES)}, got {msg.task_type!r}", INVALID_VALUE)
-    if msg.language is not None and languages and msg.language.lower() not in (AUTO_LANGUAGE, *languages):
-        raise SchemaError("language", f"must be 'Auto' or one of {', '.join(languages)}, got {msg.language!r}",
-                          INVALID_VALUE)
-    if msg.language is not None and not languages and msg.language.lower() != AUTO_LANGUAGE:
-        raise SchemaError(
-            "language",
-            f"this model takes no language hint (it reads the text as written); omit it or send 'Auto', got {msg.language!r}",
-            UNSUPPORTED,
-        )
+    check_language(msg.language, languages)
     if msg.stream_audio is False:
         raise SchemaError(
             "stream_audio",

@@ -62,6 +62,22 @@ def test_openai_client_speaks_in_the_folders_speakers(qwen3_server: ServerProc):
         assert r.status_code == 200, r.text
         d = b"".join(r.iter_bytes())
     assert d and len(d) % FRAME_BYTES == 0 and d != a
+    # vllm-omni's language in the body: a codec language id in the prompt, so other frames
+    e = speak_with(client, language="English")
+    assert e and len(e) % FRAME_BYTES == 0 and e != a
+    assert speak_with(client, language="Auto") == a
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.audio.speech.create(model="omnistream", voice="alice", input="Hi.", response_format="pcm",
+                                   extra_body={"language": "Klingon"})
+    assert bad.value.body["param"] == "language" and "english" in bad.value.body["message"]
+
+
+def speak_with(client: openai.OpenAI, **extra) -> bytes:
+    with client.audio.speech.with_streaming_response.create(
+            model="omnistream", voice="alice", input="Hello there.", response_format="pcm",
+            extra_body={"seed": 3, **extra}) as r:
+        assert r.status_code == 200, r.text
+        return b"".join(r.iter_bytes())
 
 
 async def test_ws_session_streams_qwen3_audio(qwen3_server: ServerProc):
