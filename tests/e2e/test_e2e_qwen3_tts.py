@@ -1,7 +1,7 @@
 """A Qwen3-TTS CustomVoice folder served by the real server (`serve --model FOLDER`): the golden
 tiny talker (tests/reference/qwen3_tts_golden.py) with a character tokenizer and a tiny 12 Hz
 codec as its speech_tokenizer/. The OpenAI client and a WebSocket session get whole 12 Hz frames
-of PCM (1920 samples each) in the folder's speakers, seeded requests repeat, the voice list is
+of PCM (1920 samples each) in the folder's speakers, seeded requests repeat (ZeroMQ speech = HTTP), the voice list is
 the speakers, and an unknown speaker is refused naming `voice`."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import openai
 import pytest
 import websockets
 
+from streaming.zmq_client import ZmqClient
 from tests.e2e.helpers import WAIT_S
 from tests.support.server_proc import ServerProc, start_server
 from tests.support.tiny_qwen3_tts import make_served_qwen3_tts
@@ -108,3 +109,16 @@ async def test_ws_session_streams_qwen3_audio(qwen3_server: ServerProc):
                 break
     assert len(done) == 2  # one utterance per sentence
     assert audio and len(audio) % FRAME_BYTES == 0
+
+
+def test_zmq_speech_equals_http(qwen3_server: ServerProc):
+    """The ZeroMQ gateway's speech builds the same rows: the same seed gives the same PCM as
+    POST /v1/audio/speech, and its steps carry the K=4 frames."""
+    client = openai.OpenAI(base_url=qwen3_server.base_url + "/v1", api_key="none", max_retries=0)
+    http = speak(client, 7, "bob")
+    with ZmqClient(qwen3_server.zmq_endpoint, timeout_s=WAIT_S) as c:
+        steps = list(c.speech("Hello there.", voice="bob", sampling={"seed": 7}))
+    assert steps[-1].finished
+    assert all(s.frames.shape == (len(s.token_ids), 4) for s in steps if s.token_ids)
+    pcm = b"".join(s.audio.tobytes() for s in steps if s.audio is not None)
+    assert pcm == http
