@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runner.families.base import StepText
 from streaming.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
@@ -39,20 +40,6 @@ class Status(enum.Enum):
     RUNNING = 1
     PREEMPTED = 2
     FINISHED = 3
-
-
-@dataclass(frozen=True)
-class StepText:
-    """The text ids fed with a request's generated frames (Qwen3-TTS's trailing text,
-    docs/qwen3_tts.md §1): output frame n is embedded with ids[n], then with `pad` once the
-    ids run out. The host knows every row's frame index, even while that frame is on the
-    device, so the id is packed on the host like any input."""
-
-    ids: tuple[int, ...]
-    pad: int
-
-    def at(self, n: int) -> int:
-        return self.ids[n] if n < len(self.ids) else self.pad
 
 
 class FrameLog:

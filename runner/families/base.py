@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from runner.config import EngineConfig
-from runner.engine.request import StepText
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.llama import build_random_model
 from runner.models.loader import load_model
@@ -40,6 +39,20 @@ class LogitsConstraint(Protocol):
     def gather_window(self, logits: torch.Tensor, out_index: torch.Tensor, base: int = 0) -> torch.Tensor: ...
 
     def window_ids(self, cols: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class StepText:
+    """The text ids fed with a request's generated frames (Qwen3-TTS's trailing text,
+    docs/qwen3_tts.md §1): output frame n is embedded with ids[n], then with `pad` once the
+    ids run out. The host knows every row's frame index, even while that frame is on the
+    device, so the id is packed on the host like any input."""
+
+    ids: tuple[int, ...]
+    pad: int
+
+    def at(self, n: int) -> int:
+        return self.ids[n] if n < len(self.ids) else self.pad
 
 
 @dataclass(frozen=True)

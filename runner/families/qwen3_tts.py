@@ -36,8 +36,7 @@ import torch
 from runner.codecs.mimi_stage import MimiCodecConfig
 from runner.codecs.qwen12hz_stage import Qwen12HzCodecStage
 from runner.config import EngineConfig
-from runner.engine.request import StepText
-from runner.families.base import CodecStageLike, Code0Rule, FrameLayout, LogitsConstraint, ModelFamily
+from runner.families.base import CodecStageLike, Code0Rule, FrameLayout, LogitsConstraint, ModelFamily, StepText
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.qwen3_tts import NO_CODE, Qwen3TtsModel, build_empty_qwen3_tts
 from runner.models.qwen3_tts_config import Qwen3TtsConfig

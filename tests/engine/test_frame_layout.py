@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from runner.engine.request import FrameLog, StepText
+from runner.engine.request import FrameLog
+from runner.families.base import StepText
 from runner.families.base import Code0Rule, FrameLayout
 from runner.models.csm_sampling import Code0Window, GreedyCodebooks, SplitCodebooks
 
