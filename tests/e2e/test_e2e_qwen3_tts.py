@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+from pathlib import Path
+
 import numpy as np
 import openai
 import pytest
@@ -17,7 +19,7 @@ import websockets
 from streaming.zmq_client import ZmqClient
 from tests.e2e.helpers import WAIT_S
 from tests.support.server_proc import ServerProc, start_server
-from tests.support.tiny_qwen3_tts import make_served_qwen3_tts
+from tests.support.tiny_qwen3_tts import make_served_qwen3_tts, text_of_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -28,7 +30,8 @@ MAX_FRAMES = 12
 @pytest.fixture(scope="module")
 def qwen3_server(tmp_path_factory, qwen3_tts_golden) -> ServerProc:
     ckpt = qwen3_tts_golden("qwen3_tts_golden") / "custom_voice" / "checkpoint"
-    folder = make_served_qwen3_tts(tmp_path_factory.mktemp("qwen3") / "cv", ckpt, max_frames=MAX_FRAMES)
+    folder = make_served_qwen3_tts(tmp_path_factory.mktemp("qwen3") / "cv", ckpt, max_frames=MAX_FRAMES,
+                                   greedy_groups=True)
     srv = start_server(tmp_path_factory.mktemp("qwen3-server") / "srv", "--model", str(folder))
     try:
         yield srv
@@ -122,3 +125,19 @@ def test_zmq_speech_equals_http(qwen3_server: ServerProc):
     assert all(s.frames.shape == (len(s.token_ids), 4) for s in steps if s.token_ids)
     pcm = b"".join(s.audio.tobytes() for s in steps if s.audio is not None)
     assert pcm == http
+
+
+def test_greedy_speech_frames_equal_the_reference(qwen3_server: ServerProc, qwen3_tts_golden):
+    """The golden speaker_non_streaming case (alice, auto, non-streaming: CustomVoice's default)
+    spoken as text through the ZeroMQ gateway, greedy with no penalty (the folder's groups are
+    greedy): the frames equal the reference generate()'s, so tokenizer, prompt rows and the
+    engine agree end to end."""
+    case = np.load(Path(qwen3_tts_golden("qwen3_tts_golden")) / "custom_voice" / "speaker_non_streaming.npz")
+    ids = case["text_ids"].tolist()
+    text = text_of_ids(ids[ids.index(153) + 1 : -2])  # after tts_bos, before tts_eos, tts_pad
+    n = len(case["frames"])
+    with ZmqClient(qwen3_server.zmq_endpoint, timeout_s=WAIT_S) as c:
+        steps = list(c.speech(text, voice="alice", sampling={"temperature": 0.0, "repetition_penalty": 1.0,
+                                                             "max_tokens": n}))
+    frames = np.concatenate([s.frames for s in steps if s.token_ids])
+    np.testing.assert_array_equal(frames, case["frames"])

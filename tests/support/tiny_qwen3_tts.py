@@ -16,13 +16,15 @@ from tests.support.tiny_qwen12hz import make_tiny_qwen12hz
 # the golden talkers' text ids (tests/reference/qwen3_tts_golden.py): text vocab 200, chat
 # tokens at 150/151/155/156; its random text ids lie below 140
 IM_START, IM_END, ASSISTANT, NEWLINE = 150, 151, 155, 156
-PRINTABLE = [chr(c) for c in range(32, 127)]  # ids 0..94: one id a character
+# ids 0..139, one a character: printable ASCII (0..94), then Latin-1 letters from U+00C0, so
+# every golden text id is a character and a golden prompt can be spoken as text
+PRINTABLE = [chr(c) for c in range(32, 127)] + [chr(c) for c in range(0xC0, 0xC0 + 45)]
 
 
 def write_tiny_qwen_tokenizer(folder: Path) -> Tokenizer:
     """tokenizer.json of a character-level tokenizer over the golden ids: the chat tokens
     (`<|im_start|>`, `<|im_end|>`, `assistant`, `\\n`) are added tokens at the golden's ids,
-    every printable ASCII character one id below 95 (a BPE with no merges)."""
+    every PRINTABLE character one id below 140 (a BPE with no merges)."""
     vocab = {ch: i for i, ch in enumerate(PRINTABLE)}
     tok = Tokenizer(BPE(vocab=vocab, merges=[], unk_token="?"))
     specials = {"<|im_start|>": IM_START, "<|im_end|>": IM_END, "assistant": ASSISTANT, "\n": NEWLINE}
@@ -40,11 +42,21 @@ def write_tiny_qwen_tokenizer(folder: Path) -> Tokenizer:
     return tok
 
 
-def make_served_qwen3_tts(path: Path, checkpoint: Path, max_frames: int = 40) -> Path:
+def text_of_ids(ids: list[int]) -> str:
+    """The text write_tiny_qwen_tokenizer's tokenizer reads as `ids` (each below 140)."""
+    return "".join(PRINTABLE[i] for i in ids)
+
+
+def make_served_qwen3_tts(path: Path, checkpoint: Path, max_frames: int = 40, greedy_groups: bool = False) -> Path:
     """A copy of the golden `checkpoint` at `path` with tokenizer.json, a tiny 12 Hz codec of its
     frames (4 codebooks of 32 codes) as speech_tokenizer/ and an omnistream.json capping
-    utterances at max_frames (sampling as generation_config.json's, code-0 penalty included)."""
+    utterances at max_frames (sampling as generation_config.json's, code-0 penalty included).
+    greedy_groups: generation_config.json's subtalker_dosample false (groups 1..K-1 greedy, as
+    the golden frames were drawn)."""
     shutil.copytree(checkpoint, path)
+    if greedy_groups:
+        gen = json.loads((path / "generation_config.json").read_text())
+        (path / "generation_config.json").write_text(json.dumps(gen | {"subtalker_dosample": False}))
     write_tiny_qwen_tokenizer(path)
     make_tiny_qwen12hz(path / "speech_tokenizer", seed=1, num_quantizers=4)
     (path / "omnistream.json").write_text(json.dumps({"family": "qwen3_tts", "sampling": {
