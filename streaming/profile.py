@@ -37,7 +37,7 @@ from pathlib import Path
 
 import msgspec
 
-from runner.config import ConfigError
+from streaming.qwen3_tts_ids import Qwen3TtsIdsError
 from streaming.qwen3_tts_profile import (
     QWEN3_TTS_SAMPLE_RATE,
     VOICE_DESIGN_VOICE,
@@ -259,7 +259,7 @@ def _qwen3_tts_speech(folder: Path) -> SpeechSpec:
     try:
         ids = qwen3_tts_prompt_ids(folder)
         sampling = qwen3_tts_sampling(folder)
-    except ConfigError as e:
+    except Qwen3TtsIdsError as e:
         raise ProfileError(str(e)) from None
     if ids.designs_voice:
         voices: tuple[str, ...] = (VOICE_DESIGN_VOICE,)

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import msgspec
 
-from runner.config import ConfigError
-from runner.models.qwen3_tts_config import Qwen3TtsConfig
+from streaming.qwen3_tts_ids import Qwen3TtsIds, Qwen3TtsIdsError
 from streaming.sampling_params import SamplingParams
 
 QWEN3_TTS_SAMPLE_RATE = 24000  # the 12 Hz codec's output rate
@@ -54,17 +53,22 @@ class Qwen3TtsPromptIds(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
 
 
 def qwen3_tts_prompt_ids(folder: str | Path) -> Qwen3TtsPromptIds:
-    """The prompt ids of the folder's config.json; ConfigError naming the field."""
-    c = Qwen3TtsConfig.from_pretrained(folder)
-    size = str(json.loads((Path(folder) / "config.json").read_text()).get("tts_model_size", ""))
-    designs = c.model_type == VOICE_DESIGN_TYPE
+    """The prompt ids of the folder's config.json; Qwen3TtsIdsError naming the field."""
+    cfg_file = Path(folder) / "config.json"
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise Qwen3TtsIdsError(f"{cfg_file}: not a readable JSON file ({e})") from None
+    if not isinstance(raw, dict):
+        raise Qwen3TtsIdsError(f"{cfg_file}: not a JSON object")
+    c = Qwen3TtsIds.from_dict(raw)
     return Qwen3TtsPromptIds(
         num_code_groups=c.num_code_groups, tts_pad=c.tts_pad_id, tts_bos=c.tts_bos_id, tts_eos=c.tts_eos_id,
         codec_pad=c.codec.pad, codec_bos=c.codec.bos, think=c.codec.think, nothink=c.codec.nothink,
         think_bos=c.codec.think_bos, think_eos=c.codec.think_eos, speakers=dict(c.speakers),
         speaker_dialects={k: v for k, v in c.speaker_dialects.items() if v is not None},
-        languages=dict(c.languages), takes_instruct=size != SIZE_WITHOUT_INSTRUCT,
-        designs_voice=designs)
+        languages=dict(c.languages), takes_instruct=c.model_size != SIZE_WITHOUT_INSTRUCT,
+        designs_voice=c.model_type == VOICE_DESIGN_TYPE)
 
 
 def qwen3_tts_sampling(folder: str | Path) -> SamplingParams:
@@ -77,7 +81,7 @@ def qwen3_tts_sampling(folder: str | Path) -> SamplingParams:
         try:
             got = json.loads(gen.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{gen}: not JSON ({e})") from None
+            raise Qwen3TtsIdsError(f"{gen}: not JSON ({e})") from None
         raw.update({k: v for k, v in got.items() if k in CODE0_DEFAULTS})
     temperature = float(raw["temperature"]) if raw["do_sample"] else 0.0
     return SamplingParams(temperature=temperature, top_k=int(raw["top_k"]), top_p=float(raw["top_p"]),

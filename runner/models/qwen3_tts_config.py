@@ -6,7 +6,8 @@ Both transformers are Qwen3 decoders (per-head q/k RMSNorm), each described by a
 decoder layers build them unchanged. The talker's MRoPE always gets three identical position
 streams, which is plain RoPE (checked against the reference, docs/qwen3_tts.md §1), so its
 `mrope_section` is accepted and ignored; any other RoPE scaling is refused. The codec ids, the
-speakers and the languages of the prompt are kept beside the two configs.
+speakers and the languages of the prompt are kept beside the two configs, read by
+streaming/qwen3_tts_ids.py (the front end reads them there too, without torch).
 
 Layout: `talker_config` holds the talker's fields and `code_predictor_config`; the prompt's text
 ids (tts_pad/bos/eos, im_start/end) are top-level fields.
@@ -19,21 +20,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from runner.config import QWEN3_TTS_ARCHITECTURE, ConfigError, ModelConfig
+from streaming.qwen3_tts_ids import Qwen3TtsCodecIds, Qwen3TtsIds, Qwen3TtsIdsError, need, section
+
 # the decoder fields whose other values change what the layers compute
 _REQUIRED = (("hidden_act", "silu"), ("use_sliding_window", False), ("mlp_bias", False))
-
-
-@dataclass(frozen=True)
-class Qwen3TtsCodecIds:
-    """The talker's codec-table ids with a meaning of their own (all >= codebook_size)."""
-
-    pad: int
-    bos: int
-    eos: int  # code 0 == eos ends the audio
-    think: int
-    nothink: int
-    think_bos: int
-    think_eos: int
 
 
 @dataclass(frozen=True)
@@ -91,84 +81,40 @@ class Qwen3TtsConfig:
         archs = raw.get("architectures") or []
         if QWEN3_TTS_ARCHITECTURE not in archs:
             raise ConfigError(f"model.architectures: {archs!r} does not name {QWEN3_TTS_ARCHITECTURE}")
-        talker_raw = _section(raw, "talker_config")
-        pred_raw = _section(talker_raw, "code_predictor_config", "talker_config.")
-        k = int(_need(talker_raw, "num_code_groups", "talker_config."))
-        if int(pred_raw.get("num_code_groups", k)) != k:
-            raise ConfigError(f"model config: talker_config.code_predictor_config.num_code_groups "
-                              f"{pred_raw['num_code_groups']} != talker_config.num_code_groups {k}")
-        if k < 2:
-            raise ConfigError(f"model config: talker_config.num_code_groups {k} must be at least 2")
+        try:
+            # the ids (and the sections' presence, K, the two vocabularies) as the front end reads them
+            ids = Qwen3TtsIds.from_dict(raw)
+            talker_raw = section(raw, "talker_config")
+            text_vocab_size = int(need(talker_raw, "text_vocab_size", "talker_config."))
+            text_hidden_size = int(need(talker_raw, "text_hidden_size", "talker_config."))
+        except Qwen3TtsIdsError as e:
+            raise ConfigError(str(e)) from None
+        k = ids.num_code_groups
         talker = _decoder_config(talker_raw, "talker_config.", path)
-        predictor = _decoder_config(pred_raw, "talker_config.code_predictor_config.", path)
-        v0, v = talker.vocab_size, predictor.vocab_size
-        if v0 < v:
-            raise ConfigError(f"model config: talker_config.vocab_size {v0} < code_predictor_config.vocab_size {v}: "
-                              f"the talker's codec table embeds every code of group 0")
+        predictor = _decoder_config(talker_raw["code_predictor_config"], "talker_config.code_predictor_config.", path)
         if predictor.max_position_embeddings < k:
             raise ConfigError(f"model config: talker_config.code_predictor_config.max_position_embeddings "
                               f"{predictor.max_position_embeddings} < num_code_groups {k}")
-
-        def codec_id(key: str) -> int:
-            value = int(_need(talker_raw, key, "talker_config."))
-            if not v <= value < v0:  # a special id must not be a code, and must be in the table
-                raise ConfigError(f"model config: talker_config.{key} {value} is not in [{v}, {v0})")
-            return value
-
-        languages = _id_map(talker_raw, "codec_language_id", v, v0)
-        dialects: dict[str, str | None] = {}
-        for name, dialect in (talker_raw.get("spk_is_dialect") or {}).items():
-            if dialect is not False and dialect not in languages:
-                raise ConfigError(f"model config: talker_config.spk_is_dialect[{name!r}] {dialect!r} "
-                                  f"is not in codec_language_id")
-            dialects[name] = None if dialect is False else dialect
         return Qwen3TtsConfig(
             path=path,
-            model_type=str(raw.get("tts_model_type", "")),
+            model_type=ids.model_type,
             talker=talker,
             predictor=predictor,
             num_code_groups=k,
-            codec_vocab_size=v0,
-            codebook_size=v,
-            text_vocab_size=int(_need(talker_raw, "text_vocab_size", "talker_config.")),
-            text_hidden_size=int(_need(talker_raw, "text_hidden_size", "talker_config.")),
-            codec=Qwen3TtsCodecIds(pad=codec_id("codec_pad_id"), bos=codec_id("codec_bos_id"),
-                                   eos=codec_id("codec_eos_token_id"), think=codec_id("codec_think_id"),
-                                   nothink=codec_id("codec_nothink_id"), think_bos=codec_id("codec_think_bos_id"),
-                                   think_eos=codec_id("codec_think_eos_id")),
-            # qwen-tts's defaults (C:474) where a field is absent
-            tts_pad_id=int(raw.get("tts_pad_token_id", 151671)),
-            tts_bos_id=int(raw.get("tts_bos_token_id", 151672)),
-            tts_eos_id=int(raw.get("tts_eos_token_id", 151673)),
-            im_start_id=int(raw.get("im_start_token_id", 151644)),
-            im_end_id=int(raw.get("im_end_token_id", 151645)),
-            speakers=_id_map(talker_raw, "spk_id", v, v0),
-            speaker_dialects=dialects,
-            languages=languages,
+            codec_vocab_size=ids.codec_vocab_size,
+            codebook_size=ids.codebook_size,
+            text_vocab_size=text_vocab_size,
+            text_hidden_size=text_hidden_size,
+            codec=ids.codec,
+            tts_pad_id=ids.tts_pad_id,
+            tts_bos_id=ids.tts_bos_id,
+            tts_eos_id=ids.tts_eos_id,
+            im_start_id=ids.im_start_id,
+            im_end_id=ids.im_end_id,
+            speakers=ids.speakers,
+            speaker_dialects=ids.speaker_dialects,
+            languages=ids.languages,
         )
-
-
-def _section(raw: dict, key: str, field: str = "") -> dict:
-    value = raw.get(key)
-    if not isinstance(value, dict):
-        raise ConfigError(f"model config: missing field '{field}{key}'")
-    return value
-
-
-def _need(raw: dict, key: str, field: str):
-    if key not in raw:
-        raise ConfigError(f"model config: missing field '{field}{key}'")
-    return raw[key]
-
-
-def _id_map(talker_raw: dict, key: str, lo: int, hi: int) -> dict[str, int]:
-    """A {name: codec id} field of talker_config, each id a special id of the codec table."""
-    out = {}
-    for name, value in (talker_raw.get(key) or {}).items():
-        if not isinstance(value, int) or not lo <= value < hi:
-            raise ConfigError(f"model config: talker_config.{key}[{name!r}] {value!r} is not an id in [{lo}, {hi})")
-        out[name] = value
-    return out
 
 
 def _decoder_config(raw: dict, field: str, path: str) -> ModelConfig:
