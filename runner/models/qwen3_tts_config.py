@@ -16,36 +16,26 @@ ids (tts_pad/bos/eos, im_start/end) are top-level fields.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from runner.config import QWEN3_TTS_ARCHITECTURE, ConfigError, ModelConfig
-from streaming.qwen3_tts_ids import Qwen3TtsCodecIds, Qwen3TtsIds, Qwen3TtsIdsError, need, section
+from streaming.qwen3_tts_ids import Qwen3TtsIds, Qwen3TtsIdsError, need, section
 
 # the decoder fields whose other values change what the layers compute
 _REQUIRED = (("hidden_act", "silu"), ("use_sliding_window", False), ("mlp_bias", False))
 
 
 @dataclass(frozen=True)
-class Qwen3TtsConfig:
+class Qwen3TtsConfig(Qwen3TtsIds):
+    """The ids the front end reads too (Qwen3TtsIds: codec specials, text ids, speakers,
+    languages, K and the vocabularies), and the two decoders' configs."""
+
     path: str
-    model_type: str  # tts_model_type: "base" | "custom_voice" | "voice_design"
     talker: ModelConfig  # vocab_size = codec_vocab_size (codec_head's width)
     predictor: ModelConfig  # vocab_size = codebook_size (each group head's width)
-    num_code_groups: int  # K: codes per frame
-    codec_vocab_size: int  # the talker's codec table and code-0 head: codes 0..V-1 + special ids
-    codebook_size: int  # V: codes per group
     text_vocab_size: int
     text_hidden_size: int  # text_embedding's width (text_projection maps it to the talker's)
-    codec: Qwen3TtsCodecIds
-    tts_pad_id: int  # text ids of the prompt's text part
-    tts_bos_id: int
-    tts_eos_id: int
-    im_start_id: int
-    im_end_id: int
-    speakers: dict[str, int]  # spk_id: name -> codec id (CustomVoice)
-    speaker_dialects: dict[str, str | None]  # spk_is_dialect: name -> dialect language, None if not one
-    languages: dict[str, int]  # codec_language_id: name -> codec id
 
     @property
     def predictor_projects(self) -> bool:
@@ -95,26 +85,9 @@ class Qwen3TtsConfig:
         if predictor.max_position_embeddings < k:
             raise ConfigError(f"model config: talker_config.code_predictor_config.max_position_embeddings "
                               f"{predictor.max_position_embeddings} < num_code_groups {k}")
-        return Qwen3TtsConfig(
-            path=path,
-            model_type=ids.model_type,
-            talker=talker,
-            predictor=predictor,
-            num_code_groups=k,
-            codec_vocab_size=ids.codec_vocab_size,
-            codebook_size=ids.codebook_size,
-            text_vocab_size=text_vocab_size,
-            text_hidden_size=text_hidden_size,
-            codec=ids.codec,
-            tts_pad_id=ids.tts_pad_id,
-            tts_bos_id=ids.tts_bos_id,
-            tts_eos_id=ids.tts_eos_id,
-            im_start_id=ids.im_start_id,
-            im_end_id=ids.im_end_id,
-            speakers=ids.speakers,
-            speaker_dialects=ids.speaker_dialects,
-            languages=ids.languages,
-        )
+        return Qwen3TtsConfig(**{f.name: getattr(ids, f.name) for f in fields(Qwen3TtsIds)}, path=path,
+                              talker=talker, predictor=predictor, text_vocab_size=text_vocab_size,
+                              text_hidden_size=text_hidden_size)
 
 
 def _decoder_config(raw: dict, field: str, path: str) -> ModelConfig:
