@@ -102,6 +102,17 @@ class FrameLayout:
         return self.code0 is not None and self.code0.repetition_penalty
 
 
+@torch.no_grad()
+def fill_random_(model: torch.nn.Module, device: torch.device, seed: int = 0) -> torch.nn.Module:
+    """A multi-codebook model built empty, filled in place with N(0, 0.02) from a fixed seed
+    (`--random-weights`: benchmarks and tests). Small values: a random deep stack stays finite
+    in bf16."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for p in model.parameters():
+        p.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
 class CodecStageLike(Protocol):
     """What the engine calls on a family's codec stage (runner/codecs/stage.py is the SNAC one)."""
 

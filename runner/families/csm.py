@@ -23,7 +23,7 @@ import torch
 from runner.codecs.mimi_loader import load_csm_codec
 from runner.codecs.mimi_stage import MimiCodecConfig, MimiCodecStage
 from runner.config import EngineConfig
-from runner.families.base import CodecStageLike, FrameLayout, LogitsConstraint, ModelFamily
+from runner.families.base import CodecStageLike, FrameLayout, LogitsConstraint, ModelFamily, fill_random_
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.csm import CsmModel, build_empty_csm
 from runner.models.csm_config import CsmModelConfig
@@ -45,11 +45,7 @@ class CsmFamily(ModelFamily):
                    random_weights: bool = False) -> CsmModel:
         r = cfg.runner
         if random_weights:
-            model = build_empty_csm(self.config, r.torch_device, r.torch_dtype, attn, ops)
-            gen = torch.Generator(device=r.torch_device).manual_seed(0)
-            for p in model.parameters():  # small values: a random deep stack stays finite in bf16
-                p.normal_(0.0, 0.02, generator=gen)
-            return model
+            return fill_random_(build_empty_csm(self.config, r.torch_device, r.torch_dtype, attn, ops), r.torch_device)
         return load_csm(self.config, r.torch_device, r.torch_dtype, attn, ops)
 
     def build_codec(self, device: torch.device, dtype: torch.dtype, tuning: str = "auto") -> CodecStageLike | None:

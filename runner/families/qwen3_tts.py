@@ -36,7 +36,15 @@ import torch
 from runner.codecs.mimi_stage import MimiCodecConfig
 from runner.codecs.qwen12hz_stage import Qwen12HzCodecStage
 from runner.config import EngineConfig
-from runner.families.base import CodecStageLike, Code0Rule, FrameLayout, LogitsConstraint, ModelFamily, StepText
+from runner.families.base import (
+    CodecStageLike,
+    Code0Rule,
+    FrameLayout,
+    LogitsConstraint,
+    ModelFamily,
+    StepText,
+    fill_random_,
+)
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.qwen3_tts import NO_CODE, Qwen3TtsModel, build_empty_qwen3_tts
 from runner.models.qwen3_tts_config import Qwen3TtsConfig
@@ -78,11 +86,7 @@ class Qwen3TtsFamily(ModelFamily):
                    random_weights: bool = False) -> Qwen3TtsModel:
         r = cfg.runner
         if random_weights:
-            model = build_empty_qwen3_tts(self.config, r.torch_device, r.torch_dtype, attn, ops)
-            gen = torch.Generator(device=r.torch_device).manual_seed(0)
-            for p in model.parameters():  # small values: a random deep stack stays finite in bf16
-                p.normal_(0.0, 0.02, generator=gen)
-            return model
+            return fill_random_(build_empty_qwen3_tts(self.config, r.torch_device, r.torch_dtype, attn, ops), r.torch_device)
         return load_qwen3_tts(self.config, r.torch_device, r.torch_dtype, attn, ops)
 
     def frame_layout(self) -> FrameLayout:

@@ -37,3 +37,17 @@ def test_orpheus_without_codec_and_text_family_have_no_audio():
         assert not fam.speaks
         assert fam.logits_constraint("torch") is None and fam.stop_token_ids() == ()
         assert fam.build_codec(torch.device("cpu"), torch.float32) is None
+
+
+def test_fill_random_is_seeded_small_and_covers_every_parameter():
+    from runner.families.base import fill_random_
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Embedding(100, 64))
+
+    a, b = fill_random_(build(), torch.device("cpu")), fill_random_(build(), torch.device("cpu"))
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name  # the same seed, the same weights
+        assert 0.01 < pa.std().item() < 0.03, name  # N(0, 0.02): none left at its init
+    c = fill_random_(build(), torch.device("cpu"), seed=1)
+    assert not torch.equal(next(a.parameters()), next(c.parameters()))
