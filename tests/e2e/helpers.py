@@ -67,3 +67,24 @@ async def recv_event(ws, timeout: float = WAIT_S) -> dict:
     msg = await asyncio.wait_for(ws.recv(), timeout)
     assert isinstance(msg, str), f"expected a JSON event, got {len(msg)} binary bytes"
     return json.loads(msg)
+
+
+async def speak_session(ws, config: dict, text: str) -> tuple[bytes, list[dict]]:
+    """One WebSocket TTS session on an open `websockets` connection: session.config, the text,
+    session.close; -> (the audio bytes, the audio.done events) once session.done arrives. An
+    error event fails the test."""
+    await ws.send(json.dumps({"type": "session.config", **config}))
+    await ws.send(json.dumps({"type": "input.text", "text": text}))
+    await ws.send(json.dumps({"type": "session.close"}))
+    audio, done = b"", []
+    while True:
+        msg = await asyncio.wait_for(ws.recv(), WAIT_S)
+        if isinstance(msg, bytes):
+            audio += msg
+            continue
+        event = json.loads(msg)
+        assert event["type"] != "error", event
+        if event["type"] == "audio.done":
+            done.append(event)
+        if event["type"] == "session.done":
+            return audio, done

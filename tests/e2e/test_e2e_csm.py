@@ -18,7 +18,7 @@ from streaming.zmq_client import ZmqClient
 from tests.models.test_csm import hf_generate
 from tests.support.tiny_models import load_hf_csm
 
-from tests.e2e.helpers import WAIT_S
+from tests.e2e.helpers import WAIT_S, speak_session
 from tests.support.server_proc import ServerProc, start_server
 from tests.support.tiny_models import make_served_csm
 
@@ -63,21 +63,7 @@ def test_openai_client_gets_whole_mimi_frames_and_seeds_repeat(csm_server: Serve
 async def test_ws_session_streams_csm_audio(csm_server: ServerProc):
     url = csm_server.base_url.replace("http", "ws") + "/v1/audio/speech/stream"
     async with websockets.connect(url) as ws:
-        await ws.send(json.dumps({"type": "session.config", "voice": "1", "seed": 5}))
-        await ws.send(json.dumps({"type": "input.text", "text": "Hello there. How are you today?"}))
-        await ws.send(json.dumps({"type": "session.close"}))
-        audio, done = b"", []
-        while True:
-            msg = await asyncio.wait_for(ws.recv(), WAIT_S)
-            if isinstance(msg, bytes):
-                audio += msg
-                continue
-            event = json.loads(msg)
-            assert event["type"] != "error", event
-            if event["type"] == "audio.done":
-                done.append(event)
-            if event["type"] == "session.done":
-                break
+        audio, done = await speak_session(ws, {"voice": "1", "seed": 5}, "Hello there. How are you today?")
     assert len(done) == 2  # one utterance per sentence
     assert audio and len(audio) % MIMI_FRAME_BYTES == 0
 

@@ -17,7 +17,7 @@ import pytest
 import websockets
 
 from streaming.zmq_client import ZmqClient
-from tests.e2e.helpers import WAIT_S
+from tests.e2e.helpers import WAIT_S, speak_session
 from tests.support.server_proc import ServerProc, start_server
 from tests.support.tiny_qwen3_tts import make_served_qwen3_tts, text_of_ids
 
@@ -94,22 +94,8 @@ async def test_ws_session_streams_qwen3_audio(qwen3_server: ServerProc):
         assert event["type"] == "session.created", event
         event = json.loads(await asyncio.wait_for(ws.recv(), WAIT_S))
         assert event["type"] == "error" and event["param"] == "language", event
-        await ws.send(json.dumps({"type": "session.config", "voice": "bob", "seed": 5, "language": "English",
-                                  "instructions": "Cheerful."}))
-        await ws.send(json.dumps({"type": "input.text", "text": "Hello there. How are you today?"}))
-        await ws.send(json.dumps({"type": "session.close"}))
-        audio, done = b"", []
-        while True:
-            msg = await asyncio.wait_for(ws.recv(), WAIT_S)
-            if isinstance(msg, bytes):
-                audio += msg
-                continue
-            event = json.loads(msg)
-            assert event["type"] != "error", event
-            if event["type"] == "audio.done":
-                done.append(event)
-            if event["type"] == "session.done":
-                break
+        audio, done = await speak_session(ws, {"voice": "bob", "seed": 5, "language": "English",
+                                               "instructions": "Cheerful."}, "Hello there. How are you today?")
     assert len(done) == 2  # one utterance per sentence
     assert audio and len(audio) % FRAME_BYTES == 0
 
