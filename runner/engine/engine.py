@@ -138,7 +138,6 @@ class Engine(WarmUp):
             )
         if len(prompt_token_ids) + 1 > self.num_blocks * self.cfg.cache.block_size:
             raise InvalidRequest("prompt_token_ids", "prompt does not fit in the KV cache")
-        layout = self.runner.layout if self.frames else None
         sampling.validate(m.vocab_size, self.family.codes_per_frame, code0_penalty=self.code0_penalty)
         layers = tuple(hidden_state_layers)
         for l in layers:
@@ -152,18 +151,11 @@ class Engine(WarmUp):
             if missing:
                 sampling = msgspec.structs.replace(sampling, stop_token_ids=[*sampling.stop_token_ids, *missing])
         step_text = self.family.step_text(None if step_text_ids is None else list(step_text_ids))
-        if group_sampling is not None:
-            if layout is None or layout.group_sampling is None:
-                raise InvalidRequest("group_sampling", f"the {self.family.name} family samples every code with `sampling`")
-            try:
-                group_sampling.validate(layout.codebook_size, self.family.codes_per_frame)
-            except InvalidRequest as e:  # named as the request's field, not `sampling`'s
-                field = "group_sampling" + e.field.removeprefix("sampling")
-                raise InvalidRequest(field, str(e).removeprefix(f"{e.field}: ")) from None
+        group_sampling = self.family.check_group_sampling(group_sampling)
         frames = None
         if self.frames:
             rows = self.family.prompt_frames(prompt_token_ids, None if prompt_frames is None else np.asarray(prompt_frames))
-            frames = FrameLog(rows, layout.num_codebooks, step_text)
+            frames = FrameLog(rows, self.runner.layout.num_codebooks, step_text)
         else:
             self.family.prompt_frames(prompt_token_ids, None if prompt_frames is None else np.asarray(prompt_frames))
         if audio and not self.codec.can_open():

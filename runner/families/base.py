@@ -180,6 +180,14 @@ class ModelFamily(ABC):
         that yields one token per step."""
         return None
 
+    def check_group_sampling(self, params: SamplingParams | None) -> SamplingParams | None:
+        """A request's own parameters for codebooks 1..K-1 (FrameLayout.group_sampling), judged
+        for this family; None keeps the family's. Refused (InvalidRequest naming
+        `group_sampling`) by a family that samples every code with `sampling`."""
+        if params is not None:
+            raise InvalidRequest("group_sampling", f"the {self.name} family samples every code with `sampling`")
+        return None
+
     def step_text(self, step_text_ids: list[int] | None) -> StepText | None:
         """The text ids a request feeds with its generated frames; None for a family without
         them (which refuses any). Raises InvalidRequest naming `step_text_ids`."""

@@ -113,6 +113,17 @@ class Qwen3TtsFamily(ModelFamily):
     def stop_token_ids(self) -> tuple[int, ...]:
         return (self.config.tts_eos_id,)
 
+    def check_group_sampling(self, params: SamplingParams | None) -> SamplingParams | None:
+        """The groups' parameters judged on a group's vocabulary, errors named as the request's
+        `group_sampling.*` fields (not `sampling.*`)."""
+        if params is not None:
+            try:
+                params.validate(self.config.codebook_size, self.codes_per_frame)
+            except InvalidRequest as e:
+                field = "group_sampling" + e.field.removeprefix("sampling")
+                raise InvalidRequest(field, str(e).removeprefix(f"{e.field}: ")) from None
+        return params
+
     def step_text(self, step_text_ids: list[int] | None) -> StepText:
         """The trailing text (streaming text mode), one id a generated frame, then tts_pad;
         None or [] for the non-streaming mode (every frame gets tts_pad)."""

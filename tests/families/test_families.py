@@ -39,6 +39,18 @@ def test_orpheus_without_codec_and_text_family_have_no_audio():
         assert fam.build_codec(torch.device("cpu"), torch.float32) is None
 
 
+def test_families_that_sample_every_code_alike_refuse_group_sampling():
+    import pytest
+
+    from streaming.sampling_params import InvalidRequest, SamplingParams
+
+    for fam in (family_for(ModelProfile(codec=CODEC)), family_for(ModelProfile(family="text", speech=None))):
+        assert fam.check_group_sampling(None) is None
+        with pytest.raises(InvalidRequest) as e:
+            fam.check_group_sampling(SamplingParams())
+        assert e.value.field == "group_sampling"
+
+
 def test_fill_random_is_seeded_small_and_covers_every_parameter():
     from runner.families.base import fill_random_
 
