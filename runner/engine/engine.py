@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from runner.config import EngineConfig
+from runner.engine.admission import check_layers, check_prompt
 from runner.engine.kv_cache import BlockManager, num_kv_blocks
 from runner.engine.model_runner import ModelRunner
 from runner.engine.output_copier import AsyncOutput, StepResult
@@ -127,22 +128,10 @@ class Engine(WarmUp):
             raise InvalidRequest("request_id", "must be a non-empty string")
         if request_id in self.requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already in use by a running request")
-        if not prompt_token_ids:
-            raise InvalidRequest("prompt_token_ids", "must not be empty")
-        for i, t in enumerate(prompt_token_ids):
-            if not isinstance(t, int) or not (0 <= t < m.vocab_size):
-                raise InvalidRequest("prompt_token_ids", f"token {t!r} at index {i} is outside the vocabulary [0, {m.vocab_size})")
-        if len(prompt_token_ids) >= s.max_model_len:
-            raise InvalidRequest(
-                "prompt_token_ids", f"prompt of {len(prompt_token_ids)} tokens leaves no room under max_model_len={s.max_model_len}"
-            )
-        if len(prompt_token_ids) + 1 > self.num_blocks * self.cfg.cache.block_size:
-            raise InvalidRequest("prompt_token_ids", "prompt does not fit in the KV cache")
+        check_prompt(prompt_token_ids, m.vocab_size, s.max_model_len, self.num_blocks * self.cfg.cache.block_size)
         sampling.validate(m.vocab_size, self.family.codes_per_frame, code0_penalty=self.code0_penalty)
         layers = tuple(hidden_state_layers)
-        for l in layers:
-            if not (-(m.num_layers + 1) <= l <= m.num_layers):
-                raise InvalidRequest("hidden_state_layers", f"layer {l} out of range [-{m.num_layers + 1}, {m.num_layers}]")
+        check_layers(layers, m.num_layers)
         if audio:
             if self.codec is None:
                 raise InvalidRequest("audio", "this engine has no codec stage loaded")
@@ -152,12 +141,9 @@ class Engine(WarmUp):
                 sampling = msgspec.structs.replace(sampling, stop_token_ids=[*sampling.stop_token_ids, *missing])
         step_text = self.family.step_text(None if step_text_ids is None else list(step_text_ids))
         group_sampling = self.family.check_group_sampling(group_sampling)
-        frames = None
-        if self.frames:
-            rows = self.family.prompt_frames(prompt_token_ids, None if prompt_frames is None else np.asarray(prompt_frames))
-            frames = FrameLog(rows, self.runner.layout.num_codebooks, step_text)
-        else:
-            self.family.prompt_frames(prompt_token_ids, None if prompt_frames is None else np.asarray(prompt_frames))
+        # a family without frames checks that none came and returns None
+        rows = self.family.prompt_frames(prompt_token_ids, None if prompt_frames is None else np.asarray(prompt_frames))
+        frames = FrameLog(rows, self.runner.layout.num_codebooks, step_text) if self.frames else None
         if audio and not self.codec.can_open():
             self.num_refused_total += 1
             raise EngineBusy("audio: the codec's streams are all in use by other requests; retry later")
