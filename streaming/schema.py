@@ -1,6 +1,8 @@
 """One request schema for every protocol: HTTP bodies, WebSocket messages and ZeroMQ frames are
 decoded into the msgspec Structs below and judged by the functions below, so a field has the same
-type, bounds, default and error message wherever it arrives.
+type, bounds, default and error message wherever it arrives. The JSON / msgpack door
+(streaming/schema_door.py) and the speech requests (streaming/speech_schema.py) live in modules
+of their own; this module re-exports both and is what callers import.
 
 Rules (docs/api.md "Request schema"):
 
@@ -52,6 +54,24 @@ from streaming.schema_door import (  # noqa: F401  (re-exported: this module is 
     decode_json_object,
     json_depth,
     schema_error,
+)
+from streaming.speech_schema import (  # noqa: F401  (re-exported, as the door's names)
+    AUTO_LANGUAGE,
+    SPEECH_NAMES,
+    SPEECH_STREAM_MESSAGES,
+    SPEED_RANGE,
+    InputDone,
+    InputFlush,
+    InputText,
+    SessionClose,
+    SessionConfig,
+    SpeechOptions,
+    SpeechRequest,
+    SpeechSampling,
+    check_language,
+    check_speech_options,
+    check_speed,
+    voice_name,
 )
 
 T = TypeVar("T")
@@ -177,134 +197,6 @@ def sampling_params(
         detail = str(e).split(": ", 1)[1] if ": " in str(e) else str(e)
         raise SchemaError(names.get(field, field), detail) from None
     return params
-
-
-# ---- speech (HTTP /v1/audio/speech, WS session.config, ElevenLabs stream-input) ------------------------
-
-SPEED_RANGE = (0.25, 4.0)  # OpenAI's bounds; only 1.0 is served
-
-
-class SpeechSampling(msgspec.Struct, forbid_unknown_fields=True):
-    """The speech endpoints' flat sampling fields (`max_new_tokens` is SamplingParams' max_tokens)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    max_new_tokens: int | None = None
-
-    def given(self) -> dict[str, Any]:
-        out = {}
-        for f in SpeechSampling.__struct_fields__:
-            v = getattr(self, f)
-            if v is not None:
-                out["max_tokens" if f == "max_new_tokens" else f] = v
-        return out
-
-
-SPEECH_NAMES: Mapping[str, str] = {"max_tokens": "max_new_tokens"}
-
-
-class SpeechOptions(SpeechSampling):
-    """How to speak: shared by the HTTP body and the WebSocket `session.config`."""
-
-    model: str | None = None  # any name: one model is served
-    voice: str | dict[str, Any] | None = None  # a name or OpenAI's {"id": name}
-    speed: float | None = None
-    instructions: str | None = None
-    language: str | None = None  # vllm-omni: "Auto" or one of the model's languages (Qwen3-TTS)
-
-
-class SpeechRequest(SpeechOptions):
-    """POST /v1/audio/speech."""
-
-    input: str | None = None  # required; None so "null" and "missing" get the same message
-    response_format: str | None = None
-    stream_format: str | None = None  # "audio" | "sse"
-    stream: bool | None = None
-    user: str | None = None  # OpenAI's end-user id: accepted, not used (as on completions)
-
-
-class SessionConfig(SpeechOptions, tag_field="type", tag="session.config"):
-    """WS /v1/audio/speech/stream `session.config`. `task_type`, `language` and `stream_audio`
-    are vllm-omni's names, judged so a vllm-omni client learns which of its values apply."""
-
-    response_format: str | None = None  # only "pcm"
-    sample_rate: int | None = None  # only the model's
-    task_type: str | None = None  # vllm-omni: CustomVoice (named voices) | VoiceDesign | Base
-    stream_audio: bool | None = None  # vllm-omni: true = PCM frames while they are produced
-
-
-class InputText(msgspec.Struct, tag_field="type", tag="input.text", forbid_unknown_fields=True):
-    text: str
-
-
-class InputFlush(msgspec.Struct, tag_field="type", tag="input.flush", forbid_unknown_fields=True):
-    pass
-
-
-class SessionClose(msgspec.Struct, tag_field="type", tag="session.close", forbid_unknown_fields=True):
-    pass
-
-
-class InputDone(msgspec.Struct, tag_field="type", tag="input.done", forbid_unknown_fields=True):
-    """vllm-omni's end of input: speak what is buffered, then `session.done` (as session.close)."""
-
-
-SPEECH_STREAM_MESSAGES: Mapping[str, type[msgspec.Struct]] = {
-    "session.config": SessionConfig,
-    "input.text": InputText,
-    "input.flush": InputFlush,
-    "session.close": SessionClose,
-    "input.done": InputDone,
-}
-
-
-def voice_name(value: str | dict[str, Any] | None, param: str = "voice") -> str | None:
-    """OpenAI's voice: a name or {"id": name}; None = the default voice."""
-    if isinstance(value, dict):
-        if set(value) != {"id"} or not isinstance(value["id"], str):
-            raise SchemaError(param, 'an object voice is {"id": "<name>"}')
-        return value["id"]
-    return value
-
-
-def check_speed(speed: float | None, param: str = "speed") -> None:
-    if speed is None:
-        return
-    lo, hi = SPEED_RANGE
-    if not lo <= speed <= hi:  # NaN fails this too
-        raise SchemaError(param, f"must be in [{lo}, {hi}], got {speed}")
-    if speed != 1.0:
-        raise SchemaError(param, f"only 1.0 is supported by this server (got {speed})", UNSUPPORTED)
-
-
-AUTO_LANGUAGE = "auto"  # the model reads the text as it is
-
-
-def check_language(language: str | None, languages: tuple[str, ...] = ()) -> str | None:
-    """vllm-omni's `language`: None (absent or Auto: the model reads the text as it is) or one
-    of `languages` (the served model's, lower case; Qwen3-TTS's codec_language_id names),
-    returned lower case. A model without languages takes only Auto."""
-    if language is None or language.lower() == AUTO_LANGUAGE:
-        return None
-    if not languages:
-        raise SchemaError("language", f"this model takes no language hint (it reads the text as written); omit it "
-                          f"or send 'Auto', got {language!r}", UNSUPPORTED)
-    if language.lower() not in languages:
-        raise SchemaError("language", f"must be 'Auto' or one of {', '.join(languages)}, got {language!r}",
-                          INVALID_VALUE)
-    return language.lower()
-
-
-def check_speech_options(opts: SpeechOptions, takes_instructions: bool = False) -> None:
-    """The speech fields HTTP and session.config share (sampling goes through sampling_params).
-    takes_instructions: the served model reads `instructions` (Qwen3-TTS's instruct)."""
-    check_speed(opts.speed)
-    if not takes_instructions and opts.instructions is not None and opts.instructions.strip():
-        raise SchemaError("instructions", "this model does not take voice instructions", UNSUPPORTED)
 
 
 # ---- completions and the generate stream ----------------------------------------------------------------

@@ -4,7 +4,7 @@ runner or torch (its modules need msgspec and numpy)."""
 import subprocess
 import sys
 
-MODULES = ("streaming.profile", "streaming.schema", "streaming.ipc", "streaming.qwen3_tts_profile",
+MODULES = ("streaming.profile", "streaming.schema", "streaming.speech_schema", "streaming.ipc", "streaming.qwen3_tts_profile",
            "streaming.qwen3_tts_ids", "streaming.sampling_params")
 
 
