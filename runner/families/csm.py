@@ -25,9 +25,10 @@ from runner.codecs.mimi_stage import MimiCodecConfig, MimiCodecStage
 from runner.config import EngineConfig
 from runner.families.base import CodecStageLike, FrameLayout, LogitsConstraint, ModelFamily, fill_random_
 from runner.layers.base import AttentionBackend, OpsBackend
-from runner.models.csm import CsmModel, build_empty_csm
+from runner.models.csm import CsmModel
 from runner.models.csm_config import CsmModelConfig
 from runner.models.csm_loader import load_csm
+from runner.models.frame_model import build_empty_frame_model
 from streaming.profile import ModelProfile
 from streaming.sampling_params import InvalidRequest
 
@@ -45,7 +46,7 @@ class CsmFamily(ModelFamily):
                    random_weights: bool = False) -> CsmModel:
         r = cfg.runner
         if random_weights:
-            return fill_random_(build_empty_csm(self.config, r.torch_device, r.torch_dtype, attn, ops), r.torch_device)
+            return fill_random_(build_empty_frame_model(CsmModel, self.config, r.torch_device, r.torch_dtype, attn, ops), r.torch_device)
         return load_csm(self.config, r.torch_device, r.torch_dtype, attn, ops)
 
     def build_codec(self, device: torch.device, dtype: torch.dtype, tuning: str = "auto") -> CodecStageLike | None:

@@ -46,7 +46,8 @@ from runner.families.base import (
     fill_random_,
 )
 from runner.layers.base import AttentionBackend, OpsBackend
-from runner.models.qwen3_tts import NO_CODE, Qwen3TtsModel, build_empty_qwen3_tts
+from runner.models.frame_model import build_empty_frame_model
+from runner.models.qwen3_tts import NO_CODE, Qwen3TtsModel
 from runner.models.qwen3_tts_config import Qwen3TtsConfig
 from runner.models.qwen3_tts_loader import load_qwen3_tts
 from streaming.profile import ModelProfile
@@ -86,7 +87,7 @@ class Qwen3TtsFamily(ModelFamily):
                    random_weights: bool = False) -> Qwen3TtsModel:
         r = cfg.runner
         if random_weights:
-            return fill_random_(build_empty_qwen3_tts(self.config, r.torch_device, r.torch_dtype, attn, ops), r.torch_device)
+            return fill_random_(build_empty_frame_model(Qwen3TtsModel, self.config, r.torch_device, r.torch_dtype, attn, ops), r.torch_device)
         return load_qwen3_tts(self.config, r.torch_device, r.torch_dtype, attn, ops)
 
     def frame_layout(self) -> FrameLayout:

@@ -28,14 +28,13 @@ import torch
 from torch import nn
 
 from runner.layers import make_attention, make_ops
-from runner.layers.attention import AttentionMetadata
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.csm_config import CsmModelConfig
 from runner.models.csm_parts import CsmDepthDecoder, DecoderStack, DepthKV
-from runner.models.csm_sampling import CodebookSampler
+from runner.models.frame_model import FrameModel
 
 
-class CsmModel(nn.Module):
+class CsmModel(FrameModel):
     """Parameter names mirror transformers' (runner/models/csm_loader.py maps them; q/k/v and
     gate/up are fused as in LlamaForCausalLM)."""
 
@@ -53,10 +52,10 @@ class CsmModel(nn.Module):
         self.lm_head = nn.Linear(h, v, bias=False)  # codebook 0
         self.depth = CsmDepthDecoder(cfg.depth, k, h, attn, ops)
         self.register_buffer("codebook_offsets", torch.arange(k, dtype=torch.int64) * v, persistent=False)
-        self.tie_codebook_embeddings()
+        self.tie_embeddings()
         self.depth_kv: DepthKV | None = None
 
-    def tie_codebook_embeddings(self) -> None:
+    def tie_embeddings(self) -> None:
         """Share the backbone's codebook table with the depth decoder where the config ties them
         (again after to_empty, which gives each module its own tensor)."""
         if self.cfg.tie_codebook_embeddings:
@@ -68,13 +67,9 @@ class CsmModel(nn.Module):
         self.depth.rotary.reset(device)
         self.codebook_offsets = torch.arange(self.num_codebooks, dtype=torch.int64, device=device) * self.cfg.codebook_size
 
-    def allocate_depth_kv(self, max_rows: int) -> DepthKV:
-        """The depth decoder's per-frame KV and metadata for up to max_rows rows, and its
-        decode-time weight layouts (CsmDepthDecoder.prepare_decode), once the weights are loaded."""
-        w = self.lm_head.weight
-        self.depth_kv = DepthKV(self.cfg.depth, self.num_codebooks, max_rows, w.device, w.dtype)
-        self.depth.prepare_decode()
-        return self.depth_kv
+    @property
+    def depth_decoder(self) -> CsmDepthDecoder:
+        return self.depth
 
     # ---- input embeddings --------------------------------------------------------------------
 
@@ -121,42 +116,7 @@ class CsmModel(nn.Module):
         a CodebookSampler takes them as they are: the fused one reads bf16, the others cast)."""
         return last, self.backbone.ops.head(last, self.lm_head.weight, None)
 
-    def backbone_step(self, embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                      meta: AttentionMetadata, last_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """embeds [T, H] of a flattened batch (positions [T], the paged KV and its metadata as
-        for LlamaForCausalLM), last_rows [B] int64: the row of each sequence's last new token
-        -> (its final hidden state [B, H], codebook-0 logits [B, V], model dtype)."""
-        h = self.backbone(embeds, positions, kv_caches, meta)
-        return self.head(h.index_select(0, last_rows))
-
-    def depth_decode(self, hidden: torch.Tensor, code0: torch.Tensor, sampler: CodebookSampler) -> torch.Tensor:
-        """hidden [B, H], code0 [B] -> frames [B, K] int64: codebooks 1..K-1 by the depth
-        decoder, every row's sub-steps batched, each codebook drawn by `sampler` on the device."""
-        if self.depth_kv is None:
-            raise RuntimeError("depth_decode: call allocate_depth_kv(max_rows) first")
-        return self.depth.decode(hidden, code0, sampler, self.depth_kv)
-
-    def frame_step(self, embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                   meta: AttentionMetadata, last_rows: torch.Tensor, sampler: CodebookSampler) -> torch.Tensor:
-        """backbone_step, codebook 0 drawn by `sampler`, depth_decode: one frame [B, K] per sequence."""
-        hidden, logits = self.backbone_step(embeds, positions, kv_caches, meta, last_rows)
-        return self.depth_decode(hidden, sampler(logits, 0), sampler)
-
     def frame_is_eos(self, frames: torch.Tensor) -> torch.Tensor:
         """[B, K] -> [B] bool: the frame ends its audio (transformers: codebooks 0..K-2 all eos)."""
         return (frames[:, :-1] == self.cfg.codebook_eos_id).all(dim=-1)
 
-
-def build_empty_csm(cfg: CsmModelConfig, device: torch.device | str, dtype: torch.dtype,
-                    attn: AttentionBackend | None = None, ops: OpsBackend | None = None) -> CsmModel:
-    """CsmModel on `device` in `dtype` with uninitialised parameters (built on the meta device,
-    as runner/models/llama.py build_empty_model); RoPE tables and offsets computed for real."""
-    device = torch.device(device)
-    attn = attn if attn is not None else make_attention(None, device)
-    ops = ops if ops is not None else make_ops(None, device)
-    with torch.device("meta"):
-        model = CsmModel(cfg, attn, ops)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    model.tie_codebook_embeddings()
-    model.reset_buffers(device)
-    return model.eval().requires_grad_(False)

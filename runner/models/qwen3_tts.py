@@ -40,10 +40,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.layers import make_attention, make_ops
-from runner.layers.attention import AttentionMetadata
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.csm_parts import DecoderStack, DepthDecoder, DepthKV
-from runner.models.csm_sampling import CodebookSampler
+from runner.models.frame_model import FrameModel
 from runner.models.qwen3_tts_config import Qwen3TtsConfig
 
 NO_TEXT = -1  # text_ids entry of a position without a text part
@@ -79,7 +78,7 @@ class TextProjection(nn.Module):
         return self.linear_fc2(F.silu(self.linear_fc1(x)))
 
 
-class Qwen3TtsModel(nn.Module):
+class Qwen3TtsModel(FrameModel):
     def __init__(self, cfg: Qwen3TtsConfig, attn: AttentionBackend | None = None, ops: OpsBackend | None = None):
         super().__init__()
         self.cfg = cfg
@@ -95,10 +94,10 @@ class Qwen3TtsModel(nn.Module):
         self.codec_head = nn.Linear(h, cfg.codec_vocab_size, bias=False)  # code 0 (and the special ids)
         self.predictor = Qwen3TtsCodePredictor(cfg, attn, ops)
         self.register_buffer("table_offsets", torch.tensor(cfg.table_offsets, dtype=torch.int64), persistent=False)
-        self.tie_codec_embedding()
+        self.tie_embeddings()
         self.depth_kv: DepthKV | None = None
 
-    def tie_codec_embedding(self) -> None:
+    def tie_embeddings(self) -> None:
         """The code predictor reads the talker's concatenated codec table (again after
         to_empty, which gives each module its own tensor)."""
         self.predictor.embed_tokens.weight = self.codec_embedding.weight
@@ -109,13 +108,9 @@ class Qwen3TtsModel(nn.Module):
         self.predictor.rotary.reset(device)
         self.table_offsets = torch.tensor(self.cfg.table_offsets, dtype=torch.int64, device=device)
 
-    def allocate_depth_kv(self, max_rows: int) -> DepthKV:
-        """The code predictor's per-frame KV and metadata for up to max_rows rows, and its
-        decode-time weight layouts (DepthDecoder.prepare_decode), once the weights are loaded."""
-        w = self.codec_head.weight
-        self.depth_kv = DepthKV(self.cfg.predictor, self.num_codebooks, max_rows, w.device, w.dtype)
-        self.predictor.prepare_decode()
-        return self.depth_kv
+    @property
+    def depth_decoder(self) -> Qwen3TtsCodePredictor:
+        return self.predictor
 
     # ---- input embeddings --------------------------------------------------------------------
 
@@ -157,43 +152,9 @@ class Qwen3TtsModel(nn.Module):
         """[B, H] last hidden states -> (the same, code-0 logits [B, codec_vocab_size], model dtype)."""
         return last, self.backbone.ops.head(last, self.codec_head.weight, None)
 
-    def backbone_step(self, embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                      meta: AttentionMetadata, last_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """embeds [T, H] of a flattened batch (positions [T] = 0..P-1 per sequence: the reference's
-        MRoPE streams are identical and unpadded here; the paged KV and its metadata as for
-        LlamaForCausalLM), last_rows [B] int64 -> (final hidden [B, H], code-0 logits [B, V0])."""
-        h = self.backbone(embeds, positions, kv_caches, meta)
-        return self.head(h.index_select(0, last_rows))
-
-    def depth_decode(self, hidden: torch.Tensor, code0: torch.Tensor, sampler: CodebookSampler) -> torch.Tensor:
-        """hidden [B, H] (the talker's final hidden, the reference's past_hidden), code0 [B] ->
-        frames [B, K] int64: groups 1..K-1 by the code predictor, every row's sub-steps batched."""
-        if self.depth_kv is None:
-            raise RuntimeError("depth_decode: call allocate_depth_kv(max_rows) first")
-        return self.predictor.decode(hidden, code0, sampler, self.depth_kv)
-
-    def frame_step(self, embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                   meta: AttentionMetadata, last_rows: torch.Tensor, sampler: CodebookSampler) -> torch.Tensor:
-        """backbone_step, code 0 drawn by `sampler`, depth_decode: one frame [B, K] per sequence.
-        A row whose code 0 is eos still gets groups (never decoded: frame_is_eos ends it)."""
-        hidden, logits = self.backbone_step(embeds, positions, kv_caches, meta, last_rows)
-        return self.depth_decode(hidden, sampler(logits, 0), sampler)
-
     def frame_is_eos(self, frames: torch.Tensor) -> torch.Tensor:
-        """[B, K] -> [B] bool: code 0 is the codec eos (M:2280); that frame is not audio."""
+        """[B, K] -> [B] bool: code 0 is the codec eos (M:2280); that frame is not audio (its
+        groups are drawn in the same frame step all the same, and never decoded). Positions
+        are 0..P-1 per sequence: the reference's MRoPE streams are identical and unpadded here."""
         return frames[:, 0] == self.cfg.codec.eos
 
-
-def build_empty_qwen3_tts(cfg: Qwen3TtsConfig, device: torch.device | str, dtype: torch.dtype,
-                          attn: AttentionBackend | None = None, ops: OpsBackend | None = None) -> Qwen3TtsModel:
-    """Qwen3TtsModel on `device` in `dtype` with uninitialised parameters (built on the meta
-    device, as build_empty_csm); RoPE tables and offsets computed for real."""
-    device = torch.device(device)
-    attn = attn if attn is not None else make_attention(None, device)
-    ops = ops if ops is not None else make_ops(None, device)
-    with torch.device("meta"):
-        model = Qwen3TtsModel(cfg, attn, ops)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    model.tie_codec_embedding()
-    model.reset_buffers(device)
-    return model.eval().requires_grad_(False)

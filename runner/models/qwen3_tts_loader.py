@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from runner.layers.base import AttentionBackend, OpsBackend
+from runner.models.frame_model import build_empty_frame_model
 from runner.models.loader import (
     _check_coverage,
     _Target,
@@ -26,7 +27,7 @@ from runner.models.loader import (
     plan_tensors,
     stack_tensors,
 )
-from runner.models.qwen3_tts import Qwen3TtsModel, build_empty_qwen3_tts
+from runner.models.qwen3_tts import Qwen3TtsModel
 from runner.models.qwen3_tts_config import Qwen3TtsConfig
 
 _IGNORED_PREFIXES = ("speaker_encoder.",)
@@ -76,7 +77,7 @@ def load_qwen3_tts(cfg: Qwen3TtsConfig, device: torch.device | str, dtype: torch
                    attn: AttentionBackend | None = None, ops: OpsBackend | None = None) -> Qwen3TtsModel:
     """Qwen3TtsModel for `cfg` on `device` in `dtype`, filled from the safetensors in cfg.path."""
     plan = plan_qwen3_tts_load(cfg, find_safetensors(cfg.path))
-    model = build_empty_qwen3_tts(cfg, device, dtype, attn, ops)
+    model = build_empty_frame_model(Qwen3TtsModel, cfg, device, dtype, attn, ops)
     params = dict(model.named_parameters())
     _check_coverage({k: (p, t) for k, (p, t, _) in plan.items()}, params)
     copy_planned(params, ((path, stored, target) for path, target, stored in plan.values()))
