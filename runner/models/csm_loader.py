@@ -20,9 +20,8 @@ from runner.models.csm import CsmModel
 from runner.models.csm_config import CsmModelConfig
 from runner.models.frame_model import build_empty_frame_model
 from runner.models.loader import (
-    _check_coverage,
     _Target,
-    copy_planned,
+    fill_planned,
     find_safetensors,
     plan_tensors,
     stack_tensors,
@@ -72,7 +71,5 @@ def load_csm(cfg: CsmModelConfig, device: torch.device | str, dtype: torch.dtype
     """CsmModel for `cfg` on `device` in `dtype`, filled from the safetensors in cfg.path."""
     plan = plan_csm_load(cfg, find_safetensors(cfg.path))
     model = build_empty_frame_model(CsmModel, cfg, device, dtype, attn, ops)
-    params = dict(model.named_parameters())
-    _check_coverage({k: (p, t) for k, (p, t, _) in plan.items()}, params)
-    copy_planned(params, ((path, stored, target) for path, target, stored in plan.values()))
+    fill_planned(model, plan)
     return model

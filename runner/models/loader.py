@@ -157,14 +157,13 @@ def plan_tensors(expected: dict[str, _Target], files: list[Path], ignored: Calla
     return {key: (path, target, stored.get(key, key)) for key, (path, target) in plan.items()}
 
 
-def plan_load(cfg: ModelConfig, files: list[Path]) -> dict[str, tuple[Path, _Target]]:
+def plan_load(cfg: ModelConfig, files: list[Path]) -> dict[str, tuple[Path, _Target, str]]:
     """Match checkpoint tensors to destinations from headers only; raise LoadError on any mismatch."""
     def ignored(name: str) -> bool:
         # some tied checkpoints still store the (identical) head; the embedding is the one we use
         return name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
-    plan = plan_tensors(expected_tensors(cfg), files, ignored, "")
-    return {key: (path, target) for key, (path, target, _) in plan.items()}
+    return plan_tensors(expected_tensors(cfg), files, ignored, "")
 
 
 def _check_coverage(plan: dict[str, tuple[Path, _Target]], params: dict[str, torch.Tensor]) -> None:
@@ -193,10 +192,16 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, attn:
     _check_unsupported_features(Path(cfg.path))
     plan = plan_load(cfg, find_safetensors(cfg.path))
     model = build_empty_model(cfg, device, dtype, attn, ops, model_cls=model_class_for(cfg))
-    params = dict(model.named_parameters())
-    _check_coverage(plan, params)
-    copy_planned(params, ((path, name, target) for name, (path, target) in plan.items()))
+    fill_planned(model, plan)
     return model
+
+
+def fill_planned(model: torch.nn.Module, plan: dict[str, tuple[Path, _Target, str]]) -> None:
+    """Fill the model's parameters from a plan_tensors plan, after checking that it fills every
+    parameter completely (the Llama, CSM and Qwen3-TTS loaders)."""
+    params = dict(model.named_parameters())
+    _check_coverage({key: (path, target) for key, (path, target, _) in plan.items()}, params)
+    copy_planned(params, ((path, stored, target) for path, target, stored in plan.values()))
 
 
 def copy_planned(params: dict[str, torch.Tensor], plan: Iterable[tuple[Path, str, _Target]]) -> None:

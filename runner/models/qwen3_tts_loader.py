@@ -20,9 +20,8 @@ import torch
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.frame_model import build_empty_frame_model
 from runner.models.loader import (
-    _check_coverage,
     _Target,
-    copy_planned,
+    fill_planned,
     find_safetensors,
     plan_tensors,
     stack_tensors,
@@ -78,7 +77,5 @@ def load_qwen3_tts(cfg: Qwen3TtsConfig, device: torch.device | str, dtype: torch
     """Qwen3TtsModel for `cfg` on `device` in `dtype`, filled from the safetensors in cfg.path."""
     plan = plan_qwen3_tts_load(cfg, find_safetensors(cfg.path))
     model = build_empty_frame_model(Qwen3TtsModel, cfg, device, dtype, attn, ops)
-    params = dict(model.named_parameters())
-    _check_coverage({k: (p, t) for k, (p, t, _) in plan.items()}, params)
-    copy_planned(params, ((path, stored, target) for path, target, stored in plan.values()))
+    fill_planned(model, plan)
     return model
