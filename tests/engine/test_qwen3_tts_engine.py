@@ -23,6 +23,7 @@ from runner.families.qwen3_tts import SUBTALKER_DEFAULTS, subtalker_sampling
 from streaming.profile import ModelProfile
 from streaming.sampling_params import InvalidRequest, SamplingParams
 from tests.models.test_qwen3_tts import one_thread  # noqa: F401 (autouse fixture)
+from tests.support.engine_runs import drive_requests
 from tests.support.tiny_qwen12hz import make_tiny_qwen12hz
 
 MODELS = ("custom_voice", "ends")  # "base": its prompts carry an x-vector (not yet in the engine)
@@ -49,29 +50,14 @@ def make_engine(folder: Path, *, async_scheduling: bool, prefix: bool = True, ma
 
 
 def drive(engine: Engine, reqs: list[dict], sampling, join_every: int = 0, audio: bool = False) -> dict[str, dict]:
-    """Add case i at step i * join_every (prompt = its text ids, prompt_frames = its codec part,
-    step_text_ids = its trailing text); collect frames, ids, PCM and the finish."""
-    got = {f"r{i}": {"ids": [], "frames": [], "pcm": [], "finish": None} for i in range(len(reqs))}
-    pending, step = list(enumerate(reqs)), 0
-    while pending or engine.has_unfinished:
-        while pending and step >= pending[0][0] * join_every:
-            i, c = pending.pop(0)
-            sp = sampling[i] if isinstance(sampling, list) else sampling
-            engine.add_request(f"r{i}", c["text_ids"].tolist(), sp, prompt_frames=c["codec_ids"],
-                               step_text_ids=c["trailing_ids"].tolist(), group_sampling=c.get("groups"), audio=audio)
-        for o in engine.step():
-            g = got[o.request_id]
-            g["ids"] += o.new_token_ids
-            if o.frames is not None:
-                assert o.frames.shape == (len(o.new_token_ids), engine.family.codes_per_frame)
-                g["frames"].append(o.frames)
-            if o.audio is not None:
-                g["pcm"].append(o.audio)
-            if o.finished:
-                g["finish"] = o.finish_reason
-        step += 1
+    """engine_runs.drive_requests over golden cases (prompt = its text ids, prompt_frames = its
+    codec part, step_text_ids = its trailing text, group_sampling = its groups'); "finish" is
+    the finish reason alone."""
+    extra = [dict(prompt_frames=c["codec_ids"], step_text_ids=c["trailing_ids"].tolist(), group_sampling=c.get("groups"))
+             for c in reqs]
+    got = drive_requests(engine, [c["text_ids"].tolist() for c in reqs], sampling, join_every, audio, extra)
     for g in got.values():
-        g["frames"] = np.concatenate(g["frames"]) if g["frames"] else np.zeros((0, engine.family.codes_per_frame))
+        g["finish"] = g["finish"][0]
     return got
 
 
