@@ -68,3 +68,16 @@ def qwen3_tts_golden() -> Callable[[str], Path]:
         return path
 
     return get
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one thread for a module of tiny models (`pytestmark =
+    pytest.mark.usefixtures("one_torch_thread")`): hundreds of small ops per frame run several
+    times faster on one thread than on a pool that competes with other processes for the cores."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

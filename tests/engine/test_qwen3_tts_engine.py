@@ -22,9 +22,10 @@ from runner.families import Qwen3TtsFamily
 from runner.families.qwen3_tts import SUBTALKER_DEFAULTS, subtalker_sampling
 from streaming.profile import ModelProfile
 from streaming.sampling_params import InvalidRequest, SamplingParams
-from tests.models.test_qwen3_tts import one_thread  # noqa: F401 (autouse fixture)
 from tests.support.engine_runs import drive_requests
 from tests.support.tiny_qwen12hz import make_tiny_qwen12hz
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MODELS = ("custom_voice", "ends")  # "base": its prompts carry an x-vector (not yet in the engine)
 GREEDY_GROUPS = SamplingParams(temperature=0.0)

@@ -15,7 +15,8 @@ import pytest
 
 from streaming.sampling_params import SamplingParams
 from tests.engine.test_qwen3_tts_engine import GREEDY_GROUPS, cases, drive, make_engine
-from tests.models.test_qwen3_tts import one_thread  # noqa: F401 (autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

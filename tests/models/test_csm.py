@@ -36,14 +36,7 @@ NUM_BLOCKS = 96
 PROMPTS = [[BOS_ID, 5, 7], [BOS_ID, 11, 3, 8, 20, 33, 4, 9], [BOS_ID, 2, 60, 61, 62, 14, 15, 16, 17, 40, 41, 42, 43]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The models are tiny: hundreds of small ops per frame run several times faster on one
-    # thread than on a pool that competes with other processes for the cores.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

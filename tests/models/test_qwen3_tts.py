@@ -31,13 +31,7 @@ NUM_BLOCKS = 128
 MODELS = ("custom_voice", "base", "ends")  # tests/reference/qwen3_tts_golden.py MODELS
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny models: many small ops run faster on one thread than on a pool competing for cores
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
