@@ -17,9 +17,11 @@ from streaming.sampling_params import InvalidRequest, SamplingParams
 from runner.models.csm_config import CsmModelConfig
 from runner.models.csm_loader import load_csm
 from runner.models.csm_sampling import GreedyCodebooks
-from tests.models.test_csm import PROMPTS, drive, hf_generate, one_thread  # noqa: F401 (autouse fixture)
+from tests.models.test_csm import PROMPTS, drive, hf_generate
 from tests.support.engine_runs import drive_requests
 from tests.support.tiny_models import CSM_AUDIO_EOS_TOKEN_ID, CSM_AUDIO_TOKEN_ID, load_hf_csm, make_tiny_csm
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MAX_FRAMES = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_FRAMES)
