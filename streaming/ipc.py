@@ -28,6 +28,14 @@ class TensorRef(msgspec.Struct, array_like=True):
 # ---- front end -> engine -------------------------------------------------------------------
 
 
+class PromptVector(msgspec.Struct, forbid_unknown_fields=True):
+    """A vector added to one prompt position's input embedding (Qwen3-TTS Base: a voice's
+    x-vector over its speaker position): `values` the hidden size's float32s, little-endian."""
+
+    position: int
+    values: bytes
+
+
 class AddRequest(msgspec.Struct, tag="add", forbid_unknown_fields=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -44,6 +52,8 @@ class AddRequest(msgspec.Struct, tag="add", forbid_unknown_fields=True):
     # Families that sample codebooks 1..K-1 apart (Qwen3-TTS's subtalker): their parameters;
     # None: the family's defaults.
     group_sampling: SamplingParams | None = None
+    # Families whose prompts take vectors beside ids and codes (ModelFamily.prompt_vectors)
+    prompt_vectors: list[PromptVector] | None = None
 
 
 class EncodeAudio(msgspec.Struct, tag="encode", forbid_unknown_fields=True):
@@ -138,6 +148,8 @@ class EncodedAudio(msgspec.Struct, tag="encoded"):
 
     request_id: str
     codes: list[list[int]] = []
+    # families whose voices also carry a speaker vector (Qwen3-TTS Base's x-vector): float32 LE
+    speaker_embedding: bytes = b""
     error: str | None = None
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from runner.codecs.config import CodecConfig
+from runner.codecs.config import CodecConfig, CodecError
 from runner.codecs.decoder import Launches, SnacWindowDecoder
 from runner.codecs.orpheus_tokens import audio_token_range, invalid_token_reason
 from runner.codecs.snac import load_snac
@@ -78,8 +78,11 @@ class CodecStage:
     def can_open(self) -> bool:
         return True  # windows carry no per-stream state on the device: any number of requests
 
-    def open(self, key: object, seed: int | None = None) -> None:
-        """A request that wants audio starts; `seed` overrides cfg.noise_seed for it."""
+    def open(self, key: object, seed: int | None = None, prefix_frames: np.ndarray | None = None) -> None:
+        """A request that wants audio starts; `seed` overrides cfg.noise_seed for it. SNAC's
+        windows start from nothing: no prefix_frames."""
+        if prefix_frames is not None:
+            raise CodecError("prefix_frames: the SNAC stage decodes no reference frames")
         if key in self._reqs:
             raise KeyError(f"codec request {key!r} is already open")
         self._reqs[key] = _Request(

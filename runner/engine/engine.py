@@ -25,11 +25,12 @@ from runner.engine.frame_runner import FrameRunner
 from runner.engine.request import FinishReason, FrameLog, Request, Status
 from runner.engine.warm_up import WarmUp
 from runner.engine.scheduler import Scheduler, SchedulerOutput
-from runner.families.base import CodecStageLike, ModelFamily
+from runner.families.base import CodecStageLike, EncodedReference, ModelFamily
 from runner.families.text import TextFamily
 from runner.layers import make_backends
 from runner.layers import pick_sampling_backend as pick_backend
 from runner.layers.attention import kv_bytes_per_token
+from streaming import ipc
 from streaming.ipc import EngineStats, RequestOutput
 from streaming.profile import ModelProfile
 from streaming.sampling_params import InvalidRequest, SamplingParams
@@ -115,13 +116,16 @@ class Engine(WarmUp):
         prompt_frames: list[list[int]] | np.ndarray | None = None,
         step_text_ids: list[int] | None = None,
         group_sampling: SamplingParams | None = None,
+        prompt_vectors: list[ipc.PromptVector] | None = None,
     ) -> None:
         """Validate and queue a request. Raises InvalidRequest naming the field, or EngineBusy
         when there is no room for it; the engine and the other requests are unaffected. prompt_frames: a multi-codebook model's codes of the
         prompt's audio positions ([n, K], ModelFamily.prompt_frames). step_text_ids: the text
         ids fed with the generated frames, one a frame (ModelFamily.step_text: Qwen3-TTS's
         trailing text). group_sampling: parameters of codebooks 1..K-1 where the family samples
-        them apart (FrameLayout.group_sampling; None: the family's defaults)."""
+        them apart (FrameLayout.group_sampling; None: the family's defaults). prompt_vectors:
+        vectors added over prompt positions' embeddings (ModelFamily.prompt_vectors: Qwen3-TTS
+        Base's x-vector)."""
         sampling = sampling or SamplingParams()
         m, s = self.cfg.model, self.cfg.scheduler
         if not isinstance(request_id, str) or not request_id:
@@ -144,21 +148,23 @@ class Engine(WarmUp):
         # a family without frames checks that none came and returns None
         rows = self.family.prompt_frames(prompt_token_ids, None if prompt_frames is None else np.asarray(prompt_frames))
         frames = FrameLog(rows, self.runner.layout.num_codebooks, step_text) if self.frames else None
+        vectors = self.family.prompt_vectors(len(prompt_token_ids), prompt_vectors)
+        prefix = self.family.codec_prefix(rows) if audio else None
         if audio and not self.codec.can_open():
             self.num_refused_total += 1
             raise EngineBusy("audio: the codec's streams are all in use by other requests; retry later")
         req = Request(request_id, list(prompt_token_ids), sampling, layers, audio, frames=frames,
-                      group_sampling=group_sampling)
+                      group_sampling=group_sampling, vectors=vectors)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.num_requests_total += 1
         if audio:
-            self.codec.open(id(req), seed=sampling.seed)
+            self.codec.open(id(req), seed=sampling.seed, prefix_frames=prefix)
             self._audio_open[id(req)] = req
 
-    def encode_audio(self, pcm: np.ndarray) -> np.ndarray:
+    def encode_audio(self, pcm: np.ndarray) -> EncodedReference:
         """A reference clip (int16 mono at the codec's rate) -> its codes [frames, K] (the
-        family's reference format: a voice prompt's frames). InvalidRequest when the model
+        family's reference format: a voice prompt's frames) and any speaker vector. InvalidRequest when the model
         takes no reference audio. Runs between steps; uploads are rare."""
         if self.codec is None:
             raise InvalidRequest("audio", "this engine has no codec stage loaded")

@@ -10,6 +10,8 @@ copier it reuses):
                         (runner/engine/frame_graphs.py: backbone, codebook-0 head, depth decoder
                         and every codebook's sampling in one graph); a step with prompt
                         chunks replays only the depth half's graph after its eager backbone.
+                        A request's prompt vectors (Qwen3-TTS Base's x-vector) are added
+                        over their positions' embeddings there: prompts never run in a graph.
   sample_tokens()       codebook-0 logits, the depth decoder's K - 1 batched sub-steps, each
                         codebook drawn on the device by the project's sampler (race noise keyed
                         on frame * K + codebook, so a seeded request's frames do not depend on
@@ -111,14 +113,15 @@ class FrameRunner(ModelRunner):
                                self.cfg.model.num_layers, None)
         # hidden states come from the eager backbone (the graphs capture no inner layers)
         self._admit(inp.admitted)
-        frames, src = self._pack_frames(sched, inp)
+        frames, src, vectors = self._pack_frames(sched, inp)
         if self.record_timeline:
             self._t0 = torch.cuda.Event(enable_timing=True)
             self._t0.record()
         st = ExecuteState(inp.sample, None, None, [])
         g = self.frame_graphs
         # every row one position and sampling (a one-token chunk inside a prompt samples nothing)
-        graphable = g is not None and inp.pure_decode and len(inp.sample.reqs) == inp.num_seqs and not inp.hidden_spans
+        graphable = (g is not None and inp.pure_decode and len(inp.sample.reqs) == inp.num_seqs and not inp.hidden_spans
+                     and vectors is None)
         bucket = g.bucket_for(inp.num_seqs) if graphable else None
         if bucket is not None:
             self._frames_in = g.run(bucket, inp, frames, src, self._table_rows(st), self._group_rows(st))
@@ -130,20 +133,26 @@ class FrameRunner(ModelRunner):
             if len(src):  # in-flight frames: their codes from the device (a text column stays the host's)
                 rows = self._to_dev(src)
                 frames_d[rows[0], : self.num_codebooks] = self.last_frame[rows[1]]
-            h, captured = self.model.backbone.forward_capture(self.model.embed_inputs(input_ids, frames_d), pos_d,
-                                                              self.kv_caches, meta, inp.capture)
+            x = self.model.embed_inputs(input_ids, frames_d)
+            if vectors is not None:  # prompt positions whose input adds a vector (an x-vector)
+                x.index_add_(0, self._to_dev(vectors[0]), torch.from_numpy(vectors[1]).to(self.device, x.dtype))
+            h, captured = self.model.backbone.forward_capture(x, pos_d, self.kv_caches, meta, inp.capture)
             st.hidden, st.hidden_spans = self._gather_hidden(inp, captured), inp.hidden_spans
             if inp.logits_rows:
                 st.final_hidden = h.index_select(0, self._to_dev(np.asarray(inp.logits_rows, dtype=np.int64)))
         self._state = st
 
-    def _pack_frames(self, sched: SchedulerOutput, inp: StepInputs) -> tuple[np.ndarray, np.ndarray]:
-        """frames [T, W] int64 of the step's rows from the requests' FrameLogs, and [2, D] (flat
+    def _pack_frames(self, sched: SchedulerOutput,
+                     inp: StepInputs) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+        """frames [T, W] int64 of the step's rows from the requests' FrameLogs; [2, D] (flat
         row, slot) of the rows whose frame is still in flight (its codes read from last_frame on
         the device; its text id, with a text column, packed here: the host knows its frame
-        index). Their ids are `frame_id`: a generated position is always a frame."""
+        index; their ids are `frame_id`: a generated position is always a frame); and the
+        prompt vectors the step's rows add ((flat rows [n], values [n, H]), None when none)."""
         frames = np.zeros((inp.num_tokens, self.row_width), dtype=np.int64)
         text = self.layout.text_column
+        vec_rows: list[np.ndarray] = []
+        vec_values: list[np.ndarray] = []
         t = 0
         for e in sched.scheduled:
             req = e.req
@@ -153,10 +162,17 @@ class FrameRunner(ModelRunner):
                 frames[t : t + known - e.start] = req.frames.rows(e.start, known)
             if text and known < end:  # the last position's frame is in flight
                 frames[t + e.num_tokens - 1, -1] = req.frames.text_at(end - 1)
+            if req.vectors is not None:
+                pos = req.vectors.positions
+                hit = (pos >= e.start) & (pos < end)
+                if hit.any():
+                    vec_rows.append(pos[hit] - e.start + t)
+                    vec_values.append(req.vectors.values[hit])
             t += e.num_tokens
         if inp.dev_rows:
             inp.split(inp.pack)[0][inp.dev_rows] = self.audio_token_id
-        return frames, np.asarray([inp.dev_rows, inp.dev_slots], dtype=np.int64).reshape(2, -1)
+        vectors = (np.concatenate(vec_rows), np.concatenate(vec_values)) if vec_rows else None
+        return frames, np.asarray([inp.dev_rows, inp.dev_slots], dtype=np.int64).reshape(2, -1), vectors
 
     def _admit(self, admitted: list[Request]) -> None:
         """Sampling parameters and seeds of the requests starting in their slot, and (with a

@@ -58,7 +58,7 @@ class BlockManager:
             if tokens is None:
                 tokens = req.all_token_ids
             i = len(hashes)
-            parent = hashes[-1] if hashes else 0
+            parent = hashes[-1] if hashes else (req.vectors.key if req.vectors is not None else 0)
             block = tuple(tokens[i * bs : (i + 1) * bs])
             if req.frames is not None:  # frame positions differ by their codes, not their ids
                 hashes.append(hash((parent, block, req.frames.rows(i * bs, (i + 1) * bs).tobytes())))

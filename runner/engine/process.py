@@ -111,7 +111,7 @@ class EngineLoop:
             try:
                 eng.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.hidden_state_layers, msg.audio,
                                 prompt_frames=msg.prompt_frames, step_text_ids=msg.step_text_ids,
-                                group_sampling=msg.group_sampling)
+                                group_sampling=msg.group_sampling, prompt_vectors=msg.prompt_vectors)
             except InvalidRequest as e:
                 self._added.pop(msg.request_id, None)
                 out = ipc.RequestOutput(msg.request_id, finished=True, finish_reason="error", error=str(e), error_field=e.field)
@@ -122,8 +122,7 @@ class EngineLoop:
                 self.outbound.put(ipc.encode_outputs([out]))
         elif isinstance(msg, ipc.EncodeAudio):
             try:
-                codes = eng.encode_audio(np.frombuffer(msg.pcm, dtype="<i2"))
-                reply = ipc.EncodedAudio(msg.request_id, codes=codes.tolist())
+                reply = eng.encode_audio(np.frombuffer(msg.pcm, dtype="<i2")).reply(msg.request_id)
             except InvalidRequest as e:
                 reply = ipc.EncodedAudio(msg.request_id, error=str(e))
             self.outbound.put(ipc.encode_outbound(reply))

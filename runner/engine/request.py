@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runner.families.base import StepText
+from runner.families.base import PromptVectors, StepText
 from streaming.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
@@ -114,6 +114,9 @@ class Request:
     # Families that sample groups 1..K-1 with their own parameters (Qwen3-TTS's subtalker_*):
     # this request's, or None for the family's defaults.
     group_sampling: SamplingParams | None = None
+    # Vectors added over prompt positions' embeddings (Qwen3-TTS Base's x-vector); their key
+    # seeds the prefix-cache chain (runner/engine/kv_cache.py)
+    vectors: PromptVectors | None = None
     arrival: int = field(default_factory=lambda: next(_seq_counter))
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, for the admission hold
 

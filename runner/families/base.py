@@ -19,6 +19,7 @@ from runner.config import EngineConfig
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.llama import build_random_model
 from runner.models.loader import load_model
+from streaming import ipc
 from streaming.profile import ModelProfile
 from streaming.sampling_params import InvalidRequest, SamplingParams
 
@@ -53,6 +54,37 @@ class StepText:
 
     def at(self, n: int) -> int:
         return self.ids[n] if n < len(self.ids) else self.pad
+
+
+@dataclass(frozen=True)
+class PromptVectors:
+    """Vectors added to some prompt positions' input embeddings (Qwen3-TTS Base: the voice's
+    x-vector over its speaker position). `key` hashes positions and values: it seeds the
+    request's prefix-cache chain, so two prompts share cached blocks only with equal vectors."""
+
+    positions: np.ndarray  # [n] int64, distinct, inside the prompt
+    values: np.ndarray  # [n, hidden] float32
+    key: int
+
+    @staticmethod
+    def of(positions: list[int], values: np.ndarray) -> PromptVectors:
+        pos = np.asarray(positions, dtype=np.int64)
+        vals = np.ascontiguousarray(values, dtype=np.float32)
+        return PromptVectors(pos, vals, hash((pos.tobytes(), vals.tobytes())))
+
+
+@dataclass(frozen=True)
+class EncodedReference:
+    """A reference clip encoded once at upload (ModelFamily.encode_reference): the codes a
+    voice prompt carries, and for a family that conditions on one, the speaker vector."""
+
+    codes: np.ndarray  # [frames, K] int
+    speaker_embedding: np.ndarray | None = None  # [hidden] float32
+
+    def reply(self, request_id: str) -> ipc.EncodedAudio:
+        xvec = self.speaker_embedding
+        return ipc.EncodedAudio(request_id, codes=self.codes.tolist(),
+                                speaker_embedding=b"" if xvec is None else xvec.astype("<f4").tobytes())
 
 
 @dataclass(frozen=True)
@@ -122,7 +154,7 @@ class CodecStageLike(Protocol):
         """Whether open() has room for one more request now (a stage with per-stream state
         holds a bounded number of them)."""
         ...
-    def open(self, key: object, seed: int | None = None) -> None: ...
+    def open(self, key: object, seed: int | None = None, prefix_frames: np.ndarray | None = None) -> None: ...
     def push_many(self, items: list[tuple[object, object]]) -> None:
         """(key, code) pairs: a token id (one code per step) or a frame of K codes."""
         ...
@@ -162,10 +194,23 @@ class ModelFamily(ABC):
         decode them); None: no limit."""
         return None
 
-    def encode_reference(self, codec: CodecStageLike, pcm: np.ndarray) -> np.ndarray:
+    def encode_reference(self, codec: CodecStageLike, pcm: np.ndarray) -> EncodedReference:
         """A reference clip (int16 mono at the codec's rate) -> the codes a prompt carries
-        ([frames, K]); InvalidRequest for a family that takes no reference audio."""
+        ([frames, K]) and any speaker vector; InvalidRequest for a family that takes no
+        reference audio."""
         raise InvalidRequest("audio", f"the {self.name} family takes no reference audio (voices are its built-in ones)")
+
+    def prompt_vectors(self, prompt_len: int, vectors: list[ipc.PromptVector] | None) -> PromptVectors | None:
+        """The vectors a prompt adds over some positions' embeddings; None when there are none.
+        Refused (InvalidRequest naming `prompt_vectors`) by a family whose prompts take none."""
+        if vectors:
+            raise InvalidRequest("prompt_vectors", f"the {self.name} family takes no prompt vectors")
+        return None
+
+    def codec_prefix(self, rows: np.ndarray | None) -> np.ndarray | None:
+        """Frames [n, K] the codec decodes into a request's stream before its own and never
+        emits (a reference clip the audio continues), from the prompt's rows; None: none."""
+        return None
 
     def prompt_frames(self, prompt_token_ids: list[int], frames: np.ndarray | None) -> np.ndarray | None:
         """The codes of every prompt position ([P, K] int64) for a multi-codebook family, from

@@ -23,7 +23,8 @@ import torch
 from runner.codecs.mimi_loader import load_csm_codec
 from runner.codecs.mimi_stage import MimiCodecConfig, MimiCodecStage
 from runner.config import EngineConfig
-from runner.families.base import CodecStageLike, FrameLayout, LogitsConstraint, ModelFamily, fill_random_
+from runner.families.base import (CodecStageLike, EncodedReference, FrameLayout, LogitsConstraint, ModelFamily,
+                                  fill_random_)
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.csm import CsmModel
 from runner.models.csm_config import CsmModelConfig
@@ -65,9 +66,9 @@ class CsmFamily(ModelFamily):
         assert isinstance(codec, MimiCodecStage)
         return codec.codebook_size if codec.codebook_size < self.config.codebook_size else None
 
-    def encode_reference(self, codec: CodecStageLike, pcm: np.ndarray) -> np.ndarray:
+    def encode_reference(self, codec: CodecStageLike, pcm: np.ndarray) -> EncodedReference:
         assert isinstance(codec, MimiCodecStage)
-        return codec.encode(pcm)
+        return EncodedReference(codec.encode(pcm))
 
     def frame_layout(self) -> FrameLayout:
         c = self.config

@@ -21,8 +21,11 @@ What the engine asks of the family:
 - the end: code 0 == codec eos (Qwen3TtsModel.frame_is_eos); that frame is not audio;
 - the codec: the folder's speech_tokenizer/ (or `codec.path`) as Qwen12HzCodecStage.
 
-Not yet (docs/qwen3_tts.md §5): x-vector speakers and reference clips (Stage 5), the front end
-(profile, voices; Stage 4).
+- voice clone (Base folders): a reference clip is encoded once (encode_reference: its 12 Hz
+  codes and its x-vector, runner/models/qwen3_tts_speaker.py); a prompt adds the x-vector over
+  its speaker position (prompt_vectors) and, in ICL mode, carries the clip's frames as rows
+  whose K codes are all given; those frames prime the request's codec stream (codec_prefix),
+  so its audio is the reference's decode of clip + generated frames with the clip cut off.
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ from runner.config import EngineConfig
 from runner.families.base import (
     CodecStageLike,
     Code0Rule,
+    EncodedReference,
     FrameLayout,
     LogitsConstraint,
     ModelFamily,
+    PromptVectors,
     StepText,
     fill_random_,
 )
@@ -50,6 +55,8 @@ from runner.models.frame_model import build_empty_frame_model
 from runner.models.qwen3_tts import NO_CODE, Qwen3TtsModel
 from runner.models.qwen3_tts_config import Qwen3TtsConfig
 from runner.models.qwen3_tts_loader import load_qwen3_tts
+from runner.models.qwen3_tts_speaker import SpeakerEncoder, load_speaker_encoder
+from streaming import ipc
 from streaming.profile import ModelProfile
 from streaming.sampling_params import InvalidRequest, SamplingParams
 
@@ -82,6 +89,7 @@ class Qwen3TtsFamily(ModelFamily):
         self.group_sampling = subtalker_sampling(model_path)
         self.group_sampling.validate(self.config.codebook_size, self.codes_per_frame)
         self.codec_config = MimiCodecConfig(**profile.codec) if profile.codec is not None else None
+        self._speaker_encoder: SpeakerEncoder | None = None  # Base: loaded at the first upload
 
     def load_model(self, cfg: EngineConfig, attn: AttentionBackend, ops: OpsBackend,
                    random_weights: bool = False) -> Qwen3TtsModel:
@@ -153,4 +161,53 @@ class Qwen3TtsFamily(ModelFamily):
             if part.size and (part.min() < NO_CODE or part.max() >= hi):
                 which = "code 0" if col == 0 else "groups 1.."
                 raise InvalidRequest("prompt_frames", f"{which} must lie in [{NO_CODE}, {hi}) ({NO_CODE}: none)")
+        groups = frames[:, 1:]
+        full = (groups >= 0).all(axis=1)
+        if ((groups >= 0).any(axis=1) & ~full).any() or (frames[full, 0] >= c.codebook_size).any() \
+                or (frames[full, 0] < 0).any():
+            raise InvalidRequest("prompt_frames", f"a position with group codes is a reference frame: all {k} of its "
+                                 f"codes must be codes (code 0 in [0, {c.codebook_size}))")
         return np.concatenate([frames.astype(np.int64), np.asarray(prompt_token_ids, dtype=np.int64)[:, None]], axis=1)
+
+    def codec_prefix(self, rows: np.ndarray | None) -> np.ndarray | None:
+        """A voice-clone prompt's reference frames (rows whose K codes are all given, W:612-629:
+        the reference decodes ref_code + the generated codes and cuts the reference's share)."""
+        k = self.codes_per_frame
+        full = (rows[:, :k] >= 0).all(axis=1)
+        return rows[full, :k] if full.any() else None
+
+    def prompt_vectors(self, prompt_len: int, vectors: list[ipc.PromptVector] | None) -> PromptVectors | None:
+        """A voice's x-vector over its speaker position (M:2101-2110, 2168-2175): positions
+        distinct and inside the prompt, each the talker's hidden size of float32s."""
+        if not vectors:
+            return None
+        h = self.config.talker.hidden_size
+        positions = [v.position for v in vectors]
+        for v in vectors:
+            if not 0 <= v.position < prompt_len:
+                raise InvalidRequest("prompt_vectors", f"position {v.position} is outside the prompt [0, {prompt_len})")
+            if len(v.values) != 4 * h:
+                raise InvalidRequest("prompt_vectors", f"position {v.position}: {len(v.values)} bytes, expected {h} "
+                                     f"float32 ({4 * h} bytes)")
+        if len(set(positions)) != len(positions):
+            raise InvalidRequest("prompt_vectors", "positions must be distinct")
+        values = np.stack([np.frombuffer(v.values, dtype="<f4") for v in vectors])
+        if not np.isfinite(values).all():
+            raise InvalidRequest("prompt_vectors", "values must be finite")
+        return PromptVectors.of(positions, values)
+
+    def encode_reference(self, codec: CodecStageLike, pcm: np.ndarray) -> EncodedReference:
+        """A Base folder's reference clip: its 12 Hz codes and its x-vector (the speaker encoder
+        of the folder, loaded at the first upload on the codec's device, in float32)."""
+        if self.config.model_type != "base":
+            raise InvalidRequest("audio", f"a Qwen3-TTS {self.config.model_type} folder takes no reference audio (its "
+                                 "voices are built in; voice cloning needs a Base folder)")
+        assert isinstance(codec, Qwen12HzCodecStage)
+        if self._speaker_encoder is None:
+            raw = json.loads((Path(self.model_path) / "config.json").read_text())
+            self._speaker_encoder = load_speaker_encoder(self.model_path, raw, codec.decoder.device)
+        try:
+            xvector = self._speaker_encoder.embed(pcm)
+        except ValueError as e:
+            raise InvalidRequest("audio", str(e).removeprefix("audio: ")) from None
+        return EncodedReference(codec.encode(pcm), xvector)

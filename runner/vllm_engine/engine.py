@@ -22,6 +22,7 @@ import torch
 from runner.config import parse_dtype
 from runner.engine.args import EngineProcArgs
 from runner.families import family_for
+from runner.families.base import EncodedReference
 from runner.vllm_engine import hooks
 from runner.vllm_engine.config import parse_layers
 from streaming import ipc
@@ -186,6 +187,8 @@ class VllmEngine:
                                      f"(--vllm-hidden-state-layers {self.args.vllm.vllm_hidden_state_layers})")
         if msg.prompt_frames is not None:
             raise InvalidRequest("prompt_frames", "multi-codebook prompts need --engine native")
+        if msg.prompt_vectors:
+            raise InvalidRequest("prompt_vectors", "prompt vectors need --engine native")
         if msg.audio and self.codec is None:
             raise InvalidRequest("audio", "this engine has no codec stage loaded")
         req = _Req(rid, len(prompt), tuple(l % (n + 1) for l in msg.hidden_state_layers), msg.audio)
@@ -205,7 +208,7 @@ class VllmEngine:
         log.error("request task %s crashed", task.get_name(), exc_info=e)
         self.fatal.set_result(f"{type(e).__name__}: {e}")
 
-    def encode_audio(self, pcm: np.ndarray) -> np.ndarray:
+    def encode_audio(self, pcm: np.ndarray) -> EncodedReference:
         """A reference clip -> its codes, by the family's codec stage (as on the native engine);
         InvalidRequest when the model takes no reference audio."""
         if self.codec is None:

@@ -70,7 +70,7 @@ class VllmEngineLoop:
                                                    error_field=e.field))
         elif isinstance(msg, ipc.EncodeAudio):
             try:
-                reply = ipc.EncodedAudio(msg.request_id, codes=eng.encode_audio(np.frombuffer(msg.pcm, "<i2")).tolist())
+                reply = eng.encode_audio(np.frombuffer(msg.pcm, "<i2")).reply(msg.request_id)
             except InvalidRequest as e:
                 reply = ipc.EncodedAudio(msg.request_id, error=str(e))
             await self.outbound.put(ipc.encode_outbound(reply))

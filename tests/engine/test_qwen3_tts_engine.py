@@ -20,6 +20,7 @@ from runner.config import EngineConfig
 from runner.engine.engine import Engine
 from runner.families import Qwen3TtsFamily
 from runner.families.qwen3_tts import SUBTALKER_DEFAULTS, subtalker_sampling
+from streaming.ipc import PromptVector
 from streaming.profile import ModelProfile
 from streaming.sampling_params import InvalidRequest, SamplingParams
 from tests.support.engine_runs import drive_requests
@@ -27,7 +28,7 @@ from tests.support.tiny_qwen12hz import make_tiny_qwen12hz
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-MODELS = ("custom_voice", "ends")  # "base": its prompts carry an x-vector (not yet in the engine)
+MODELS = ("custom_voice", "ends", "base")  # base: x-vector and ICL (reference frames) prompts
 GREEDY_GROUPS = SamplingParams(temperature=0.0)
 
 
@@ -38,7 +39,7 @@ def golden(qwen3_tts_golden) -> Path:
 
 def cases(golden: Path, model: str) -> list[dict[str, np.ndarray]]:
     names = json.loads((golden / "manifest.json").read_text())["models"][model]
-    return [dict(np.load(golden / model / f"{n}.npz")) for n in names]
+    return [dict(np.load(golden / model / f"{n}.npz"), name=n) for n in names]
 
 
 def make_engine(folder: Path, *, async_scheduling: bool, prefix: bool = True, max_num_seqs: int = 8,
@@ -54,12 +55,19 @@ def drive(engine: Engine, reqs: list[dict], sampling, join_every: int = 0, audio
     """engine_runs.drive_requests over golden cases (prompt = its text ids, prompt_frames = its
     codec part, step_text_ids = its trailing text, group_sampling = its groups'); "finish" is
     the finish reason alone."""
-    extra = [dict(prompt_frames=c["codec_ids"], step_text_ids=c["trailing_ids"].tolist(), group_sampling=c.get("groups"))
-             for c in reqs]
+    extra = [dict(prompt_frames=c["codec_ids"], step_text_ids=c["trailing_ids"].tolist(), group_sampling=c.get("groups"),
+                  prompt_vectors=xvector(c)) for c in reqs]
     got = drive_requests(engine, [c["text_ids"].tolist() for c in reqs], sampling, join_every, audio, extra)
     for g in got.values():
         g["finish"] = g["finish"][0]
     return got
+
+
+def xvector(case: dict) -> list[PromptVector] | None:
+    """A golden case's x-vector over its speaker row (Base), as the front end sends it."""
+    if "xvector" not in case:
+        return None
+    return [PromptVector(int(case["xvector_row"]), case["xvector"].astype("<f4").tobytes())]
 
 
 def test_engine_view_and_layout(golden):
@@ -237,7 +245,9 @@ def codec_dir(tmp_path_factory) -> Path:
 def test_audio_through_the_12hz_codec(golden, codec_dir, model):
     """Audio requests: the family's codec (Qwen12HzCodecStage from `codec.path`) gets every
     frame but the eos one, and streams their decode (= a fresh stage's decode of the same
-    frames, within 1 int16 LSB: chunks differ); frames and ids are those without audio."""
+    frames, within 1 int16 LSB: chunks differ); frames and ids are those without audio. An ICL
+    prompt's reference frames (its rows with all K codes) prime the stream first, as the
+    reference decodes ref_code + codes and cuts the reference's share."""
     refs = [dict(c, groups=GREEDY_GROUPS) for c in cases(golden, model)]
     n = json.loads((golden / "manifest.json").read_text())["max_new_tokens"] - 1
     sp = SamplingParams(temperature=0.0, max_tokens=n)
@@ -252,7 +262,9 @@ def test_audio_through_the_12hz_codec(golden, codec_dir, model):
         np.testing.assert_array_equal(g["frames"], p["frames"])
         pcm = np.concatenate(g["pcm"])
         assert pcm.dtype == np.int16 and len(pcm) == len(ref["frames"]) * fresh.samples_per_frame
-        fresh.open(i)
+        clip = ref["codec_ids"][(ref["codec_ids"] >= 0).all(axis=1)]
+        assert len(clip) == (3 if ref["name"].startswith("icl") else 0)  # the golden clips' 3 frames
+        fresh.open(i, prefix_frames=clip if len(clip) else None)
         fresh.push_many([(i, f) for f in ref["frames"]])
         fresh.close(i)
         want, done = [], False
@@ -271,3 +283,91 @@ def test_a_codec_of_other_frames_is_refused(golden, tmp_path):
                             str(golden / "custom_voice" / "checkpoint"))
     with pytest.raises(ValueError, match="frames of 16 codes of 32, the model emits 4 of 32"):
         family.build_codec(torch.device("cpu"), torch.float32)
+
+
+def prompt_hidden(eng: Engine, case: dict) -> np.ndarray:
+    """The talker's final hidden state at every prompt position of one greedy request."""
+    eng.add_request("h", case["text_ids"].tolist(), SamplingParams(temperature=0.0, max_tokens=1),
+                    hidden_state_layers=[-1], prompt_frames=case["codec_ids"], prompt_vectors=xvector(case),
+                    group_sampling=GREEDY_GROUPS)
+    rows = []
+    while eng.has_unfinished:
+        rows += [o.hidden[:, 0] for o in eng.step() if o.hidden is not None]
+    return np.concatenate(rows)[: len(case["text_ids"])]
+
+
+def test_the_x_vector_is_read_and_keys_the_prefix_cache(golden):
+    """Base's x-vector case: the prompt's hidden states equal the reference's with the vector
+    over its speaker row (and differ from that row on without it); a second request with the
+    same vector computes only past the cached blocks and gives the reference's frames; another
+    vector, or none, shares no block (the vector seeds every block's chain)."""
+    ref = next(c for c in cases(golden, "base") if c["name"] == "xvector")
+    row = int(ref["xvector_row"])
+    eng = make_engine(golden / "base" / "checkpoint", async_scheduling=False, prefix=False)
+    np.testing.assert_allclose(prompt_hidden(eng, ref), ref["prompt_hidden"], atol=1e-4)
+    no_vector = {k: v for k, v in ref.items() if k != "xvector"}
+    off = np.abs(prompt_hidden(eng, no_vector) - ref["prompt_hidden"]).max(axis=1)
+    assert off[:row].max() < 1e-4 and off[row:].min() > 1e-2
+
+    eng = make_engine(golden / "base" / "checkpoint", async_scheduling=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=len(ref["frames"]))
+    other = dict(ref, xvector=np.random.default_rng(0).standard_normal(64).astype(np.float32) * 4)
+    cached = []
+    for case in (ref, ref, other, no_vector):
+        before = eng.blocks.hit_tokens_total
+        frames = drive(eng, [dict(case, groups=GREEDY_GROUPS)], sp)["r0"]["frames"]
+        cached.append(eng.blocks.hit_tokens_total - before)
+        if case is ref:
+            np.testing.assert_array_equal(frames, ref["frames"])
+    p = len(ref["text_ids"])
+    assert cached[0] == 0 and cached[1] == (p - 1) // 4 * 4  # every full prompt block but the last position's
+    assert cached[2:] == [0, 0]
+
+
+@pytest.mark.parametrize("vectors, message", [
+    ([PromptVector(99, b"\0" * 256)], "position 99 is outside the prompt"),
+    ([PromptVector(2, b"\0" * 252)], "252 bytes, expected 64 float32"),
+    ([PromptVector(2, b"\0" * 256), PromptVector(2, b"\0" * 256)], "positions must be distinct"),
+    ([PromptVector(2, np.full(64, np.nan, "<f4").tobytes())], "values must be finite"),
+])
+def test_bad_prompt_vectors_name_the_field(golden, vectors, message):
+    ref = next(c for c in cases(golden, "base") if c["name"] == "xvector")
+    eng = make_engine(golden / "base" / "checkpoint", async_scheduling=False)
+    with pytest.raises(InvalidRequest, match=message) as e:
+        eng.add_request("x", ref["text_ids"].tolist(), SamplingParams(max_tokens=2), prompt_frames=ref["codec_ids"],
+                        prompt_vectors=vectors)
+    assert e.value.field == "prompt_vectors" and not eng.requests
+
+
+def test_a_reference_frame_must_hold_codes(golden):
+    """A row with group codes is a reference frame (it primes the codec): its code 0 must be a
+    code, and no group may be missing."""
+    ref = next(c for c in cases(golden, "base") if c["name"] == "icl_streaming")
+    eng = make_engine(golden / "base" / "checkpoint", async_scheduling=False)
+    row = int(np.flatnonzero((ref["codec_ids"] >= 0).all(axis=1))[0])
+    for col, value in ((0, 41), (2, -1)):  # codec bos as code 0; a group left out
+        frames = ref["codec_ids"].copy()
+        frames[row, col] = value
+        with pytest.raises(InvalidRequest, match="a position with group codes is a reference frame") as e:
+            eng.add_request("x", ref["text_ids"].tolist(), SamplingParams(max_tokens=2), prompt_frames=frames)
+        assert e.value.field == "prompt_frames"
+
+
+def test_only_base_folders_encode_reference_clips(golden, tmp_path):
+    """CustomVoice folders refuse an upload naming `audio`; a Base folder gives the clip's codes
+    and its x-vector (the folder's speaker encoder)."""
+    pcm = (np.sin(np.arange(24000) * 0.05) * 8000).astype(np.int16)
+    codec_dir = make_tiny_qwen12hz(tmp_path / "enc", seed=1, encoder=True, num_quantizers=4)
+    eng = make_engine(golden / "custom_voice" / "checkpoint", async_scheduling=False, codec={"path": str(codec_dir)})
+    with pytest.raises(InvalidRequest, match="voice cloning needs a Base folder") as e:
+        eng.encode_audio(pcm)
+    assert e.value.field == "audio"
+    eng = make_engine(golden / "base" / "checkpoint", async_scheduling=False, codec={"path": str(codec_dir)})
+    ref = eng.encode_audio(pcm)
+    assert ref.codes.shape == (-(-24000 // eng.codec.samples_per_frame), 4)  # ceil, as the reference keeps
+    assert ref.speaker_embedding.shape == (64,) and ref.speaker_embedding.dtype == np.float32
+    reply = ref.reply("u1")
+    assert np.array_equal(np.frombuffer(reply.speaker_embedding, "<f4"), ref.speaker_embedding)
+    with pytest.raises(InvalidRequest, match="too short") as e:
+        eng.encode_audio(pcm[:100])
+    assert e.value.field == "audio"
