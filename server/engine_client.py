@@ -291,10 +291,11 @@ class EngineClient:
         await self._push.send(ipc.encode_inbound(ipc.GetStats()))
         return await asyncio.wait_for(fut, timeout=10)
 
-    async def encode_audio(self, pcm: bytes, timeout: float = 60.0) -> np.ndarray:
+    async def encode_audio(self, pcm: bytes, timeout: float = 60.0) -> tuple[np.ndarray, np.ndarray | None]:
         """A reference clip (s16le mono at the codec's rate) -> its codes [frames, K] int16,
-        encoded once by the engine's codec. InvalidRequest (field `audio`) when the model takes
-        no reference audio; EngineUnavailable when the engine is down."""
+        encoded once by the engine's codec, and the speaker vector of a model that conditions
+        on one (float32; else None). InvalidRequest (field `audio`) when the model takes no
+        reference audio; EngineUnavailable when the engine is down."""
         if not self._alive:
             raise EngineUnavailable(self.dead_reason or "engine is not running")
         rid = f"encode-{next(self._gen)}"
@@ -308,7 +309,8 @@ class EngineClient:
         if reply.error is not None:
             field, _, message = reply.error.partition(": ")
             raise InvalidRequest(field, message)
-        return np.asarray(reply.codes, dtype=np.int16).reshape(len(reply.codes), -1)
+        xvec = np.frombuffer(reply.speaker_embedding, dtype="<f4").copy() if reply.speaker_embedding else None
+        return np.asarray(reply.codes, dtype=np.int16).reshape(len(reply.codes), -1), xvec
 
     @property
     def num_in_flight(self) -> int:

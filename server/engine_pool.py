@@ -166,9 +166,9 @@ class EnginePool:
         if i is not None:  # an unknown id has no stream left to free
             await self.engines[i].abort(request_id)
 
-    async def encode_audio(self, pcm: bytes) -> np.ndarray:
-        """A reference clip's codes from the least loaded healthy engine (every engine holds the
-        same codec)."""
+    async def encode_audio(self, pcm: bytes) -> tuple[np.ndarray, np.ndarray | None]:
+        """A reference clip's codes (and speaker vector) from the least loaded healthy engine
+        (every engine holds the same codec)."""
         return await self.engines[self._pick()].encode_audio(pcm)
 
     async def stats(self) -> EngineStats:

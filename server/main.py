@@ -109,8 +109,8 @@ async def run_server(args: argparse.Namespace) -> None:
     tokenizer = TextTokenizer.from_folder(model_path)
     model_profile = read_profile(model_path, source.codec)  # the one read of omnistream.json
     spec = model_profile.speech if model_profile.speaks else None
-    store = (VoiceStore(settings.voices_dir, settings.max_voices, spec.voices)
-             if spec is not None and spec.reference_audio_ids else None)
+    store = (VoiceStore(settings.voices_dir, settings.max_voices, spec.voices, needs_embedding=spec.clones_voices)
+             if spec is not None and spec.takes_reference_audio else None)
     profile = SpeechProfile(spec, store)
     log.info("model %s: family %s, %s", model_path, model_profile.family, _speech_line(model_profile))
     log_level = (args.log_level or env.log_level).upper()

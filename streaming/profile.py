@@ -114,11 +114,24 @@ class SpeechSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # text_template; None for every other family
     qwen3_tts: Qwen3TtsPromptIds | None = None
 
+    @property
+    def clones_voices(self) -> bool:
+        """Every voice is an uploaded clip (Qwen3-TTS Base): no built-in voice, no default."""
+        return self.qwen3_tts is not None and self.qwen3_tts.clones_voice
+
+    @property
+    def takes_reference_audio(self) -> bool:
+        """Whether voices may be uploaded as reference clips (CSM, Qwen3-TTS Base)."""
+        return self.reference_audio_ids is not None or self.clones_voices
+
     def check(self) -> None:
         """Raise ProfileError naming the field."""
-        if not self.voices or len(set(self.voices)) != len(self.voices):
+        if self.clones_voices:
+            if self.voices or self.default_voice:
+                raise ProfileError("voices: a voice-clone model has no built-in voices (its voices are uploaded)")
+        elif not self.voices or len(set(self.voices)) != len(self.voices):
             raise ProfileError(f"voices: must be non-empty and unique, got {list(self.voices)!r}")
-        if self.default_voice not in self.voices:
+        elif self.default_voice not in self.voices:
             raise ProfileError(f"default_voice: {self.default_voice!r} is not one of {list(self.voices)!r}")
         if "{text}" not in self.text_template:
             raise ProfileError(f"text_template: must contain {{text}}, got {self.text_template!r}")
@@ -254,8 +267,7 @@ def _speech(raw: _ProfileFile, defaults: SpeechSpec) -> SpeechSpec:
 def _qwen3_tts_speech(folder: Path) -> SpeechSpec:
     """Qwen3-TTS's defaults: its speakers as voices (the first the default), its prompt ids and
     code-0 sampling. VoiceDesign: one voice, VOICE_DESIGN_VOICE (the request's instructions
-    describe it). A Base folder (no speakers) is refused until its clone prompts are served
-    (Stage 5)."""
+    describe it). Base: no built-in voice (each is an uploaded clip, server/tts/voice_store.py)."""
     try:
         ids = qwen3_tts_prompt_ids(folder)
         sampling = qwen3_tts_sampling(folder)
@@ -263,12 +275,15 @@ def _qwen3_tts_speech(folder: Path) -> SpeechSpec:
         raise ProfileError(str(e)) from None
     if ids.designs_voice:
         voices: tuple[str, ...] = (VOICE_DESIGN_VOICE,)
+    elif ids.clones_voice:
+        voices = ()
     elif ids.speakers:
         voices = tuple(ids.speakers)
     else:
-        raise ProfileError("voices: this Qwen3-TTS folder has no speakers (talker_config.spk_id): CustomVoice "
-                           "and VoiceDesign folders are served, Base (voice clone) not yet")
-    return SpeechSpec(voices=voices, default_voice=voices[0], text_template="{text}", prefix_token_ids=(),
+        raise ProfileError("voices: this Qwen3-TTS folder has no speakers (talker_config.spk_id) and is not a Base "
+                           "(voice clone) folder (tts_model_type)")
+    return SpeechSpec(voices=voices, default_voice=voices[0] if voices else "", text_template="{text}",
+                      prefix_token_ids=(),
                       suffix_token_ids=(), add_bos=False, sample_rate=QWEN3_TTS_SAMPLE_RATE, sampling=sampling,
                       qwen3_tts=ids)
 

@@ -21,6 +21,7 @@ CODE0_DEFAULTS = {"do_sample": True, "top_k": 50, "top_p": 1.0, "temperature": 0
 QWEN3_TTS_MAX_FRAMES = 1125
 SIZE_WITHOUT_INSTRUCT = "0b6"  # config.json tts_model_size of the 0.6B folders
 VOICE_DESIGN_TYPE = "voice_design"  # config.json tts_model_type
+BASE_TYPE = "base"  # config.json tts_model_type of the voice-clone folders
 VOICE_DESIGN_VOICE = "design"  # a VoiceDesign folder's one voice name: the instructions describe it
 
 
@@ -50,6 +51,9 @@ class Qwen3TtsPromptIds(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # VoiceDesign (tts_model_type "voice_design"): no speaker row; the voice is described by
     # the request's instructions, and the profile's one voice is VOICE_DESIGN_VOICE
     designs_voice: bool = False
+    # Base (tts_model_type "base"): no built-in voices; a voice is an uploaded clip, its
+    # x-vector over the speaker position and, with a transcript, its frames in the prompt (ICL)
+    clones_voice: bool = False
 
 
 def qwen3_tts_prompt_ids(folder: str | Path) -> Qwen3TtsPromptIds:
@@ -62,13 +66,16 @@ def qwen3_tts_prompt_ids(folder: str | Path) -> Qwen3TtsPromptIds:
     if not isinstance(raw, dict):
         raise Qwen3TtsIdsError(f"{cfg_file}: not a JSON object")
     c = Qwen3TtsIds.from_dict(raw)
+    base = c.model_type == BASE_TYPE
     return Qwen3TtsPromptIds(
         num_code_groups=c.num_code_groups, tts_pad=c.tts_pad_id, tts_bos=c.tts_bos_id, tts_eos=c.tts_eos_id,
         codec_pad=c.codec.pad, codec_bos=c.codec.bos, think=c.codec.think, nothink=c.codec.nothink,
         think_bos=c.codec.think_bos, think_eos=c.codec.think_eos, speakers=dict(c.speakers),
         speaker_dialects={k: v for k, v in c.speaker_dialects.items() if v is not None},
-        languages=dict(c.languages), takes_instruct=c.model_size != SIZE_WITHOUT_INSTRUCT,
-        designs_voice=c.model_type == VOICE_DESIGN_TYPE)
+        languages=dict(c.languages),
+        # the wrapper's generate_voice_clone passes no instruct and defaults to streaming text (W:478)
+        takes_instruct=c.model_size != SIZE_WITHOUT_INSTRUCT and not base, non_streaming=not base,
+        designs_voice=c.model_type == VOICE_DESIGN_TYPE, clones_voice=base)
 
 
 def qwen3_tts_sampling(folder: str | Path) -> SamplingParams:

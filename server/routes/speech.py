@@ -76,8 +76,7 @@ async def speech_add_request(
         raise invalid_request(
             f"{param}: the text makes a {len(prompt.ids)}-token prompt; the model takes fewer than {limit}", param=param
         )
-    return AddRequest(request_id=f"speech-{uuid.uuid4().hex}", prompt_token_ids=prompt.ids, sampling=sampling,
-                      audio=True, prompt_frames=prompt.frames, step_text_ids=prompt.step_text_ids)
+    return prompt.add_request(f"speech-{uuid.uuid4().hex}", sampling)
 
 
 async def parse_speech_body(ctx: ServerContext, req: SpeechRequest) -> SpeechJob:

@@ -2,15 +2,19 @@
 
 POST /v1/audio/voices   multipart/form-data:
     name        the voice's id in later requests (letters, digits, '_', '-'; unique)
-    transcript  what the clip says (the model hears the clip as this text spoken)
+    transcript  what the clip says (the model hears the clip as this text spoken); optional for
+                a voice-clone model (Qwen3-TTS Base), whose voice is then the clip's x-vector
+                alone, without the clip in the prompt
     file        the clip: WAV or any format FFmpeg reads (PyAV), any rate and channel count
-    speaker     optional: the model's speaker id to voice it as (default: the default voice)
-  -> 201 {"voice_id", "name", "type": "reference", "speaker", "transcript", "frames", "duration_s"}
+    speaker     optional: the model's speaker id to voice it as (default: the default voice);
+                not for a voice-clone model, which has no speakers
+  -> 201 {"voice_id", "name", "type": "reference", "speaker", "transcript", "frames", "duration_s",
+          "speaker_embedding"}
 DELETE /v1/audio/voices/{voice_id}  -> 204; 404 for an unknown or built-in voice
 
 The clip is decoded and resampled to the codec's rate off the event loop, encoded to codec codes
-once by the engine (ipc.EncodeAudio) and stored (server/tts/voice_store.py); requests in the voice
-carry the stored codes. Bounds: --max-voice-upload-bytes (413), --max-voice-seconds, --max-voices
+once by the engine (ipc.EncodeAudio: codes, and Qwen3-TTS Base's x-vector) and stored
+(server/tts/voice_store.py); requests in the voice carry the stored codes and vector. Bounds: --max-voice-upload-bytes (413), --max-voice-seconds, --max-voices
 (409), and the prompt must leave room under the model's length limit.
 """
 
@@ -115,11 +119,20 @@ async def create_voice(request: web.Request) -> web.Response:
     except TimeoutError:
         raise request_timeout(s.http_body_timeout_s) from None
     name = _text(fields, "name")
-    transcript = check_text(_text(fields, "transcript"), "transcript", s.max_input_chars)
-    speaker = _text(fields, "speaker", required=False) or profile.default_voice
-    if speaker not in profile.spec.voices:
-        raise invalid_request(f"speaker: {speaker!r} is not one of the model's speakers {list(profile.spec.voices)}",
-                              param="speaker")
+    clones = profile.clones_voices
+    transcript = _text(fields, "transcript", required=not clones) or ""
+    if transcript:
+        transcript = check_text(transcript, "transcript", s.max_input_chars)
+    speaker = _text(fields, "speaker", required=False)
+    if clones:
+        if speaker:
+            raise invalid_request("speaker: this model has no speakers (the clip is the voice)", param="speaker")
+        speaker = ""
+    else:
+        speaker = speaker or profile.default_voice
+        if speaker not in profile.spec.voices:
+            raise invalid_request(f"speaker: {speaker!r} is not one of the model's speakers "
+                                  f"{list(profile.spec.voices)}", param="speaker")
     if "file" not in fields:
         raise invalid_request("file: missing form field (the reference clip)", param="file")
     store = profile.store
@@ -132,10 +145,12 @@ async def create_voice(request: web.Request) -> web.Response:
     except ValueError as e:
         raise invalid_request(str(e), param="file") from None
     try:
-        codes = await ctx.engine.encode_audio(pcm.tobytes())
+        codes, xvector = await ctx.engine.encode_audio(pcm.tobytes())
     except InvalidRequest as e:
         raise invalid_request(str(e), param="file") from None
-    voice = ReferenceVoice(name, speaker, transcript, codes, pcm.size / profile.sample_rate)
+    # the engine's family and the front end's profile read the same folder
+    assert xvector is not None or not clones, "the engine gave no speaker vector for a voice-clone model"
+    voice = ReferenceVoice(name, speaker, transcript, codes, pcm.size / profile.sample_rate, xvector)
     # the voice's prompt (clip + a one-word text) must leave room to speak under the length limit
     room = ctx.engine.info.max_model_len - len(profile.build_prompt_for(ctx.tokenizer, voice, "x").ids)
     if room < 64:

@@ -198,7 +198,7 @@ class ZmqGateway:
         limits = RequestLimits.of(self.engine.info, self.settings.max_input_chars)
         given = msg.sampling.given() if msg.sampling is not None else {}
         if msg.type == "speech":
-            if not self.profile.voices:
+            if not self.profile.speaks:
                 raise RequestError(NO_SPEECH, "type: this model has no speech profile (a text model, or served "
                                    "without a codec): use generate", "type", msg.id)
             if msg.input is None:
@@ -209,8 +209,7 @@ class ZmqGateway:
                 raise SchemaError("voice", f"unknown voice {voice!r}; available: {', '.join(self.profile.voices)}")
             sampling = sampling_params(given, self.profile.sampling, limits, nested_names())
             prompt = self.profile.build_prompt(self.tokenizer, voice, text)
-            return AddRequest(rid, prompt.ids, sampling, audio=True, prompt_frames=prompt.frames,
-                              step_text_ids=prompt.step_text_ids)
+            return prompt.add_request(rid, sampling)
         job = generate_job(msg.generate_request(), SamplingParams(), limits)
         prompt = job.prompt_token_ids
         if prompt is None:  # text, already checked (Unicode, control characters, max_input_chars)

@@ -1,13 +1,16 @@
-"""Uploaded reference voices: a clip's codec codes and its transcript, kept in a folder the
-operator names (`--voices-dir`), loaded at start-up, bounded in count.
+"""Uploaded reference voices: a clip's codec codes, its transcript and (Qwen3-TTS Base) its
+speaker vector, kept in a folder the operator names (`--voices-dir`), loaded at start-up,
+bounded in count.
 
 A voice is encoded once, at upload, by the engine's codec (ipc.EncodeAudio); a request in that
 voice carries the stored codes as its prompt frames, so nothing re-encodes audio per request,
 and every request in the voice shares the same prompt prefix (the prefix cache serves it).
 
-On disk, per voice: `<name>.json` ({"name", "speaker", "transcript", "frames", "duration_s"}) and
-`<name>.npy` (the codes, [frames, K] int16). A file that does not parse is skipped with a log
-line, not a start-up failure (an operator's folder may hold other files).
+On disk, per voice: `<name>.json` ({"name", "speaker", "transcript", "frames", "duration_s",
+"speaker_embedding"}), `<name>.npy` (the codes, [frames, K] int16) and, where the model gave one,
+`<name>.spk.npy` (the speaker vector, float32). A file that does not parse is skipped with a log
+line, not a start-up failure (an operator's folder may hold other files); so is a voice without
+a speaker vector in a store that needs one (a folder written by a CSM server).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class ReferenceVoice:
     transcript: str
     codes: np.ndarray  # [frames, K] int16
     duration_s: float  # of the uploaded clip
+    speaker_embedding: np.ndarray | None = None  # [hidden] float32 (Qwen3-TTS Base's x-vector)
 
     @property
     def num_frames(self) -> int:
@@ -49,16 +53,20 @@ class ReferenceVoice:
 
     def info(self) -> dict:
         return {"voice_id": self.name, "name": self.name, "type": "reference", "speaker": self.speaker,
-                "transcript": self.transcript, "frames": self.num_frames, "duration_s": round(self.duration_s, 3)}
+                "transcript": self.transcript, "frames": self.num_frames, "duration_s": round(self.duration_s, 3),
+                "speaker_embedding": self.speaker_embedding is not None}
 
 
 class VoiceStore:
-    def __init__(self, folder: str | Path | None, max_voices: int, reserved: tuple[str, ...] = ()):
+    def __init__(self, folder: str | Path | None, max_voices: int, reserved: tuple[str, ...] = (),
+                 needs_embedding: bool = False):
         """folder None: no uploads (list() is empty, add() refuses naming --voices-dir).
-        reserved: the model's built-in voice names, which no stored voice may take."""
+        reserved: the model's built-in voice names, which no stored voice may take.
+        needs_embedding: every voice carries a speaker vector (the model conditions on one)."""
         self.folder = Path(folder) if folder is not None else None
         self.max_voices = max_voices
         self.reserved = tuple(reserved)
+        self.needs_embedding = needs_embedding
         self._voices: dict[str, ReferenceVoice] = {}
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -69,10 +77,16 @@ class VoiceStore:
             try:
                 meta = json.loads(meta_path.read_text())
                 codes = np.load(meta_path.with_suffix(".npy"), allow_pickle=False)
+                xvec = (np.load(meta_path.with_suffix(".spk.npy"), allow_pickle=False).astype(np.float32)
+                        if meta.get("speaker_embedding") else None)
                 voice = ReferenceVoice(meta["name"], meta["speaker"], meta["transcript"], codes.astype(np.int16),
-                                       float(meta["duration_s"]))
+                                       float(meta["duration_s"]), xvec)
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.warning("voices: skipping %s (%s)", meta_path, e)
+                continue
+            if self.needs_embedding and (xvec is None or xvec.ndim != 1):
+                log.warning("voices: skipping %s (no speaker vector: uploaded to a model that does not clone voices)",
+                            meta_path)
                 continue
             if voice.name != meta_path.stem or codes.ndim != 2:
                 log.warning("voices: skipping %s (name or codes shape does not match)", meta_path)
@@ -125,13 +139,21 @@ class VoiceStore:
         """Keep the voice in memory and on disk (written to temporary names, then renamed, so a
         crash never leaves a half voice that loads)."""
         self.check_new(voice.name)
+        if self.needs_embedding and voice.speaker_embedding is None:
+            raise ValueError("VoiceStore.add: this store's voices need a speaker vector")
         base = self.folder / voice.name
-        tmp_npy, tmp_json = base.with_suffix(".npy.tmp"), base.with_suffix(".json.tmp")
-        with open(tmp_npy, "wb") as f:
-            np.save(f, voice.codes.astype(np.int16), allow_pickle=False)
+        arrays = {".npy": voice.codes.astype(np.int16)}
+        if voice.speaker_embedding is not None:
+            arrays[".spk.npy"] = voice.speaker_embedding.astype(np.float32)
+        for suffix, array in arrays.items():
+            with open(base.with_suffix(suffix + ".tmp"), "wb") as f:
+                np.save(f, array, allow_pickle=False)
+        tmp_json = base.with_suffix(".json.tmp")
         tmp_json.write_text(json.dumps({"name": voice.name, "speaker": voice.speaker, "transcript": voice.transcript,
-                                        "frames": voice.num_frames, "duration_s": voice.duration_s}))
-        os.replace(tmp_npy, base.with_suffix(".npy"))
+                                        "frames": voice.num_frames, "duration_s": voice.duration_s,
+                                        "speaker_embedding": voice.speaker_embedding is not None}))
+        for suffix in arrays:
+            os.replace(base.with_suffix(suffix + ".tmp"), base.with_suffix(suffix))
         os.replace(tmp_json, base.with_suffix(".json"))  # last: the .json is what _load looks for
         self._voices[voice.name] = voice
 
@@ -139,6 +161,6 @@ class VoiceStore:
         voice = self._voices.pop(name, None)
         if voice is None:
             return False
-        for suffix in (".json", ".npy"):
+        for suffix in (".json", ".npy", ".spk.npy"):
             (self.folder / name).with_suffix(suffix).unlink(missing_ok=True)
         return True

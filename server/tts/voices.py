@@ -24,6 +24,7 @@ from server.errors import APIError, invalid_request
 from server.tokenizer import TextTokenizer
 from server.tts.qwen3_tts_prompt import Qwen3TtsPrompts, Qwen3TtsRows
 from server.tts.voice_store import ReferenceVoice, VoiceStore
+from streaming.ipc import AddRequest, PromptVector
 from streaming.profile import SpeechSpec, read_profile
 from streaming.sampling_params import SamplingParams
 
@@ -39,6 +40,13 @@ class SpeechPrompt:
     frames: list[list[int]] | None = None  # a reference voice's codes, one row per frame position
     # Qwen3-TTS (frames: the codec part of every position): the text ids fed with generated frames
     step_text_ids: list[int] | None = None
+    # Qwen3-TTS Base: a cloned voice's x-vector over its speaker position
+    vectors: list[PromptVector] | None = None
+
+    def add_request(self, request_id: str, sampling: SamplingParams) -> AddRequest:
+        """The engine request speaking this prompt (every protocol's speech requests)."""
+        return AddRequest(request_id=request_id, prompt_token_ids=self.ids, sampling=sampling, audio=True,
+                          prompt_frames=self.frames, step_text_ids=self.step_text_ids, prompt_vectors=self.vectors)
 
 
 class SpeechProfile:
@@ -47,13 +55,19 @@ class SpeechProfile:
         self.spec = spec
         if spec is not None:
             spec.check()
-        self.store = store if spec is not None and spec.reference_audio_ids is not None else None
+        self.store = store if spec is not None and spec.takes_reference_audio else None
         # the prompt layout, chosen once: Qwen3-TTS's rows, else text_template's ids
         self._qwen3 = Qwen3TtsPrompts(spec.qwen3_tts) if spec is not None and spec.qwen3_tts is not None else None
 
     @property
     def takes_reference_voices(self) -> bool:
-        return self.spec is not None and self.spec.reference_audio_ids is not None
+        return self.spec is not None and self.spec.takes_reference_audio
+
+    @property
+    def clones_voices(self) -> bool:
+        """Every voice is an upload (Qwen3-TTS Base): a transcript is optional (without one the
+        voice is its x-vector alone), and no built-in speaker voices it."""
+        return self.spec is not None and self.spec.clones_voices
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "SpeechProfile":
@@ -110,6 +124,8 @@ class SpeechProfile:
     def resolve_voice(self, voice: str | None) -> str:
         """The voice to use; unknown -> 400 naming `voice` and listing the valid ones."""
         s = self._need()
+        if not voice and s.clones_voices:
+            raise self._no_voice()
         if voice is None:
             return s.default_voice
         if voice not in s.voices and self.reference_voice(voice) is None:
@@ -136,10 +152,17 @@ class SpeechProfile:
     def _frames(ref: ReferenceVoice | None) -> list[list[int]] | None:
         return ref.codes.tolist() if ref is not None else None
 
+    def _no_voice(self) -> APIError:
+        uploaded = ", ".join(self.voices) or "none yet"
+        return invalid_request(f"voice: this model speaks uploaded voices only: name one (uploaded: {uploaded}; "
+                               "POST /v1/audio/voices adds one)", param="voice")
+
     def _known(self, voice: str) -> ReferenceVoice | None:
         """The voice's reference clip (None for a built-in voice). A session keeps its voice by
         name, so an uploaded voice deleted since is refused naming `voice` here, rather than
         spoken as a made-up speaker of that name."""
+        if not voice and self._need().clones_voices:
+            raise self._no_voice()
         ref = self.reference_voice(voice)
         if ref is None and voice not in self._need().voices:
             raise invalid_request(f"voice: {voice!r} is no longer available (an uploaded voice deleted since it was "
@@ -149,7 +172,7 @@ class SpeechProfile:
     def build_prompt(self, tokenizer: TextTokenizer, voice: str, text: str) -> SpeechPrompt:
         ref = self._known(voice)
         if self._qwen3 is not None:
-            return _rows_prompt(self._qwen3.encode(tokenizer, voice, text))
+            return _rows_prompt(self._qwen3.encode(tokenizer, voice, text, clone=_clone(ref)), ref)
         if ref is not None:
             return self.build_prompt_for(tokenizer, ref, text)
         s = self._need()
@@ -157,6 +180,8 @@ class SpeechProfile:
 
     def build_prompt_for(self, tokenizer: TextTokenizer, ref: ReferenceVoice, text: str) -> SpeechPrompt:
         """The prompt of `text` in a reference voice (stored or about to be)."""
+        if self._qwen3 is not None:
+            return _rows_prompt(self._qwen3.encode(tokenizer, ref.name, text, clone=_clone(ref)), ref)
         s = self._need()
         body = tokenizer.encode(s.text_template.format(voice=ref.speaker, text=text), add_bos=s.add_bos)
         return SpeechPrompt([*self._reference_ids(tokenizer, ref), *self._turn(body)], self._frames(ref))
@@ -168,7 +193,8 @@ class SpeechProfile:
         s = self._need()
         ref = self._known(voice)
         if self._qwen3 is not None:
-            return _rows_prompt(await self._qwen3.encode_async(tokenizer, voice, text, language, instructions))
+            return _rows_prompt(await self._qwen3.encode_async(tokenizer, voice, text, language, instructions,
+                                                               clone=_clone(ref)), ref)
         for name, value in (("language", language), ("instructions", instructions)):
             if value is not None:
                 raise invalid_request(f"{name}: this model takes none", param=name)
@@ -177,5 +203,17 @@ class SpeechProfile:
         return SpeechPrompt([*self._reference_ids(tokenizer, ref), *self._turn(body)], self._frames(ref))
 
 
-def _rows_prompt(rows: Qwen3TtsRows) -> SpeechPrompt:
-    return SpeechPrompt(rows.ids, rows.frames, rows.step_text_ids or None)
+def _clone(ref: ReferenceVoice | None) -> tuple[str, list[list[int]]] | None:
+    """A Base voice's (transcript, frames) for Qwen3TtsPrompts: ICL with a transcript, the
+    x-vector alone without one. None for a built-in voice."""
+    if ref is None:
+        return None
+    return (ref.transcript, ref.codes.tolist()) if ref.transcript else ("", [])
+
+
+def _rows_prompt(rows: Qwen3TtsRows, ref: ReferenceVoice | None) -> SpeechPrompt:
+    vectors = None
+    if rows.vector_row is not None:
+        assert ref is not None and ref.speaker_embedding is not None, "a clone prompt without its voice's x-vector"
+        vectors = [PromptVector(rows.vector_row, ref.speaker_embedding.astype("<f4").tobytes())]
+    return SpeechPrompt(rows.ids, rows.frames, rows.step_text_ids or None, vectors)

@@ -16,7 +16,7 @@ import pytest
 
 from server.errors import APIError
 from server.tokenizer import TextTokenizer
-from server.tts.qwen3_tts_prompt import assistant_turn, qwen3_tts_rows, split_turn
+from server.tts.qwen3_tts_prompt import CloneRef, assistant_turn, qwen3_tts_rows, split_turn
 from server.tts.voices import SpeechProfile
 from streaming.profile import ProfileError, read_profile
 from streaming.qwen3_tts_profile import qwen3_tts_sampling
@@ -86,9 +86,51 @@ def test_sampling_follows_generation_config(golden, tmp_path):
     assert qwen3_tts_sampling(tmp_path).temperature == 0.5
 
 
-def test_a_folder_without_speakers_is_refused_naming_voices(golden):
-    with pytest.raises(ProfileError, match="voices: .*no speakers"):
-        read_profile(golden / "base" / "checkpoint")
+# tests/reference/qwen3_tts_golden.py's Base cases: language, reference transcript length (0:
+# the x-vector alone), text mode
+BASE_CASES = {"xvector": ("english", 0, False), "icl_streaming": ("auto", 2, False),
+              "icl_non_streaming": ("english", 2, True)}
+
+
+def test_base_rows_equal_the_references_prompts(golden):
+    """Cloned voices: the x-vector's row (no codec table, tts_pad) where the speaker goes and,
+    in ICL mode, the clip's transcript and frames (ipc.PromptVector carries the vector)."""
+    spec = read_profile(golden / "base" / "checkpoint").speech
+    for name, (language, n_ref, non_streaming) in BASE_CASES.items():
+        case = dict(np.load(golden / "base" / f"{name}.npz"))
+        ids, codec, trailing = case["text_ids"].tolist(), case["codec_ids"], case["trailing_ids"].tolist()
+        clip = codec[(codec >= 0).all(axis=1)].tolist()
+        after = int(case["xvector_row"]) + 2  # the x-vector's row, then codec_pad over tts_bos
+        if not n_ref:
+            said = [ids[-1], *trailing[:-1]]
+        elif non_streaming:
+            said = ids[after : after + len(ids) - after - len(clip) - 2]  # ... tts_eos, then bos + clip rows
+        else:
+            said = [*ids[after : after + len(clip) + 1], *trailing[:-1]]
+        ref_ids, text = said[:n_ref], said[n_ref:]
+        clone = CloneRef(ref_ids, clip)
+        assert clone.icl == bool(n_ref)
+        rows = qwen3_tts_rows(spec.qwen3_tts, ROLE, text, None, language, (), non_streaming, clone=clone)
+        assert rows.ids == ids, name
+        np.testing.assert_array_equal(np.array(rows.frames), codec, err_msg=name)
+        assert rows.step_text_ids == trailing and rows.vector_row == int(case["xvector_row"]), name
+
+
+def test_a_base_folder_clones_uploaded_voices_only(golden):
+    p = read_profile(golden / "base" / "checkpoint")
+    assert p.family == "qwen3_tts" and p.speaks
+    s = p.speech
+    assert (s.voices, s.default_voice, s.clones_voices, s.takes_reference_audio) == ((), "", True, True)
+    # the wrapper's generate_voice_clone: streaming text by default, no instruct
+    assert (s.qwen3_tts.non_streaming, s.qwen3_tts.takes_instruct) == (False, False)
+    profile = SpeechProfile(s)
+    calls = (lambda: profile.resolve_voice(None), lambda: profile.resolve_voice(""),
+             lambda: profile.build_prompt(None, "", "hi"))  # a session's default voice is ""
+    for call in calls:
+        with pytest.raises(APIError, match=r"voice: this model speaks uploaded voices only: name one \(uploaded: "
+                                           r"none yet") as e:
+            call()
+        assert e.value.param == "voice"
 
 
 def test_bad_config_is_a_profile_error(golden, tmp_path):
