@@ -1,7 +1,10 @@
 """CSM-1B-shaped multi-codebook talker on the GPU (random weights, bf16): frame step against its
 bound and against transformers, and real-time streams through the real server. Sections:
 
-  frames    in-process engine, CUDA graphs + async scheduling, every row decoding: ms per frame
+  frames    (--model csm: CSM-1B's shape; qwen3_tts: Qwen3-TTS 12 Hz 1.7B's talker and code
+            predictor, 16 codebooks of 2048, every row in the streaming-text layout with a
+            trailing text; code-0 window and repetition penalty 1.05, the groups' own sampling)
+            in-process engine, CUDA graphs + async scheduling, every row decoding: ms per frame
             step at each batch, the host idle gap between steps (wall minus GPU time per step),
             and the bound: bytes a frame step must read over the copy bandwidth measured in the
             same run. Bytes per step = backbone weights (its layers, final norm and codebook-0
@@ -66,6 +69,59 @@ def csm_folder(root: Path) -> Path:
     return root
 
 
+# Qwen3-TTS-12Hz-1.7B's talker and code predictor (config.json of the released folders): the
+# shapes that set the step's cost. The special ids are valid placeholders (a random-weight run
+# never reads their meaning).
+QWEN3_TTS_1B7 = {
+    "architectures": ["Qwen3TTSForConditionalGeneration"], "tts_model_type": "base", "tts_model_size": "1b7",
+    "tokenizer_type": "qwen3_tts_tokenizer_12hz", "im_start_token_id": 151644, "im_end_token_id": 151645,
+    "tts_pad_token_id": 151671, "tts_bos_token_id": 151672, "tts_eos_token_id": 151673,
+    "talker_config": {
+        "vocab_size": 3072, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "rope_scaling": {"mrope_section": [24, 20, 20], "interleaved": True, "rope_type": "default"},
+        "num_code_groups": 16, "text_vocab_size": 151936, "text_hidden_size": 2048,
+        "codec_pad_id": 2148, "codec_bos_id": 2149, "codec_eos_token_id": 2150, "codec_think_id": 2154,
+        "codec_nothink_id": 2155, "codec_think_bos_id": 2156, "codec_think_eos_id": 2157,
+        "spk_id": {}, "spk_is_dialect": {}, "codec_language_id": {"english": 2050, "chinese": 2055},
+        "code_predictor_config": {
+            "vocab_size": 2048, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 5,
+            "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 65536,
+            "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu", "num_code_groups": 16}},
+}
+
+
+def qwen3_tts_folder(root: Path) -> Path:
+    """QWEN3_TTS_1B7 as a model folder; no weights (random), no codec (the frames section)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(QWEN3_TTS_1B7, indent=1))
+    return root
+
+
+def frame_request(model: str, i: int) -> dict:
+    """add_request arguments of request i's prompt: CSM a text prompt; Qwen3-TTS its rows (a
+    text part every position, codec part -1 but the prefix's ids) and a trailing text."""
+    text = [(7 * i + j) % 400 + 1 for j in range(PROMPT)]
+    if model == "csm":
+        return {"prompt_token_ids": text}
+    c = QWEN3_TTS_1B7["talker_config"]
+    frames = [[-1] * 16 for _ in text]
+    for row, code in zip(frames[-5:], (c["codec_nothink_id"], c["codec_think_bos_id"], c["codec_think_eos_id"],
+                                        c["codec_pad_id"], c["codec_bos_id"])):
+        row[0] = code
+    return {"prompt_token_ids": text, "prompt_frames": frames, "step_text_ids": text[:24]}
+
+
+FRAME_MODELS = {"csm": ("csm1b-random", csm_folder), "qwen3_tts": ("qwen3tts-1b7-random", qwen3_tts_folder)}
+# the model's parameter prefixes: backbone + code-0 head, the depth decoder's body, its heads
+_PREFIXES = {"csm": (("backbone.", "lm_head."), ("depth.layers.", "depth.norm.", "depth.inputs_embeds_projector."),
+                     ("depth.codebooks_head",)),
+             "qwen3_tts": (("backbone.", "codec_head."),
+                           ("predictor.layers.", "predictor.norm.", "predictor.inputs_embeds_projector."),
+                           ("predictor.lm_head",))}
+
+
 def mimi_folder(root: Path) -> Path:
     """The real Mimi's architecture (MimiConfig() defaults: 32 codebooks of 2048, 24 kHz), random."""
     from transformers import MimiConfig, MimiModel
@@ -77,25 +133,25 @@ def mimi_folder(root: Path) -> Path:
     return root
 
 
-def frame_bytes(model, batch: int, context: int) -> dict:
+def frame_bytes(model, batch: int, context: int, kind: str = "csm") -> dict:
     """Bytes one frame step must read (see the module doc)."""
     k = model.num_codebooks
 
-    def size(prefix: str) -> int:
-        return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith(prefix))
+    def size(prefixes: tuple[str, ...]) -> int:
+        return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith(prefixes))
 
-    backbone = size("backbone.") + size("lm_head.")
-    depth_body = size("depth.layers.") + size("depth.norm.") + size("depth.inputs_embeds_projector.")
-    heads = size("depth.codebooks_head")
-    c = model.cfg.backbone
+    backbone, depth_body, heads = (size(p) for p in _PREFIXES[kind])
+    c = model.backbone.cfg
     kv = batch * context * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
     return {"backbone": backbone, "depth_body_x_subs": (k - 1) * depth_body, "heads": heads, "kv": kv,
             "total": backbone + (k - 1) * depth_body + heads + kv}
 
 
-def run_frames(batches: list[int], steps: int, bandwidth: float, variant: str = "default") -> list[dict]:
-    """ms per frame step at each batch on one model built for `variant` (deploy.bench.variants'
-    syntax: RunnerConfig kernel switches, `tuning=none`, tile / fold / split / head rows)."""
+def run_frames(batches: list[int], steps: int, bandwidth: float, variant: str = "default",
+               kind: str = "csm") -> list[dict]:
+    """ms per frame step at each batch on one model (`kind`: FRAME_MODELS) built for `variant`
+    (deploy.bench.variants' syntax: RunnerConfig kernel switches, `tuning=none`, tile / fold /
+    split / head rows)."""
     from deploy.bench.variants import parse_variant, variant_tables
     from runner.kernels.tuning import load_tables
 
@@ -109,7 +165,8 @@ def run_frames(batches: list[int], steps: int, bandwidth: float, variant: str = 
     v = parse_variant(variant)
     if v.skips or v.attn_splits is not None or v.fp32_greedy or v.torch_argmax or v.swept:
         raise ValueError(f"variant {variant!r}: the frames section takes switches and table rows only")
-    folder = csm_folder(scratch("csm1b-random"))
+    name, make_folder = FRAME_MODELS[kind]
+    folder = make_folder(scratch(name))
     top = max(batches)
     ctx = PROMPT + 16 + 2 * steps
     cfg = EngineConfig.build(folder, device="cuda", dtype="bfloat16", max_num_seqs=top, max_model_len=2048,
@@ -121,9 +178,10 @@ def run_frames(batches: list[int], steps: int, bandwidth: float, variant: str = 
     eng = Engine(cfg, model=model, family=family, codec=None)
     rows = []
     for b in batches:
-        sp = SamplingParams(temperature=0.9, top_k=50, max_tokens=16 + 2 * steps, ignore_eos=True, seed=0)
+        sp = SamplingParams(temperature=0.9, top_k=50, max_tokens=16 + 2 * steps, ignore_eos=True, seed=0,
+                            repetition_penalty=1.05 if kind == "qwen3_tts" else 1.0)
         for i in range(b):
-            eng.add_request(f"b{b}-{i}", [(7 * i + j) % 400 + 1 for j in range(PROMPT)], sp)
+            eng.add_request(f"b{b}-{i}", sampling=sp, **frame_request(kind, i))
         while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
             eng.step()
         for _ in range(8):
@@ -138,9 +196,9 @@ def run_frames(batches: list[int], steps: int, bandwidth: float, variant: str = 
         eng.runner.record_timeline = False
         gpu = statistics.median(s.elapsed_time(e) for s, e in eng.runner.timeline) / 1e3
         context = PROMPT + 8 + steps // 2  # mean context over the timed steps
-        by = frame_bytes(model, b, context)
+        by = frame_bytes(model, b, context, kind)
         bound = by["total"] / bandwidth
-        rows.append({"variant": variant, "batch": b, "ms_per_frame": 1e3 * wall, "gpu_ms": 1e3 * gpu, "idle_gap_us": 1e6 * max(0.0, wall - gpu),
+        rows.append({"model": kind, "variant": variant, "batch": b, "ms_per_frame": 1e3 * wall, "gpu_ms": 1e3 * gpu, "idle_gap_us": 1e6 * max(0.0, wall - gpu),
                      "bound_ms": 1e3 * bound, "x_bound": wall / bound, "bytes": by,
                      "frames_per_s": b / wall, "realtime_streams": b * FRAME_S / wall})
         log(f"frames {variant} batch {b}: {1e3 * wall:.2f} ms/frame (GPU {1e3 * gpu:.2f}), bound {1e3 * bound:.2f} ms, "
@@ -308,7 +366,8 @@ def run_serving(streams: str, ramps: str, max_frames: int, max_num_seqs: int, ou
 
 
 def render(res: dict) -> str:
-    lines = [f"# CSM-1B shape, random weights, {res['gpu']}, {res['date']}", "", f"`{res['command']}`", ""]
+    shape = {"csm": "CSM-1B shape", "qwen3_tts": "Qwen3-TTS 12 Hz 1.7B shape"}[res.get("model", "csm")]
+    lines = [f"# {shape}, random weights, {res['gpu']}, {res['date']}", "", f"`{res['command']}`", ""]
     if "bandwidth_tb_s" in res:
         lines += [f"Bound = bytes a frame step reads / copy bandwidth {res['bandwidth_tb_s']:.2f} TB/s (bytes read + "
                   "written per second by a device copy, measured in this run).", ""]
@@ -337,6 +396,7 @@ def render(res: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="frames,hf,serving")
+    ap.add_argument("--model", choices=tuple(FRAME_MODELS), default="csm", help="frames: the model's shape")
     ap.add_argument("--batches", default="1,8,32,64,128,256,512")
     ap.add_argument("--variants", default="default",
                     help="frames: ';'-separated variants, one model each (deploy.bench.variants: kernel switches, "
@@ -357,11 +417,13 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     sections = set(args.sections.split(","))
     res = run_header()
+    res["model"] = args.model
     if "frames" in sections:
         bw = bench_bandwidth()
         res["bandwidth_tb_s"] = bw / 1e12
         res["frames"] = [row for t in args.variants.split(";")
-                         for row in run_frames([int(x) for x in args.batches.split(",")], args.steps, bw, t)]
+                         for row in run_frames([int(x) for x in args.batches.split(",")], args.steps, bw, t,
+                                               args.model)]
         write_results(out, res, render(res))
     if "hf" in sections:
         res["hf"] = run_hf([int(x) for x in args.hf_batches.split(",")], args.hf_budget_s)

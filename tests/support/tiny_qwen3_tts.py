@@ -47,18 +47,19 @@ def text_of_ids(ids: list[int]) -> str:
     return "".join(PRINTABLE[i] for i in ids)
 
 
-def make_served_qwen3_tts(path: Path, checkpoint: Path, max_frames: int = 40, greedy_groups: bool = False) -> Path:
+def make_served_qwen3_tts(path: Path, checkpoint: Path, max_frames: int = 40, greedy_groups: bool = False,
+                          encoder: bool = False) -> Path:
     """A copy of the golden `checkpoint` at `path` with tokenizer.json, a tiny 12 Hz codec of its
     frames (4 codebooks of 32 codes) as speech_tokenizer/ and an omnistream.json capping
     utterances at max_frames (sampling as generation_config.json's, code-0 penalty included).
     greedy_groups: generation_config.json's subtalker_dosample false (groups 1..K-1 greedy, as
-    the golden frames were drawn)."""
+    the golden frames were drawn). encoder: the codec encodes uploads too (a Base folder)."""
     shutil.copytree(checkpoint, path)
     if greedy_groups:
         gen = json.loads((path / "generation_config.json").read_text())
         (path / "generation_config.json").write_text(json.dumps(gen | {"subtalker_dosample": False}))
     write_tiny_qwen_tokenizer(path)
-    make_tiny_qwen12hz(path / "speech_tokenizer", seed=1, num_quantizers=4)
+    make_tiny_qwen12hz(path / "speech_tokenizer", seed=1, encoder=encoder, num_quantizers=4)
     (path / "omnistream.json").write_text(json.dumps({"family": "qwen3_tts", "sampling": {
         "temperature": 0.9, "top_k": 50, "repetition_penalty": 1.05, "max_tokens": max_frames}}))
     return path
