@@ -20,8 +20,10 @@ switches by changing its URL: `input.done` ends the input as `session.close` doe
 speaks the buffered text, sends `session.done` and ends the session); `sentence_index` /
 `sentence_text` repeat `utterance` / `text` (one index per segment, counted across flushes over
 the whole session, as vllm-omni counts sentences); `total_sentences` is how many segments were
-spoken or failed. In `session.config`, `task_type` "CustomVoice" (named voices) and
-`stream_audio` true are what this server does; `language` "Auto" lets the model read the text as
+spoken or failed. In `session.config`, `task_type` the served model's kind (SpeechProfile.task_type:
+"CustomVoice" for named voices, "VoiceDesign" for a Qwen3-TTS VoiceDesign folder, "Base" for a
+Qwen3-TTS Base folder, whose voices are uploaded clips) and `stream_audio` true are what this
+server does; `language` "Auto" lets the model read the text as
 it is, and a model with languages (Qwen3-TTS: its codec_language_id names) takes one of them;
 any other value is an error naming the field (`instructions` likewise, as on POST
 /v1/audio/speech: taken by a model with an instruct turn, Qwen3-TTS 1.7B).
@@ -102,7 +104,6 @@ log = logging.getLogger(__name__)
 SPEECH_WS_ENDPOINT = "/v1/audio/speech/stream"
 PCM_FORMAT = "pcm_s16le"
 # vllm-omni's session.config values: what this server does, and the ones it knows but cannot do.
-TASK_TYPES = ("CustomVoice",)  # a named voice; VoiceDesign (described voice) and Base (clone) are not served
 VLLM_OMNI_TASK_TYPES = ("CustomVoice", "VoiceDesign", "Base")
 
 
@@ -242,7 +243,7 @@ class SpeechStreamSession(TextSession):
         name = voice_name(msg.voice)
         voice = ctx.profile.resolve_voice(name) if name is not None else self.voicing.voice
         check_speech_options(msg, ctx.profile.takes_instructions)
-        check_vllm_omni_options(msg, ctx.profile.languages)
+        check_vllm_omni_options(msg, ctx.profile.languages, ctx.profile.task_type)
         if msg.response_format not in (None, "pcm"):
             raise SchemaError(
                 "response_format",
@@ -298,14 +299,16 @@ class SpeechStreamSession(TextSession):
         self.close_from_writer(WSCloseCode.OK, last_event={"type": "session.done", "total_sentences": self.sentences})
 
 
-def check_vllm_omni_options(msg: SessionConfig, languages: tuple[str, ...] = ()) -> None:
+def check_vllm_omni_options(msg: SessionConfig, languages: tuple[str, ...] = (),
+                            task_type: str = "CustomVoice") -> None:
     """vllm-omni's session.config fields: a value this server cannot honour names its field.
-    languages: the served model's language names besides auto (Qwen3-TTS's; lower case)."""
-    if msg.task_type is not None and msg.task_type not in TASK_TYPES:
+    languages: the served model's language names besides auto (Qwen3-TTS's; lower case);
+    task_type: the one the served model is (SpeechProfile.task_type)."""
+    if msg.task_type is not None and msg.task_type != task_type:
         if msg.task_type in VLLM_OMNI_TASK_TYPES:
             raise SchemaError(
                 "task_type",
-                f"{msg.task_type!r} is not served: this server speaks named voices only (task_type 'CustomVoice')",
+                f"{msg.task_type!r} is not served: this server's model is task_type {task_type!r}",
                 UNSUPPORTED,
             )
         raise SchemaError("task_type", f"must be one of {', '.join(VLLM_OMNI_TASK_TYPES)}, got {msg.task_type!r}", INVALID_VALUE)

@@ -64,6 +64,15 @@ class SpeechProfile:
         return self.spec is not None and self.spec.takes_reference_audio
 
     @property
+    def task_type(self) -> str:
+        """vllm-omni's name for what the model does: "VoiceDesign" (voice described by the
+        instructions), "Base" (uploaded clips cloned), else "CustomVoice" (named voices)."""
+        q = self.spec.qwen3_tts if self.spec is not None else None
+        if q is not None and q.designs_voice:
+            return "VoiceDesign"
+        return "Base" if self.clones_voices else "CustomVoice"
+
+    @property
     def clones_voices(self) -> bool:
         """Every voice is an upload (Qwen3-TTS Base): a transcript is optional (without one the
         voice is its x-vector alone), and no built-in speaker voices it."""

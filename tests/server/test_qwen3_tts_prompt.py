@@ -124,6 +124,7 @@ def test_a_base_folder_clones_uploaded_voices_only(golden):
     # the wrapper's generate_voice_clone: streaming text by default, no instruct
     assert (s.qwen3_tts.non_streaming, s.qwen3_tts.takes_instruct) == (False, False)
     profile = SpeechProfile(s)
+    assert profile.task_type == "Base"
     calls = (lambda: profile.resolve_voice(None), lambda: profile.resolve_voice(""),
              lambda: profile.build_prompt(None, "", "hi"))  # a session's default voice is ""
     for call in calls:
@@ -204,6 +205,7 @@ async def test_voice_design_folder_speaks_without_a_speaker_row(golden, tmp_path
     tok = TextTokenizer.from_folder(folder)
     profile = SpeechProfile(read_profile(folder).speech)
     assert (profile.voices, profile.default_voice, profile.takes_instructions) == (("design",), "design", True)
+    assert profile.task_type == "VoiceDesign"  # vllm-omni's session.config name for it
     got = await profile.build_prompt_async(tok, "design", "Hi.", "chinese", "A deep voice.")
     instruct = tok.encode("<|im_start|>user\nA deep voice.<|im_end|>\n")
     want = qwen3_tts_rows(profile.spec.qwen3_tts, ROLE, tok.encode("Hi."), None, "chinese", instruct, True)

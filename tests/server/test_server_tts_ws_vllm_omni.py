@@ -51,8 +51,8 @@ async def test_total_sentences_counts_a_failed_sentence_and_input_done_with_noth
 @pytest.mark.parametrize(
     "config,param,words",
     [
-        ({"task_type": "VoiceDesign"}, "task_type", "CustomVoice"),
-        ({"task_type": "Base"}, "task_type", "named voices"),
+        ({"task_type": "VoiceDesign"}, "task_type", "model is task_type 'CustomVoice'"),
+        ({"task_type": "Base"}, "task_type", "model is task_type 'CustomVoice'"),
         ({"task_type": "Clone"}, "task_type", "CustomVoice, VoiceDesign, Base"),
         ({"task_type": 3}, "task_type", "str"),
         ({"language": "Chinese"}, "language", "Auto"),
