@@ -21,6 +21,7 @@ from runner.layers.attention import allocate_kv_cache
 from runner.models.csm_sampling import GreedyCodebooks
 from runner.models.loader import LoadError
 from runner.models.qwen3_tts import NO_CODE, NO_TEXT, Qwen3TtsModel
+from runner.models.qwen3_tts_speaker import SpeakerEncoder, SpeakerEncoderConfig
 from runner.models.qwen3_tts_config import Qwen3TtsConfig
 from runner.models.qwen3_tts_loader import expected_qwen3_tts_tensors, load_qwen3_tts
 from tests.models.test_models import PagedSequences
@@ -111,6 +112,7 @@ def released_config(hidden: int, intermediate: int) -> dict:
     return {
         "architectures": ["Qwen3TTSForConditionalGeneration"], "tts_model_type": "custom_voice",
         "tts_pad_token_id": 151671, "tts_bos_token_id": 151672, "tts_eos_token_id": 151673,
+        "assistant_token_id": 77091, "sample_rate": 24000,
         "talker_config": {
             "vocab_size": 3072, "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": 28,
             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
@@ -118,7 +120,7 @@ def released_config(hidden: int, intermediate: int) -> dict:
             "rope_scaling": {"mrope_section": [24, 20, 20], "interleaved": True, "rope_type": "default"},
             "use_sliding_window": False, "sliding_window": None, "attention_bias": False,
             "num_code_groups": 16, "text_vocab_size": 151936, "text_hidden_size": 2048,
-            "codec_pad_id": 2148, "codec_bos_id": 2149, "codec_eos_token_id": 2150, "codec_think_id": 2154,
+            "position_id_per_seconds": 13, "codec_pad_id": 2148, "codec_bos_id": 2149, "codec_eos_token_id": 2150, "codec_think_id": 2154,
             "codec_nothink_id": 2155, "codec_think_bos_id": 2156, "codec_think_eos_id": 2157,
             "codec_language_id": {"english": 2050, "chinese": 2055, "sichuan_dialect": 2062},
             "spk_id": {"vivian": 3065, "eric": 2875}, "spk_is_dialect": {"vivian": False, "eric": "sichuan_dialect"},
@@ -126,9 +128,24 @@ def released_config(hidden: int, intermediate: int) -> dict:
                 "vocab_size": 2048, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 5,
                 "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
                 "max_position_embeddings": 65536, "rope_theta": 1000000.0, "rope_scaling": None,
-                "num_code_groups": 16, "use_sliding_window": False},
+                "num_code_groups": 16, "use_sliding_window": False, "layer_types": ["full_attention"] * 5},
         },
     }
+
+
+@pytest.mark.parametrize("hidden", [1024, 2048])
+def test_released_base_folders_speaker_encoder(hidden):
+    """A released Base config.json names only enc_dim (the talker's width) and sample_rate in
+    speaker_encoder_config; the rest are the reference's defaults (ECAPA 512 x 4 + 1536)."""
+    raw = released_config(hidden, 3 * hidden) | {"tts_model_type": "base",
+                                                 "speaker_encoder_config": {"enc_dim": hidden, "sample_rate": 24000}}
+    raw["talker_config"].update(spk_id={}, spk_is_dialect={})
+    cfg = Qwen3TtsConfig.from_dict(raw)
+    assert cfg.model_type == "base" and not cfg.speakers
+    enc = SpeakerEncoderConfig.from_dict(raw["speaker_encoder_config"])
+    assert (enc.enc_dim, enc.enc_channels, enc.enc_kernel_sizes, enc.mel_dim) == (
+        hidden, (512, 512, 512, 512, 1536), (5, 3, 3, 3, 1), 128)
+    assert SpeakerEncoder(enc)(torch.zeros(1, 20, 128)).shape == (1, hidden)
 
 
 @pytest.mark.parametrize("hidden, intermediate", [(1024, 3072), (2048, 6144)])
