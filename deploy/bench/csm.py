@@ -99,6 +99,41 @@ def qwen3_tts_folder(root: Path) -> Path:
     return root
 
 
+def qwen3_tts_served_folder(root: Path) -> Path:
+    """QWEN3_TTS_1B7 as a CustomVoice folder to serve (two speakers; random weights): the embedded
+    default's tokenizer (its ids fit the text vocabulary; the words are not Qwen's), and an
+    omnistream.json whose utterances run their whole length."""
+    from runner.models.default_model import ensure_default_model
+
+    root.mkdir(parents=True, exist_ok=True)
+    raw = json.loads(json.dumps(QWEN3_TTS_1B7)) | {"tts_model_type": "custom_voice"}
+    raw["talker_config"].update(spk_id={"vivian": 3065, "ryan": 3061}, spk_is_dialect={"vivian": False, "ryan": False})
+    (root / "config.json").write_text(json.dumps(raw, indent=1))
+    tiny = ensure_default_model(str(scratch("omnistream-cache")))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / f, root / f)
+    (root / "omnistream.json").write_text(json.dumps({
+        "family": "qwen3_tts", "sampling": {"temperature": 0.9, "top_k": 50, "repetition_penalty": 1.05,
+                                            "max_tokens": 150, "ignore_eos": True}}))
+    return root
+
+
+def qwen12hz_folder(root: Path) -> Path:
+    """The released 12 Hz tokenizer's decoder (16 codebooks of 2048, 24 kHz), random."""
+    from safetensors.torch import save_file
+
+    from runner.codecs.qwen12hz_loader import RELEASED_DECODER_CONFIG, random_decoder_tensors, read_config
+
+    if (root / "model.safetensors").is_file():
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_tts_tokenizer_12hz", "decode_upsample_rate": 1920, "output_sample_rate": 24000,
+        "decoder_config": RELEASED_DECODER_CONFIG}))
+    save_file(random_decoder_tensors(read_config(root)), str(root / "model.safetensors"), metadata={"format": "pt"})
+    return root
+
+
 def frame_request(model: str, i: int) -> dict:
     """add_request arguments of request i's prompt: CSM a text prompt; Qwen3-TTS its rows (a
     text part every position, codec part -1 but the prefix's ids) and a trailing text."""
@@ -335,30 +370,33 @@ def dump_stacks(pid: int, path: Path) -> None:
 
 
 def run_serving(streams: str, ramps: str, max_frames: int, max_num_seqs: int, out: Path,
-                server_args: list[str] = ()) -> str:
+                server_args: list[str] = (), kind: str = "csm") -> str:
     """The serving benchmark against a real server; `server_args` are appended to its command
     line (e.g. ["--ws-max-inflight-utterances", "1"] for an A/B of a server setting). When the
     engine's watchdog reports a stuck loop in the server's log, the stacks and the GPU's load
     are dumped at once (csm-stall.txt), while the engine is still stuck: it gives up only after
     --stall-exit-s."""
-    folder = csm_folder(scratch("csm1b-random"))
-    mimi = mimi_folder(scratch("mimi-random"))
-    serve_args = ["--model", str(folder), "--codec", str(mimi), "--random-weights", "--device", "cuda",
+    if kind == "csm":
+        folder, codec = csm_folder(scratch("csm1b-random")), mimi_folder(scratch("mimi-random"))
+    else:
+        folder, codec = qwen3_tts_served_folder(scratch("qwen3tts-1b7-cv")), qwen12hz_folder(scratch("qwen12hz-random"))
+    serve_args = ["--model", str(folder), "--codec", str(codec), "--random-weights", "--device", "cuda",
                   "--max-num-seqs", str(max_num_seqs), "--max-concurrent-requests", str(2 * max_num_seqs),
                   "--max-open-sessions", str(2 * max_num_seqs), "--zmq-endpoint", "none", *server_args]
-    with served(serve_args, out / "csm-server.log", env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout_s=400) as srv:
+    with served(serve_args, out / f"{kind}-server.log", env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                timeout_s=400) as srv:
         log(f"server up in {srv.up_s:.0f} s")
-        table = out / "csm-serving.md"
+        table = out / f"{kind}-serving.md"
         bench = subprocess.Popen([sys.executable, "-m", "server.cli", "bench", "--url", srv.url,
                                   "--streams", streams, "--ramp-s", ramps, "--max-tokens", str(max_frames),
                                   "--out", str(table)], cwd=ROOT)
-        with open(out / "csm-server.log", "rb") as log_file:  # read as it grows: only the new bytes
+        with open(out / f"{kind}-server.log", "rb") as log_file:  # read as it grows: only the new bytes
             seen, dumped = b"", False
             while bench.poll() is None:
                 time.sleep(1.0)
                 seen = seen[-len(STALL_LINE):] + log_file.read()  # (the line may straddle two reads)
                 if not dumped and STALL_LINE.encode() in seen:
-                    dump_stacks(srv.proc.pid, out / "csm-stall.txt")
+                    dump_stacks(srv.proc.pid, out / f"{kind}-stall.txt")
                     dumped = True
         if bench.wait() != 0:
             raise RuntimeError(f"bench exited with {bench.returncode}")
@@ -396,7 +434,8 @@ def render(res: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="frames,hf,serving")
-    ap.add_argument("--model", choices=tuple(FRAME_MODELS), default="csm", help="frames: the model's shape")
+    ap.add_argument("--model", choices=tuple(FRAME_MODELS), default="csm",
+                    help="frames and serving: the model's shape (serving qwen3_tts: a CustomVoice folder)")
     ap.add_argument("--batches", default="1,8,32,64,128,256,512")
     ap.add_argument("--variants", default="default",
                     help="frames: ';'-separated variants, one model each (deploy.bench.variants: kernel switches, "
@@ -436,7 +475,7 @@ def main() -> int:
         write_results(out, res, render(res))
     if "serving" in sections:
         res["serving"] = run_serving(args.streams, args.ramp_s, args.max_frames, args.max_num_seqs, out,
-                                     shlex.split(args.server_args))
+                                     shlex.split(args.server_args), args.model)
     write_results(out, res, render(res))
     return 0
 

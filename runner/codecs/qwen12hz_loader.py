@@ -25,6 +25,15 @@ from runner.codecs.mimi_loader import prefixed_tensors, write_mimi_folder
 _DECODER = "decoder."  # the decoder's tensors in the tokenizer's safetensors
 _ENCODER = "encoder."
 
+# speech_tokenizer/config.json's decoder_config of the released Qwen3-TTS-Tokenizer-12Hz (as
+# ports of the released folders print it; keys the decoder ignores included): what the
+# benchmarks build at random and a test reads
+RELEASED_DECODER_CONFIG = {
+    "latent_dim": 1024, "codebook_dim": 512, "codebook_size": 2048, "decoder_dim": 1536, "hidden_size": 512,
+    "intermediate_size": 1024, "layer_scale_initial_scale": 0.01, "head_dim": 64, "num_attention_heads": 16,
+    "num_hidden_layers": 8, "num_key_value_heads": 16, "num_quantizers": 16, "num_semantic_quantizers": 1,
+    "rms_norm_eps": 1e-05, "rope_theta": 10000, "semantic_codebook_size": 4096, "sliding_window": 72,
+    "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2]}
 
 @dataclass(frozen=True)
 class Qwen12HzConfig:
@@ -182,6 +191,38 @@ def load_decoder_tensors(path: str | Path, cfg: Qwen12HzConfig) -> dict[str, tor
     if unknown:  # another layout (q/k norms, biases): decoding without them would be silently wrong
         raise CodecError(f"Qwen3-TTS 12 Hz codec: unexpected tensor {_DECODER}{unknown[0]} "
                          f"({len(unknown)} unknown) in {str(folder)!r}")
+    return tensors
+
+
+def random_decoder_tensors(cfg: Qwen12HzConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random `decoder.*` tensors of every shape in decoder_shapes (tests' tiny codecs, the
+    benchmarks' real-shaped one), at scales that keep the signal O(1) through the vocoder:
+    codebook statistics and norms near their trained ranges, unit-gain weights, the residual
+    branches and the output conv scaled down so the PCM stays clear of the clamp."""
+    g = torch.Generator().manual_seed(seed)
+    last = f"decoder.{len(cfg.upsample_rates) + 2}.conv."  # the output conv (its name inside the decoder)
+    tensors = {}
+    for name, shape in decoder_shapes(cfg).items():
+        if name.endswith("cluster_usage"):
+            t = torch.rand(shape, generator=g) * 1.5 + 0.5
+        elif name.endswith(("alpha", "beta")):
+            t = 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith(("scale", "gamma")):
+            t = 0.5 + 0.2 * torch.randn(shape, generator=g)
+        elif name.endswith(("norm.weight", "layernorm.weight")):
+            t = 1.0 + 0.2 * torch.randn(shape, generator=g)
+        elif name.endswith("bias"):
+            t = 0.05 * torch.randn(shape, generator=g)
+        elif name.endswith("embedding_sum"):
+            t = torch.randn(shape, generator=g)
+        else:  # weights: unit gain ((out, in, k) convs; (in, out, k) transposed: close enough)
+            fan_in = shape[1] * (shape[2] if len(shape) == 3 else 1)
+            t = torch.randn(shape, generator=g) * fan_in**-0.5
+            if name.endswith("conv2.conv.weight"):
+                t = t * 0.3  # residual branches: the signal stays O(1) through 12 residual units
+        if name.startswith(last):
+            t = t * 0.3
+        tensors[_DECODER + name] = t.contiguous()
     return tensors
 
 

@@ -294,21 +294,11 @@ def test_stage_encodes_as_the_reference(golden: Path) -> None:
     np.testing.assert_array_equal(stage.encode(pcm), want)
 
 
-# speech_tokenizer/config.json of the released Qwen3-TTS-Tokenizer-12Hz (its decoder_config, as
-# third-party ports of the released folders print it; keys the decoder ignores included)
-RELEASED_DECODER_CONFIG = {
-    "latent_dim": 1024, "codebook_dim": 512, "codebook_size": 2048, "decoder_dim": 1536, "hidden_size": 512,
-    "intermediate_size": 1024, "layer_scale_initial_scale": 0.01, "head_dim": 64, "num_attention_heads": 16,
-    "num_hidden_layers": 8, "num_key_value_heads": 16, "num_quantizers": 16, "num_semantic_quantizers": 1,
-    "rms_norm_eps": 1e-05, "rope_theta": 10000, "semantic_codebook_size": 4096, "sliding_window": 72,
-    "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2]}
-
-
 def test_the_released_codec_config_reads(tmp_path: Path) -> None:
     """The released tokenizer's config parses, and the decoder it describes has 114,323,137
     parameters: 436.1 MiB in float32, the size of the released decoder's weights (a port's
     weights file), so the tensor map covers exactly the real decoder."""
-    from runner.codecs.qwen12hz_loader import decoder_shapes
+    from runner.codecs.qwen12hz_loader import RELEASED_DECODER_CONFIG, decoder_shapes
 
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "qwen3_tts_tokenizer_12hz", "input_sample_rate": 24000, "output_sample_rate": 24000,

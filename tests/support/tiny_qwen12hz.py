@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import MimiConfig, MimiModel
 
-from runner.codecs.qwen12hz_loader import decoder_shapes, read_config
+from runner.codecs.qwen12hz_loader import random_decoder_tensors, read_config
 
 TINY_DECODER_CONFIG = dict(codebook_size=32, hidden_size=32, latent_dim=24, codebook_dim=16,
                            max_position_embeddings=1024, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -41,29 +41,6 @@ def make_tiny_qwen12hz(path: Path, seed: int = 0, encoder: bool = False, **decod
                         input_sample_rate=24000, encode_downsample_rate=1920)
         tensors.update({"encoder." + k: v.contiguous() for k, v in mimi.state_dict().items()})
     (path / "config.json").write_text(json.dumps(cfg_json))
-    g = torch.Generator().manual_seed(seed)
-    cfg = read_config(path)
-    last = f"decoder.{len(cfg.upsample_rates) + 2}.conv."  # the output conv: scaled to keep clear of the clamp
-    for name, shape in decoder_shapes(cfg).items():
-        if name.endswith("cluster_usage"):
-            t = torch.rand(shape, generator=g) * 1.5 + 0.5
-        elif name.endswith(("alpha", "beta")):
-            t = 0.1 * torch.randn(shape, generator=g)
-        elif name.endswith(("scale", "gamma")):
-            t = 0.5 + 0.2 * torch.randn(shape, generator=g)
-        elif name.endswith(("norm.weight", "layernorm.weight")):
-            t = 1.0 + 0.2 * torch.randn(shape, generator=g)
-        elif name.endswith("bias"):
-            t = 0.05 * torch.randn(shape, generator=g)
-        elif name.endswith("embedding_sum"):
-            t = torch.randn(shape, generator=g)
-        else:  # weights: unit gain ((out, in, k) convs; (in, out, k) transposed: close enough)
-            fan_in = shape[1] * (shape[2] if len(shape) == 3 else 1)
-            t = torch.randn(shape, generator=g) * fan_in**-0.5
-            if name.endswith("conv2.conv.weight"):
-                t = t * 0.3  # residual branches: the signal stays O(1) through 12 residual units
-        if name.startswith(last):
-            t = t * 0.3
-        tensors["decoder." + name] = t.contiguous()
+    tensors.update(random_decoder_tensors(read_config(path), seed))
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
