@@ -83,11 +83,14 @@ class FrameRunner(ModelRunner):
             self.code0_history = SlotState(S, layout.code0.vocab, cfg.scheduler.max_model_len, self.device,
                                            backend=self.sampler.backend, tuning=cfg.runner.tuning)
             self.code0_history.allocate_penalty_buffers()
-        # one launch per codebook (csm_sampling.FusedCodebooks) where it applies, else the sampler's path
-        # (not with a code-0 rule or group parameters: the kernel takes one vocabulary and batch)
-        self._fused_codebooks = (self.device.type == "cuda" and self.sampler.backend == "triton"
-                                 and layout.code0 is None and self.group_table is None
-                                 and layout.codebook_size <= FusedCodebooks.max_vocab())
+        # one launch per codebook (csm_sampling.FusedCodebooks) where it applies, else the sampler's
+        # path: every codebook (CSM), or groups 1..K-1 only where code 0 has a rule of its own or
+        # the groups their own parameters (Qwen3-TTS: code 0's window and penalty run the
+        # sampler's path; the kernel takes one vocabulary and batch)
+        fusable = (self.device.type == "cuda" and self.sampler.backend == "triton"
+                   and layout.codebook_size <= FusedCodebooks.max_vocab())
+        self._fused_codebooks = fusable and layout.code0 is None and self.group_table is None
+        self.fused_groups = fusable and self.group_table is not None
         model.allocate_depth_kv(S)
         self._frames_in: torch.Tensor | None = None  # the frame step's output when a graph ran it
         self.frame_graphs: FrameGraphs | None = None
@@ -254,18 +257,26 @@ class FrameRunner(ModelRunner):
         rows = None  # the rows feeding the codec (their codes stay below code_limit)
         if self.code_limit is not None:
             rows = self.slot_audio[torch.where(batch.slots >= 0, batch.slots, self.slot_audio.shape[0] - 1)]
+        k = self.num_codebooks
         if self._fused_codebooks:
-            return FusedCodebooks(batch, self.num_codebooks, self.code_limit, rows)
-        sampler: CodebookSampler = RaceCodebooks(self.sampler, batch, self.num_codebooks)
+            return FusedCodebooks(batch, k, self.code_limit, rows)
+        sampler: CodebookSampler = RaceCodebooks(self.sampler, batch, k)
+        if rows is not None:
+            sampler = CodecRange(sampler, self.code_limit, rows, self.layout.codebook_size)
         if group_batch is not None:
-            sampler = SplitCodebooks(sampler, RaceCodebooks(self.sampler, group_batch, self.num_codebooks))
+            groups: CodebookSampler
+            if self.fused_groups:
+                groups = FusedCodebooks(group_batch, k, self.code_limit, rows)
+            else:
+                groups = RaceCodebooks(self.sampler, group_batch, k)
+                if rows is not None:
+                    groups = CodecRange(groups, self.code_limit, rows, self.layout.codebook_size)
+            sampler = SplitCodebooks(sampler, groups)
         if self.layout.code0 is not None:
             sampler = Code0Window(self.layout.code0, batch.counters, sampler)
         if self.code0_history is not None:  # the penalty before the window (transformers' order is moot: -inf stays -inf)
             sampler = Code0Penalty(self.sampler, batch, self.code0_history, sampler)
-        if rows is None:
-            return sampler
-        return CodecRange(sampler, self.code_limit, rows, self.layout.codebook_size)
+        return sampler
 
     def frame_ids(self, frames: torch.Tensor) -> torch.Tensor:
         """[B, K] -> [B] the position id the scheduler sees: the end id for the ending frame."""

@@ -1,8 +1,10 @@
 """Qwen3-TTS's frame step on CUDA (runner/families/qwen3_tts.py): the captured graphs (whole
 decode steps, and the depth half when prompts join) give the frames the eager step gives, with
 the text column of in-flight rows, the code-0 window over the released 3072-id codec table and
-the groups' own sampling batch and code 0's repetition penalty inside the graphs. Frames against the reference are held on the
-CPU (tests/engine/test_qwen3_tts_engine.py)."""
+the groups' own sampling batch and code 0's repetition penalty inside the graphs; the groups
+drawn by the fused one-launch kernel (FrameRunner.fused_groups) give the frames the sampler's
+general path gives. Frames against the reference are held on the CPU
+(tests/engine/test_qwen3_tts_engine.py)."""
 
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def folder(tmp_path_factory):
     return path
 
 
-def engine(path, *, graphs: bool) -> Engine:
+def engine(path, *, graphs: bool, fused_groups: bool = True) -> Engine:
     cfg = EngineConfig.build(path, device="cuda", dtype="bfloat16", max_model_len=128, max_num_batched_tokens=64,
                              max_num_seqs=8, block_size=16, num_blocks=128, async_scheduling=True,
                              cuda_graphs=graphs, max_graph_batch_size=8)
@@ -50,7 +52,11 @@ def engine(path, *, graphs: bool) -> Engine:
     model = family.load_model(cfg, *make_backends(cfg.runner), random_weights=True)
     with torch.no_grad():  # a code-0 head that favours eos, so the window and the eos bar matter
         model.codec_head.weight[family.config.codec.eos] *= 40.0
-    return Engine(cfg, model=model, family=family)
+    eng = Engine(cfg, model=model, family=family)
+    assert eng.runner.fused_groups
+    # eager steps build their sampler per step: the general path from here on (graphs captured theirs)
+    eng.runner.fused_groups = fused_groups or graphs
+    return eng
 
 
 def requests(n: int) -> list[dict]:
@@ -101,10 +107,12 @@ def test_graphs_are_used_and_equal_eager(folder):
     fg.run_depth = lambda *a: depth.append(a[0]) or orig_depth(*a)
     got_g = drive(g, reqs, sps, groups)
     got_e = drive(engine(folder, graphs=False), reqs, sps, groups)
+    got_general = drive(engine(folder, graphs=False, fused_groups=False), reqs, sps, groups)
     assert len(replays) > 10 and depth
     eos = g.family.config.codec.eos
     for k in got_e:
         np.testing.assert_array_equal(got_g[k], got_e[k], err_msg=k)
+        np.testing.assert_array_equal(got_e[k], got_general[k], err_msg=f"{k}: fused groups != general path")
         code0 = got_g[k][:, 0]
         assert (code0[:-1] < 2048).all() and code0[-1] in (*range(2048), eos)
         assert len(code0) >= 3 or len(code0) == 20  # eos not at frames 0, 1
