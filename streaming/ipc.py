@@ -54,6 +54,16 @@ class AddRequest(msgspec.Struct, tag="add", forbid_unknown_fields=True):
     group_sampling: SamplingParams | None = None
     # Families whose prompts take vectors beside ids and codes (ModelFamily.prompt_vectors)
     prompt_vectors: list[PromptVector] | None = None
+    # step_text_ids is only the start: AppendText messages bring the rest (the text streams in)
+    step_text_open: bool = False
+
+
+class AppendText(msgspec.Struct, tag="append", forbid_unknown_fields=True):
+    """More step text ids of a request added with step_text_open; final: its text is complete."""
+
+    request_id: str
+    step_text_ids: list[int]
+    final: bool = False
 
 
 class EncodeAudio(msgspec.Struct, tag="encode", forbid_unknown_fields=True):
@@ -76,7 +86,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineInbound = Union[AddRequest, EncodeAudio, AbortRequests, GetStats, Shutdown]
+EngineInbound = Union[AddRequest, AppendText, EncodeAudio, AbortRequests, GetStats, Shutdown]
 
 
 # ---- engine -> front end -------------------------------------------------------------------

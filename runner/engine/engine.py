@@ -117,6 +117,7 @@ class Engine(WarmUp):
         step_text_ids: list[int] | None = None,
         group_sampling: SamplingParams | None = None,
         prompt_vectors: list[ipc.PromptVector] | None = None,
+        step_text_open: bool = False,
     ) -> None:
         """Validate and queue a request. Raises InvalidRequest naming the field, or EngineBusy
         when there is no room for it; the engine and the other requests are unaffected. prompt_frames: a multi-codebook model's codes of the
@@ -125,7 +126,8 @@ class Engine(WarmUp):
         trailing text). group_sampling: parameters of codebooks 1..K-1 where the family samples
         them apart (FrameLayout.group_sampling; None: the family's defaults). prompt_vectors:
         vectors added over prompt positions' embeddings (ModelFamily.prompt_vectors: Qwen3-TTS
-        Base's x-vector)."""
+        Base's x-vector). step_text_open: more step text ids will come (append_text), the
+        row waits for each one it needs."""
         sampling = sampling or SamplingParams()
         m, s = self.cfg.model, self.cfg.scheduler
         if not isinstance(request_id, str) or not request_id:
@@ -143,7 +145,7 @@ class Engine(WarmUp):
             missing = [t for t in self._audio_stop_ids if t not in sampling.stop_token_ids] if not self.frames else []
             if missing:
                 sampling = msgspec.structs.replace(sampling, stop_token_ids=[*sampling.stop_token_ids, *missing])
-        step_text = self.family.step_text(None if step_text_ids is None else list(step_text_ids))
+        step_text = self.family.step_text(None if step_text_ids is None else list(step_text_ids), step_text_open)
         group_sampling = self.family.check_group_sampling(group_sampling)
         # a family without frames checks that none came and returns None
         rows = self.family.prompt_frames(prompt_token_ids, None if prompt_frames is None else np.asarray(prompt_frames))
@@ -154,13 +156,38 @@ class Engine(WarmUp):
             self.num_refused_total += 1
             raise EngineBusy("audio: the codec's streams are all in use by other requests; retry later")
         req = Request(request_id, list(prompt_token_ids), sampling, layers, audio, frames=frames,
-                      group_sampling=group_sampling, vectors=vectors)
+                      group_sampling=group_sampling, vectors=vectors,
+                      open_text=step_text if step_text_open else None)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.num_requests_total += 1
         if audio:
             self.codec.open(id(req), seed=sampling.seed, prefix_frames=prefix)
             self._audio_open[id(req)] = req
+
+    def append_text(self, request_id: str, step_text_ids: list[int], final: bool) -> bool:
+        """More step text ids of a request added with step_text_open (its text streaming in);
+        final: no more will come (its frames then take the pad id past the last). False when
+        the request is gone (finished or aborted: its text no longer matters); InvalidRequest
+        naming `step_text_ids` for a bad id or a request whose text was already complete."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        if req.open_text is None:
+            raise InvalidRequest("step_text_ids", f"request {request_id!r} takes no more text (its text was complete)")
+        ids = self.family.step_text(list(step_text_ids)).ids  # the family's check of the ids
+        req.open_text.extend(ids, final)
+        req.frames.refresh_text()
+        if final:
+            req.open_text = None
+        return True
+
+    @property
+    def stalled_on_input(self) -> bool:
+        """The last step scheduled nothing and none is in flight or to report: every live
+        request waits for its text (append_text) or admission. The loop may then block on its
+        inbound messages for a moment instead of spinning."""
+        return self.last_scheduled.is_empty and self._pending is None and not self._finished_out
 
     def encode_audio(self, pcm: np.ndarray) -> EncodedReference:
         """A reference clip (int16 mono at the codec's rate) -> its codes [frames, K] (the
@@ -173,12 +200,20 @@ class Engine(WarmUp):
     def abort_request(self, request_id: str) -> bool:
         """Abort a live request: its blocks and slot are free before the next step. Returns
         False when the id is unknown or already finished."""
+        return self._end(request_id, FinishReason.ABORT)
+
+    def fail_request(self, request_id: str, error: InvalidRequest) -> bool:
+        """End a live request with `error` (a message it could not take, e.g. a bad
+        AppendText): its last output carries the error; the engine and the others go on."""
+        return self._end(request_id, FinishReason.ERROR, str(error))
+
+    def _end(self, request_id: str, reason: FinishReason, message: str = "") -> bool:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
-        self.num_aborted_total += 1
+        self.num_aborted_total += reason is FinishReason.ABORT
         if not req.is_finished:
-            self.scheduler.finish(req, FinishReason.ABORT)
+            self.scheduler.finish(req, reason, message)
         if self._audio_open.pop(id(req), None) is not None:
             self.codec.abort(id(req))
         self._finished_out.append(self._output(req, [], finished=True))

@@ -111,7 +111,8 @@ class EngineLoop:
             try:
                 eng.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.hidden_state_layers, msg.audio,
                                 prompt_frames=msg.prompt_frames, step_text_ids=msg.step_text_ids,
-                                group_sampling=msg.group_sampling, prompt_vectors=msg.prompt_vectors)
+                                group_sampling=msg.group_sampling, prompt_vectors=msg.prompt_vectors,
+                                step_text_open=msg.step_text_open)
             except InvalidRequest as e:
                 self._added.pop(msg.request_id, None)
                 out = ipc.RequestOutput(msg.request_id, finished=True, finish_reason="error", error=str(e), error_field=e.field)
@@ -120,6 +121,11 @@ class EngineLoop:
                 self._added.pop(msg.request_id, None)
                 out = ipc.RequestOutput(msg.request_id, finished=True, finish_reason=ipc.FINISH_OVERLOADED, error=str(e))
                 self.outbound.put(ipc.encode_outputs([out]))
+        elif isinstance(msg, ipc.AppendText):
+            try:
+                eng.append_text(msg.request_id, msg.step_text_ids, msg.final)
+            except InvalidRequest as e:  # the request ends with the error; the engine goes on
+                eng.fail_request(msg.request_id, e)
         elif isinstance(msg, ipc.EncodeAudio):
             try:
                 reply = eng.encode_audio(np.frombuffer(msg.pcm, dtype="<i2")).reply(msg.request_id)
@@ -226,7 +232,12 @@ class EngineLoop:
                 watchdog.beat()
                 # block only when idle; otherwise drain without waiting
                 try:
-                    msg = self.inbound.get(timeout=0.05) if not eng.has_unfinished else self.inbound.get_nowait()
+                    if not eng.has_unfinished:
+                        msg = self.inbound.get(timeout=0.05)
+                    elif eng.stalled_on_input:  # every request waits for text: no spinning
+                        msg = self.inbound.get(timeout=0.002)
+                    else:
+                        msg = self.inbound.get_nowait()
                     self._apply(msg)
                     while True:
                         self._apply(self.inbound.get_nowait())

@@ -85,6 +85,18 @@ class FrameLog:
             rows[n, k] = self.step_text.at(n - self.num_prompt)
         self.num_rows = n + 1
 
+    def refresh_text(self) -> None:
+        """Fill the text column of generated rows appended before their text arrived (an open
+        StepText that grew or closed since)."""
+        st, k = self.step_text, self.num_codes
+        n = self.num_rows - 1  # pending rows are the tail: text arrives in order
+        while n >= self.num_prompt and self._rows[n, k] == StepText.PENDING:
+            n -= 1
+        for n in range(n + 1, self.num_rows):
+            if not st.ready(n - self.num_prompt):
+                break
+            self._rows[n, k] = st.at(n - self.num_prompt)
+
     def last(self) -> np.ndarray:
         """(K,) view of the latest position's codes (the frame just accepted)."""
         return self._rows[self.num_rows - 1, : self.num_codes]
@@ -117,6 +129,9 @@ class Request:
     # Vectors added over prompt positions' embeddings (Qwen3-TTS Base's x-vector); their key
     # seeds the prefix-cache chain (runner/engine/kv_cache.py)
     vectors: PromptVectors | None = None
+    # The request's StepText while its text is still arriving (Engine.append_text), else None:
+    # the scheduler holds the row when its next input's text id has not come
+    open_text: StepText | None = None
     arrival: int = field(default_factory=lambda: next(_seq_counter))
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, for the admission hold
 

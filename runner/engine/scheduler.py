@@ -132,6 +132,11 @@ class Scheduler:
                 # scheduling more would compute a token that must be dropped.
                 i += 1
                 continue
+            if req.open_text is not None and total > n_prompt and not req.open_text.ready(total - 1 - n_prompt):
+                # its text still arriving: the last position's input (generated frame
+                # total - 1 - n_prompt) has no text id yet; hold the row (KV and slot kept)
+                i += 1
+                continue
             if n > budget:
                 n = budget
             if start + n > len(req.block_ids) * block_size:  # needs blocks

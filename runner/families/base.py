@@ -42,18 +42,36 @@ class LogitsConstraint(Protocol):
     def window_ids(self, cols: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor: ...
 
 
-@dataclass(frozen=True)
 class StepText:
     """The text ids fed with a request's generated frames (Qwen3-TTS's trailing text,
     docs/qwen3_tts.md §1): output frame n is embedded with ids[n], then with `pad` once the
     ids run out. The host knows every row's frame index, even while that frame is on the
-    device, so the id is packed on the host like any input."""
+    device, so the id is packed on the host like any input.
 
-    ids: tuple[int, ...]
-    pad: int
+    An open one (`closed` False: the request's text is still arriving, Engine.append_text)
+    has no id past its last yet: `ready(n)` is False there, and the scheduler holds a row
+    whose next input needs that id (its KV and slot stay) until more text or the end comes."""
+
+    __slots__ = ("ids", "pad", "closed")
+    PENDING = -1  # at(n) of an id not arrived yet: never computed (the row is held)
+
+    def __init__(self, ids: tuple[int, ...] | list[int], pad: int, closed: bool = True):
+        self.ids = list(ids)
+        self.pad = pad
+        self.closed = closed
 
     def at(self, n: int) -> int:
-        return self.ids[n] if n < len(self.ids) else self.pad
+        if n < len(self.ids):
+            return self.ids[n]
+        return self.pad if self.closed else self.PENDING
+
+    def ready(self, n: int) -> bool:
+        return n < len(self.ids) or self.closed
+
+    def extend(self, ids: list[int], final: bool) -> None:
+        assert not self.closed, "text appended after its end"
+        self.ids += ids
+        self.closed = final
 
 
 @dataclass(frozen=True)
@@ -233,10 +251,11 @@ class ModelFamily(ABC):
             raise InvalidRequest("group_sampling", f"the {self.name} family samples every code with `sampling`")
         return None
 
-    def step_text(self, step_text_ids: list[int] | None) -> StepText | None:
-        """The text ids a request feeds with its generated frames; None for a family without
-        them (which refuses any). Raises InvalidRequest naming `step_text_ids`."""
-        if step_text_ids:
+    def step_text(self, step_text_ids: list[int] | None, open: bool = False) -> StepText | None:
+        """The text ids a request feeds with its generated frames (open: more will come);
+        None for a family without them (which refuses any). Raises InvalidRequest naming
+        `step_text_ids`."""
+        if step_text_ids or open:
             raise InvalidRequest("step_text_ids", f"the {self.name} family takes no per-step text ids")
         return None
 

@@ -133,15 +133,16 @@ class Qwen3TtsFamily(ModelFamily):
                 raise InvalidRequest(field, str(e).removeprefix(f"{e.field}: ")) from None
         return params
 
-    def step_text(self, step_text_ids: list[int] | None) -> StepText:
+    def step_text(self, step_text_ids: list[int] | None, open: bool = False) -> StepText:
         """The trailing text (streaming text mode), one id a generated frame, then tts_pad;
-        None or [] for the non-streaming mode (every frame gets tts_pad)."""
+        None or [] for the non-streaming mode (every frame gets tts_pad). open: the text is
+        still arriving (Engine.append_text adds the rest, its last piece ending in tts_eos)."""
         ids = list(step_text_ids or ())
         v = self.config.text_vocab_size
         for i, t in enumerate(ids):
             if not isinstance(t, int) or not 0 <= t < v:
                 raise InvalidRequest("step_text_ids", f"id {t!r} at index {i} is outside the text vocabulary [0, {v})")
-        return StepText(tuple(ids), self.config.tts_pad_id)
+        return StepText(ids, self.config.tts_pad_id, closed=not open)
 
     def prompt_frames(self, prompt_token_ids: list[int], frames: np.ndarray | None) -> np.ndarray:
         """Rows [P, K + 1]: the codec part of every prompt position (`frames` [P, K]: code 0

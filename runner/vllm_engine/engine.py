@@ -189,6 +189,8 @@ class VllmEngine:
             raise InvalidRequest("prompt_frames", "multi-codebook prompts need --engine native")
         if msg.prompt_vectors:
             raise InvalidRequest("prompt_vectors", "prompt vectors need --engine native")
+        if msg.step_text_ids or msg.step_text_open:
+            raise InvalidRequest("step_text_ids", "per-step text needs --engine native")
         if msg.audio and self.codec is None:
             raise InvalidRequest("audio", "this engine has no codec stage loaded")
         req = _Req(rid, len(prompt), tuple(l % (n + 1) for l in msg.hidden_state_layers), msg.audio)

@@ -74,6 +74,8 @@ class VllmEngineLoop:
             except InvalidRequest as e:
                 reply = ipc.EncodedAudio(msg.request_id, error=str(e))
             await self.outbound.put(ipc.encode_outbound(reply))
+        elif isinstance(msg, ipc.AppendText):
+            pass  # its request was refused at add (step text needs --engine native)
         elif isinstance(msg, ipc.AbortRequests):
             for rid in msg.request_ids:
                 await eng.abort(rid)

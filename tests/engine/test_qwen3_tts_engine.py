@@ -230,9 +230,10 @@ def test_other_families_refuse_step_text(tmp_path):
 
     fam = TextFamily(ModelProfile(family="text", speech=None))
     assert fam.step_text(None) is None and fam.step_text([]) is None
-    with pytest.raises(InvalidRequest) as e:
-        fam.step_text([1])
-    assert e.value.field == "step_text_ids"
+    for args in (([1],), (None, True)):  # ids, or text to come
+        with pytest.raises(InvalidRequest) as e:
+            fam.step_text(*args)
+        assert e.value.field == "step_text_ids"
 
 
 @pytest.fixture(scope="module")
@@ -371,3 +372,85 @@ def test_only_base_folders_encode_reference_clips(golden, tmp_path):
     with pytest.raises(InvalidRequest, match="too short") as e:
         eng.encode_audio(pcm[:100])
     assert e.value.field == "audio"
+
+
+def drive_streaming_text(eng: Engine, reqs: list[dict], sp: SamplingParams, pieces: int, every: int) -> dict:
+    """Each request starts with its trailing text's first id only (step_text_open) and gets the
+    rest in `pieces` appends, one every `every` steps (the last one final), while the others
+    run; -> frames per request, and (frames it had, text ids it had been given) at each append."""
+    feeds, given = {}, {}
+    for i, c in enumerate(reqs):
+        given[f"r{i}"] = 1
+        rest = c["trailing_ids"].tolist()
+        eng.add_request(f"r{i}", c["text_ids"].tolist(), sp, prompt_frames=c["codec_ids"], step_text_ids=rest[:1],
+                        group_sampling=GREEDY_GROUPS, prompt_vectors=xvector(c), step_text_open=True)
+        cuts = np.linspace(1, len(rest), pieces + 1).round().astype(int)
+        feeds[f"r{i}"] = [rest[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    got = {f"r{i}": [] for i in range(len(reqs))}
+    seen = {k: [] for k in got}
+    step = 0
+    while eng.has_unfinished:
+        if step % every == every - 1:
+            for k, f in feeds.items():
+                if f:
+                    seen[k].append((sum(len(x) for x in got[k]), given[k]))
+                    given[k] += len(f[0])
+                    eng.append_text(k, f.pop(0), final=not f)
+        for o in eng.step():
+            if o.frames is not None:
+                got[o.request_id].append(o.frames)
+        step += 1
+        assert step < 2000, "held rows never resumed"
+    return {k: np.concatenate(v) for k, v in got.items()}, seen
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_streamed_text_gives_the_frames_of_the_whole_text(golden, async_scheduling):
+    """The streaming-text prompts (CustomVoice speakers, Base x-vector and ICL) with their
+    trailing text arriving in pieces while the rows run: each row is held while its next text
+    id has not come (frame j + 1 needs text id j: with t ids it has at most t + 1 frames), and
+    the greedy frames equal the reference's generate() with the whole text up front."""
+    n = json.loads((golden / "manifest.json").read_text())["max_new_tokens"] - 1
+    for model, names in (("custom_voice", ("speaker_streaming", "dialect_streaming")),
+                         ("base", ("xvector", "icl_streaming"))):
+        refs = [c for c in cases(golden, model) if c["name"] in names]
+        eng = make_engine(golden / model / "checkpoint", async_scheduling=async_scheduling)
+        got, seen = drive_streaming_text(eng, refs, SamplingParams(temperature=0.0, max_tokens=n), pieces=3, every=4)
+        for i, ref in enumerate(refs):
+            np.testing.assert_array_equal(got[f"r{i}"], ref["frames"], err_msg=f"{model} {ref['name']}")
+            assert len(seen[f"r{i}"]) == 3
+            for frames_then, ids_given in seen[f"r{i}"]:
+                assert frames_then <= ids_given + 1, (ref["name"], frames_then, ids_given)
+            assert any(f == g + 1 for f, g in seen[f"r{i}"]), "no row was ever held: the test proves nothing"
+        assert not eng.requests
+
+
+def test_append_text_rules(golden):
+    ref = next(c for c in cases(golden, "custom_voice") if c["name"] == "speaker_streaming")
+    eng = make_engine(golden / "custom_voice" / "checkpoint", async_scheduling=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    args = dict(prompt_frames=ref["codec_ids"], step_text_ids=ref["trailing_ids"][:1].tolist())
+    eng.add_request("closed", ref["text_ids"].tolist(), sp, **args)
+    with pytest.raises(InvalidRequest, match="takes no more text") as e:
+        eng.append_text("closed", [5], final=True)
+    assert e.value.field == "step_text_ids"
+    eng.add_request("open", ref["text_ids"].tolist(), sp, step_text_open=True, **args)
+    with pytest.raises(InvalidRequest) as e:
+        eng.append_text("open", [10_000], final=False)
+    assert e.value.field == "step_text_ids"
+    assert eng.fail_request("open", e.value)
+    outs = {o.request_id: o for _ in range(40) for o in eng.step() if o.finished}
+    assert outs["open"].finish_reason == "error" and "step_text_ids" in outs["open"].error
+    assert outs["closed"].finish_reason == "length"
+    assert eng.append_text("closed", [5], final=True) is False  # gone: its text no longer matters
+    # a row that waits for text schedules nothing: the engine says so (its loop blocks on input)
+    eng.add_request("held", ref["text_ids"].tolist(), SamplingParams(temperature=0.0, max_tokens=8),
+                    step_text_open=True, **args)
+    for _ in range(10):
+        eng.step()
+    assert eng.stalled_on_input and eng.has_unfinished
+    frames_before = eng.requests["held"].num_output_tokens
+    eng.append_text("held", ref["trailing_ids"][1:].tolist(), final=True)
+    while eng.has_unfinished:
+        eng.step()
+    assert frames_before <= 2
