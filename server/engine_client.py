@@ -275,6 +275,11 @@ class EngineClient:
             if not st.finished:  # consumer left early: free the engine's work within a step
                 self._send_abort(req.request_id)
 
+    async def append_text(self, request_id: str, step_text_ids: list[int], final: bool) -> None:
+        """More text ids of a running request added with step_text_open (ipc.AppendText)."""
+        if self._alive and request_id in self._streams:
+            await self._push.send(ipc.encode_inbound(ipc.AppendText(request_id, step_text_ids, final)))
+
     async def abort(self, request_id: str) -> None:
         st = self._streams.get(request_id)
         if st is not None and not st.finished:

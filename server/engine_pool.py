@@ -161,6 +161,12 @@ class EnginePool:
             self._in_flight[i] -= 1
             del self._owner[req.request_id]
 
+    async def append_text(self, request_id: str, step_text_ids: list[int], final: bool) -> None:
+        """More text of a running request, to the engine that runs it."""
+        i = self._owner.get(request_id)
+        if i is not None:
+            await self.engines[i].append_text(request_id, step_text_ids, final)
+
     async def abort(self, request_id: str) -> None:
         i = self._owner.get(request_id)
         if i is not None:  # an unknown id has no stream left to free

@@ -90,6 +90,10 @@ def _speech(rid: str, key: str | None, text: str, voice: str | None, sampling: d
     return encode(ZmqRequest("speech", rid, api_key=key, input=text, voice=voice, sampling=sampling or None))
 
 
+def _append(rid: str, key: str | None, text: str, final: bool) -> bytes:
+    return encode(ZmqRequest("append", rid, api_key=key, input=text, final=final))
+
+
 def _abort(rid: str, key: str | None) -> bytes:
     return encode(ZmqRequest("abort", rid, api_key=key))
 
@@ -124,8 +128,9 @@ class ZmqClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _stream(self, payload: bytes, rid: str) -> Iterator[Step]:
-        self.sock.send(payload)
+    def _stream(self, payload: bytes | None, rid: str) -> Iterator[Step]:
+        if payload is not None:  # None: sent already
+            self.sock.send(payload)
         done = False
         try:
             while True:
@@ -167,6 +172,20 @@ class ZmqClient:
                request_id: str | None = None) -> Iterator[Step]:
         rid = request_id or uuid.uuid4().hex
         return self._stream(_speech(rid, self.api_key, text, voice, sampling), rid)
+
+    def speech_streamed(self, pieces: list[str], *, voice: str | None = None, sampling: dict | None = None,
+                        request_id: str | None = None, interval_s: float = 0.0) -> Iterator[Step]:
+        """Speak a text sent in pieces (stream_input): the first with the request, the others
+        as appends `interval_s` apart (the last one final), then the replies; a model that
+        speaks whole texts only answers with an error naming stream_input."""
+        rid = request_id or uuid.uuid4().hex
+        first = encode(ZmqRequest("speech", rid, api_key=self.api_key, input=pieces[0], voice=voice,
+                                  sampling=sampling or None, stream_input=True, final=len(pieces) == 1))
+        self.sock.send(first)
+        for i, piece in enumerate(pieces[1:], start=2):
+            time.sleep(interval_s)
+            self.sock.send(_append(rid, self.api_key, piece, i == len(pieces)))
+        return self._stream(None, rid)
 
 
 class AsyncZmqClient:

@@ -6,7 +6,10 @@ for other languages.
   server has a key
      {"type": "generate", "id": str, "prompt_token_ids": [int] | "prompt": str,
       "sampling": {...SamplingParams fields}, "hidden_state_layers": [int], "api_key": str}
-     {"type": "speech", "id": str, "input": str, "voice": str, "sampling": {...}}
+     {"type": "speech", "id": str, "input": str, "voice": str, "sampling": {...},
+      "stream_input": bool}            (true: more text follows as "append" messages; Qwen3-TTS)
+     {"type": "append", "id": str, "input": str, "final": bool}   (the next piece of that text;
+                                       final: the text is complete; the first may be final too)
      {"type": "abort", "id": str}
      {"type": "ping", "id": str}                      (answered by a pong: a liveness check)
   server -> client: multipart [header, *tensor frames]; the header is a msgpack map
@@ -40,7 +43,7 @@ UNAVAILABLE = "unavailable"
 INTERNAL_ERROR = "internal_error"  # a server bug handling this frame (logged); the gateway keeps serving
 ERROR_CODES = (INVALID_REQUEST, UNAUTHORIZED, TOO_LARGE, NO_SPEECH, OVERLOADED, UNAVAILABLE, INTERNAL_ERROR)
 
-REQUEST_TYPES = ("generate", "speech", "abort", "ping")
+REQUEST_TYPES = ("generate", "speech", "append", "abort", "ping")
 
 
 class ZmqRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -57,6 +60,8 @@ class ZmqRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True)
     voice: str | None = None  # speech: one of the profile's voices; None = its default
     sampling: GenerationOptions | None = None  # SamplingParams fields (speech: over the voice defaults)
     hidden_state_layers: list[int] | None = None  # generate: output_hidden_states indexing
+    stream_input: bool | None = None  # speech: `input` is the text's first piece, "append"s bring the rest
+    final: bool | None = None  # append (and a stream_input speech): the text is complete
 
     def generate_request(self) -> GenerateRequest:
         """The generate fields, for streaming.schema.generate_job."""

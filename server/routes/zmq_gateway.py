@@ -7,6 +7,13 @@ Every frame gets an answer: a frame over `zmq_max_message_bytes`, an unreadable 
 without the server's `api_key` or with a wrong field gets an error reply naming the limit or
 the field in the client's terms, and the request does not run.
 
+A speech request with `stream_input` takes its text in pieces ("append" messages, the last one
+`final`): its Qwen3-TTS request starts as soon as the ids so far fix its prompt
+(server/tts/qwen3_tts_prompt.py StreamedText: ids are final up to the last space) and the rest
+of the text reaches the running request as it arrives (ipc.AppendText); a row whose next text
+id has not come waits in the engine. At most MAX_PENDING_PIECES pieces wait unread, and the
+whole text is bounded by max_input_chars.
+
 A client's requests are aborted when it sends `abort`, and when its connection goes away:
 ROUTER cannot see that by itself, so the socket monitor reports closed connections, and ZMTP
 heartbeats (PING every third of `zmq_client_timeout_s`, answered by the peer's libzmq without
@@ -28,6 +35,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from server.engine_api import EngineOverloaded, EngineUnavailable
 from server.settings import ServerSettings
+from server.tts.qwen3_tts_prompt import StreamedText
 from streaming.ipc import AddRequest, RequestOutput
 from streaming.sampling_params import InvalidRequest, SamplingParams
 from streaming.schema import (
@@ -62,6 +70,7 @@ log = logging.getLogger("omnistream.zmq")
 # libzmq drops (unread, with the connection) frames over this many times the served limit:
 # a bound on memory; between the two, the frame is read and answered with `too_large`.
 HARD_LIMIT_FACTOR = 4
+MAX_PENDING_PIECES = 256  # appends of one streamed text not yet read by its request
 _MONITORED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
 # Engine-side field names -> the client's, per request shape (the engine sees token ids only).
@@ -78,6 +87,8 @@ class ZmqGateway:
         self._api_key = settings.api_key.encode("utf-8", "surrogatepass") if settings.api_key else None
         self._ctx = zmq.asyncio.Context.instance()
         self._tasks: dict[tuple[bytes, str], asyncio.Task] = {}
+        # stream_input speech requests still taking text: (text piece, final) queues
+        self._inputs: dict[tuple[bytes, str], asyncio.Queue] = {}
         self._idents_by_fd: dict[int, set[bytes]] = {}  # connections (by fd) -> identities seen on them
         self._closed_fds: set[int] = set()  # disconnected, and no connection accepted on the fd since
         self._loop_task: asyncio.Task | None = None
@@ -169,13 +180,19 @@ class ZmqGateway:
                 t.cancel()  # the generator's close aborts it in the engine
         elif msg.type == "ping":
             await self._send(ident, PongReply(msg.id), [])
+        elif msg.type == "append":
+            await self._append(ident, msg)
         elif msg.type not in ("generate", "speech"):
             await self._error(ident, msg.id, INVALID_REQUEST,
-                              f"type: unknown message type {msg.type!r} (generate, speech, abort, ping)", "type")
+                              f"type: unknown message type {msg.type!r} (generate, speech, append, abort, ping)",
+                              "type")
         elif key in self._tasks:
             await self._error(ident, msg.id, INVALID_REQUEST, f"id: {msg.id!r} is already running", "id")
         else:
-            task = asyncio.create_task(self._run(ident, msg))
+            pieces = None
+            if msg.type == "speech" and msg.stream_input:  # the text's next pieces (_append)
+                pieces = self._inputs[key] = asyncio.Queue(MAX_PENDING_PIECES)
+            task = asyncio.create_task(self._run(ident, msg, pieces))
             self._tasks[key] = task
             task.add_done_callback(lambda _t, k=key: self._tasks.pop(k, None) if self._tasks.get(k) is _t else None)
 
@@ -189,6 +206,26 @@ class ZmqGateway:
                                    "takes as a bearer token) in every message's `api_key`", "api_key", rid)
         return read_request(frame, self.settings.zmq_max_message_bytes)
 
+    async def _append(self, ident: bytes, msg: ZmqRequest) -> None:
+        """The next piece of a stream_input speech request's text."""
+        q = self._inputs.get((ident, msg.id))
+        if q is None:
+            await self._error(ident, msg.id, INVALID_REQUEST, f"id: no speech request {msg.id!r} is taking text "
+                              "(append follows a speech request with stream_input, until a final piece)", "id")
+            return
+        try:
+            check_text(msg.input or "", "input", self.settings.max_input_chars, allow_empty=True)
+        except SchemaError as e:
+            await self._error(ident, msg.id, INVALID_REQUEST, str(e), e.field)
+            return
+        if q.full():
+            await self._error(ident, msg.id, INVALID_REQUEST, f"input: more than {MAX_PENDING_PIECES} pieces "
+                              "wait unread; send fewer, larger pieces", "input")
+            return
+        q.put_nowait((msg.input or "", bool(msg.final)))
+        if msg.final:
+            del self._inputs[(ident, msg.id)]
+
     # ---- one request --------------------------------------------------------------------------
 
     async def _build(self, msg: ZmqRequest) -> AddRequest:
@@ -198,16 +235,10 @@ class ZmqGateway:
         limits = RequestLimits.of(self.engine.info, self.settings.max_input_chars)
         given = msg.sampling.given() if msg.sampling is not None else {}
         if msg.type == "speech":
-            if not self.profile.speaks:
-                raise RequestError(NO_SPEECH, "type: this model has no speech profile (a text model, or served "
-                                   "without a codec): use generate", "type", msg.id)
+            voice, sampling = self._speech_voice(msg)
             if msg.input is None:
                 raise SchemaError("input", "this field is required", MISSING)
             text = check_text(msg.input, "input", limits.max_input_chars)
-            voice = msg.voice or self.profile.default_voice
-            if voice not in self.profile.voices:
-                raise SchemaError("voice", f"unknown voice {voice!r}; available: {', '.join(self.profile.voices)}")
-            sampling = sampling_params(given, self.profile.sampling, limits, nested_names())
             prompt = self.profile.build_prompt(self.tokenizer, voice, text)
             return prompt.add_request(rid, sampling)
         job = generate_job(msg.generate_request(), SamplingParams(), limits)
@@ -225,11 +256,69 @@ class ZmqGateway:
             names = _GENERATE_TOKEN_FIELDS if msg.prompt_token_ids is not None else _GENERATE_TEXT_FIELDS
         return names.get(field, field)
 
-    async def _run(self, ident: bytes, msg: ZmqRequest) -> None:
+    async def _streamed(self, ident: bytes, msg: ZmqRequest, q: asyncio.Queue):
+        """A stream_input speech request: its text read from `q` until its prompt is fixed (or
+        the text is complete: then an ordinary request), and the coroutine function feeding the
+        rest to the engine (None for the ordinary request)."""
+        key = (ident, msg.id)
+        voice, sampling = self._speech_voice(msg)
+        limit = self.settings.max_input_chars
+        text = StreamedText(self.tokenizer)
+        piece, final = check_text(msg.input or "", "input", limit, allow_empty=True), bool(msg.final)
+        if final:
+            self._inputs.pop(key, None)
+        ids = await text.feed(piece, final)
+        prompt = None
+        while not final:
+            prompt = await self.profile.build_open_prompt(self.tokenizer, voice, ids)
+            if prompt is not None:
+                break
+            piece, final = await q.get()
+            ids += await text.feed(piece, final)
+            if len(text.text) > limit:
+                raise SchemaError("input", f"the streamed text is longer than {limit} characters")
+        rid = f"zmq-{uuid.uuid4().hex}"
+        if prompt is None:  # complete before it could start: the whole text at once
+            if not text.text.strip():
+                raise SchemaError("input", "the streamed text is empty", MISSING)
+            return self.profile.build_prompt(self.tokenizer, voice, text.text).add_request(rid, sampling), None
+
+        async def feed() -> None:
+            final = False
+            while not final:
+                piece, final = await q.get()
+                new = await text.feed(piece, final)
+                if len(text.text) > limit:  # the request ends here: its text is cut at the limit
+                    new, final = [], True
+                await self.engine.append_text(rid, new + (self.profile.end_of_text() if final else []), final)
+
+        return prompt.add_request(rid, sampling, text_open=True), feed
+
+    def _speech_voice(self, msg: ZmqRequest) -> tuple[str, SamplingParams]:
+        if not self.profile.speaks:
+            raise RequestError(NO_SPEECH, "type: this model has no speech profile (a text model, or served "
+                               "without a codec): use generate", "type", msg.id)
+        if msg.stream_input and not self.profile.takes_streamed_text:
+            raise SchemaError("stream_input", "this model speaks whole texts only (send the text in `input`)")
+        voice = msg.voice or self.profile.default_voice
+        if voice not in self.profile.voices:
+            raise SchemaError("voice", f"unknown voice {voice!r}; available: {', '.join(self.profile.voices)}")
+        limits = RequestLimits.of(self.engine.info, self.settings.max_input_chars)
+        given = msg.sampling.given() if msg.sampling is not None else {}
+        return voice, sampling_params(given, self.profile.sampling, limits, nested_names())
+
+    async def _run(self, ident: bytes, msg: ZmqRequest, pieces: asyncio.Queue | None = None) -> None:
+        feeder = None
         try:
-            req = await self._build(msg)
+            feed = None
+            if pieces is not None:
+                req, feed = await self._streamed(ident, msg, pieces)
+            else:
+                req = await self._build(msg)
             async with contextlib.aclosing(self.engine.generate(req)) as stream:
                 async for out in stream:
+                    if feed is not None and feeder is None:  # the request runs: feed it its text
+                        feeder = asyncio.create_task(feed())
                     await self._send_step(ident, msg.id, out)
         except RequestError as e:
             await self._send(ident, e.reply(), [])
@@ -245,6 +334,12 @@ class ZmqGateway:
             await self._error(ident, msg.id, OVERLOADED, str(e))
         except EngineUnavailable as e:
             await self._error(ident, msg.id, UNAVAILABLE, str(e))
+        finally:
+            self._inputs.pop((ident, msg.id), None)
+            if feeder is not None:
+                if feeder.done() and not feeder.cancelled() and feeder.exception() is not None:
+                    log.error("zmq gateway: feeding the text of %r failed", msg.id, exc_info=feeder.exception())
+                feeder.cancel()
 
     async def _send_step(self, ident: bytes, rid: str, out: RequestOutput) -> None:
         frames: list = []

@@ -21,11 +21,14 @@ and slicing, as the reference does, so tokens at the text's edges match it."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from server.errors import invalid_request
 from server.tokenizer import TextTokenizer
 from streaming.qwen3_tts_profile import Qwen3TtsPromptIds
+
+log = logging.getLogger(__name__)
 
 AUTO = "auto"
 ROLE_LEN = 3  # <|im_start|> assistant \n
@@ -154,13 +157,31 @@ class Qwen3TtsPrompts:
         role, text = split_turn(turn_ids)
         if not text:
             raise invalid_request("input: the text has no tokens to speak", param="input")
+        return self._rows(role, text, voice, language, instruct_ids, clone, None)
+
+    def build_open(self, role: list[int], text: list[int], voice: str, language: str | None = None,
+                   instruct_ids: list[int] = (), clone: CloneRef | None = None) -> Qwen3TtsRows | None:
+        """The streaming-text rows of a text still arriving, `text` its final ids so far:
+        step_text_ids are the ids past the prompt's, without the closing tts_eos (the rest of
+        the text comes as it arrives). None while the ids so far do not fix the prompt's rows
+        (none yet; an ICL voice pairs text with its clip's frames, so it needs as many ids as
+        frames, less its transcript's)."""
+        if not text:
+            return None
+        rows = self._rows(role, text, voice, language, instruct_ids, clone, False)
+        if rows.step_text_ids[-1:] != [self.ids.tts_eos]:
+            return None
+        return Qwen3TtsRows(rows.ids, rows.frames, rows.step_text_ids[:-1], rows.vector_row)
+
+    def _rows(self, role: list[int], text: list[int], voice: str, language: str | None, instruct_ids: list[int],
+              clone: CloneRef | None, non_streaming: bool | None) -> Qwen3TtsRows:
         language = AUTO if language is None else language.lower()
         if language != AUTO and language not in self.ids.languages:
             raise invalid_request(f"language: {language!r} is not one of auto, {', '.join(self.ids.languages)}",
                                   param="language")
         # VoiceDesign and cloned voices: no speaker row (a clone's x-vector takes its place)
         speaker = None if self.ids.designs_voice or clone is not None else voice
-        return qwen3_tts_rows(self.ids, role, text, speaker, language, instruct_ids, clone=clone)
+        return qwen3_tts_rows(self.ids, role, text, speaker, language, instruct_ids, non_streaming, clone=clone)
 
     @staticmethod
     def _clone(ref_ids: list[int] | None, frames: list[list[int]]) -> CloneRef:
@@ -174,6 +195,17 @@ class Qwen3TtsPrompts:
                if clone is not None else None)
         return self.build(tokenizer.encode(assistant_turn(text)), voice, language, instruct, ref)
 
+    async def encode_open(self, tokenizer: TextTokenizer, voice: str, text_ids: list[int], language: str | None = None,
+                          instructions: str | None = None,
+                          clone: tuple[str, list[list[int]]] | None = None) -> Qwen3TtsRows | None:
+        """build_open over a tokenizer: `text_ids` the final ids so far (StreamedText)."""
+        instruct = await tokenizer.encode_async(instruct_turn(instructions)) if instructions else []
+        ref = None
+        if clone is not None:
+            ref = self._clone(await tokenizer.encode_async(ref_turn(clone[0])) if clone[0] else None, clone[1])
+        role, _ = split_turn(await tokenizer.encode_async(assistant_turn("")))
+        return self.build_open(role, text_ids, voice, language, instruct, ref)
+
     async def encode_async(self, tokenizer: TextTokenizer, voice: str, text: str, language: str | None = None,
                            instructions: str | None = None,
                            clone: tuple[str, list[list[int]]] | None = None) -> Qwen3TtsRows:
@@ -182,3 +214,31 @@ class Qwen3TtsPrompts:
         if clone is not None:
             ref = self._clone(await tokenizer.encode_async(ref_turn(clone[0])) if clone[0] else None, clone[1])
         return self.build(await tokenizer.encode_async(assistant_turn(text)), voice, language, instruct, ref)
+
+
+class StreamedText:
+    """A text arriving in pieces (a client streaming an LLM's output into speech) -> the text
+    ids of a Qwen3-TTS prompt as they become final. Ids are handed out up to the last
+    whitespace: the Qwen2 pre-tokenizer starts a new piece at a space before a word, so the
+    ids of the text before it do not change with what follows (text without spaces waits for
+    its end). Each call re-tokenizes the text so far as the wrapper's assistant turn and
+    slices it, as a whole text would be."""
+
+    def __init__(self, tokenizer: TextTokenizer):
+        self.tokenizer = tokenizer
+        self.text = ""
+        self.sent: list[int] = []  # ids handed out so far
+
+    async def feed(self, piece: str, final: bool) -> list[int]:
+        """Add `piece`; -> the ids that became final (all the rest when `final`)."""
+        self.text += piece
+        cut = len(self.text) if final else max(self.text.rfind(c) for c in " \t\n")
+        if cut <= 0:
+            return []
+        _, ids = split_turn(await self.tokenizer.encode_async(assistant_turn(self.text[:cut])))
+        n = len(self.sent)
+        if ids[:n] != self.sent:  # a boundary the rule above missed: the ids already fed stay
+            log.warning("streamed text: ids of %r changed under more text; keeping the %d already fed", self.text, n)
+        new = ids[n:]
+        self.sent += new
+        return new

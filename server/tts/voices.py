@@ -43,10 +43,12 @@ class SpeechPrompt:
     # Qwen3-TTS Base: a cloned voice's x-vector over its speaker position
     vectors: list[PromptVector] | None = None
 
-    def add_request(self, request_id: str, sampling: SamplingParams) -> AddRequest:
-        """The engine request speaking this prompt (every protocol's speech requests)."""
+    def add_request(self, request_id: str, sampling: SamplingParams, text_open: bool = False) -> AddRequest:
+        """The engine request speaking this prompt (every protocol's speech requests);
+        text_open: its text is still arriving (SpeechProfile.build_open_prompt)."""
         return AddRequest(request_id=request_id, prompt_token_ids=self.ids, sampling=sampling, audio=True,
-                          prompt_frames=self.frames, step_text_ids=self.step_text_ids, prompt_vectors=self.vectors)
+                          prompt_frames=self.frames, step_text_ids=self.step_text_ids, prompt_vectors=self.vectors,
+                          step_text_open=text_open)
 
 
 class SpeechProfile:
@@ -210,6 +212,27 @@ class SpeechProfile:
         speaker = ref.speaker if ref is not None else voice
         body = await tokenizer.encode_async(s.text_template.format(voice=speaker, text=text), add_bos=s.add_bos)
         return SpeechPrompt([*self._reference_ids(tokenizer, ref), *self._turn(body)], self._frames(ref))
+
+    @property
+    def takes_streamed_text(self) -> bool:
+        """Whether a request's text may keep arriving while it speaks (Qwen3-TTS's streaming
+        text layout: one text id fed with each generated frame)."""
+        return self._qwen3 is not None
+
+    def end_of_text(self) -> list[int]:
+        """The step text that closes a streamed text (Qwen3-TTS: tts_eos)."""
+        return [self._qwen3.ids.tts_eos]
+
+    async def build_open_prompt(self, tokenizer: TextTokenizer, voice: str, text_ids: list[int],
+                                language: str | None = None, instructions: str | None = None) -> SpeechPrompt | None:
+        """The prompt of a text still arriving (takes_streamed_text), `text_ids` its final ids
+        so far (StreamedText); None until they fix the prompt. Its AddRequest goes with
+        step_text_open; the rest of the text follows as AppendText, closed by end_of_text()."""
+        if not self.takes_streamed_text:
+            raise invalid_request("stream_input: this model speaks whole texts only", param="stream_input")
+        ref = self._known(voice)
+        rows = await self._qwen3.encode_open(tokenizer, voice, text_ids, language, instructions, clone=_clone(ref))
+        return None if rows is None else _rows_prompt(rows, ref)
 
 
 def _clone(ref: ReferenceVoice | None) -> tuple[str, list[list[int]]] | None:

@@ -17,6 +17,7 @@ import pytest
 import websockets
 
 from streaming.zmq_client import ZmqClient
+from streaming.zmq_protocol import ZmqRequest, decode_reply, encode
 from tests.e2e.helpers import WAIT_S, speak_session
 from tests.support.server_proc import ServerProc, start_server
 from tests.support.tiny_qwen3_tts import make_served_qwen3_tts, text_of_ids
@@ -127,3 +128,25 @@ def test_greedy_speech_frames_equal_the_reference(qwen3_server: ServerProc, qwen
                                                              "max_tokens": n}))
     frames = np.concatenate([s.frames for s in steps if s.token_ids])
     np.testing.assert_array_equal(frames, case["frames"])
+
+
+def test_zmq_streamed_text_is_spoken_whatever_its_timing(qwen3_server: ServerProc):
+    """A speech request whose text arrives in pieces (stream_input, then appends): it speaks
+    before the text is complete, and the frames do not depend on when the pieces arrive (the
+    same seed with the pieces at once and 150 ms apart gives the same frames and PCM); an
+    append to an id taking no text is refused naming `id`."""
+    pieces = ["Hello there ", "how are ", "you today? ", "I am fine."]
+    sampling = {"seed": 11, "max_tokens": MAX_FRAMES}
+    with ZmqClient(qwen3_server.zmq_endpoint, timeout_s=WAIT_S) as c:
+        fast = list(c.speech_streamed(pieces, voice="bob", sampling=sampling))
+        slow = list(c.speech_streamed(pieces, voice="bob", sampling=sampling, interval_s=0.15))
+    for steps in (fast, slow):
+        assert steps[-1].finished and steps[-1].finish_reason in ("stop", "length")
+    frames = [np.concatenate([s.frames for s in steps if s.token_ids]) for steps in (fast, slow)]
+    np.testing.assert_array_equal(frames[0], frames[1])
+    pcm = [b"".join(s.audio.tobytes() for s in steps if s.audio is not None) for steps in (fast, slow)]
+    assert pcm[0] == pcm[1] and len(pcm[0]) % FRAME_BYTES == 0 and pcm[0]
+    with ZmqClient(qwen3_server.zmq_endpoint, timeout_s=WAIT_S) as c:
+        c.sock.send(encode(ZmqRequest("append", "nobody", input="more", final=True)))
+        reply = decode_reply(c.sock.recv_multipart()[0])
+    assert reply.code == "invalid_request" and reply.param == "id"

@@ -16,7 +16,8 @@ import pytest
 
 from server.errors import APIError
 from server.tokenizer import TextTokenizer
-from server.tts.qwen3_tts_prompt import CloneRef, assistant_turn, qwen3_tts_rows, split_turn
+from server.tts.qwen3_tts_prompt import (CloneRef, Qwen3TtsPrompts, StreamedText, assistant_turn, qwen3_tts_rows,
+                                         split_turn)
 from server.tts.voices import SpeechProfile
 from streaming.profile import ProfileError, read_profile
 from streaming.qwen3_tts_profile import qwen3_tts_sampling
@@ -212,3 +213,45 @@ async def test_voice_design_folder_speaks_without_a_speaker_row(golden, tmp_path
     assert (got.ids, got.frames) == (want.ids, want.frames)
     n = len(instruct) + 3
     assert [f[0] for f in got.frames[n : n + 5]] == [43, 45, 51, 46, 40]  # think.. chinese .., then codec_pad
+
+
+async def test_streamed_text_hands_out_final_ids_only(default_model_dir, tmp_path):
+    """A byte-level BPE (the embedded default's, with Qwen's chat tokens added as special
+    tokens, and 'assistant' one token as in Qwen's): fed a character at a time, every id handed out is the whole text's id at that
+    index (ids never change once given), ids come before the text ends (at each space), and
+    the ids of the whole text are handed out in the end."""
+    from tokenizers import Tokenizer
+
+    bpe = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    bpe.add_special_tokens(["<|im_start|>", "<|im_end|>", "assistant"])  # one id each, as in Qwen's vocabulary
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    tok = TextTokenizer.from_folder(tmp_path)
+    text = "Hello there, how are you doing today? I'm fine: 42 apples, thanks!"
+    whole = split_turn(tok.encode(assistant_turn(text)))[1]
+    stream = StreamedText(tok)
+    got, early = [], 0
+    for i, ch in enumerate(text):
+        new = await stream.feed(ch, final=i == len(text) - 1)
+        got += new
+        assert got == whole[: len(got)], (i, ch)
+        early = early or (len(got) if i < len(text) - 1 else 0)
+    assert got == whole and early > 0
+    assert await StreamedText(tok).feed("nospace", final=False) == []
+
+
+def test_open_rows_hold_back_the_end_and_wait_for_enough_text(golden):
+    """The open prompt is the streaming layout of the ids so far without its closing tts_eos;
+    an ICL voice's rows pair text with its clip's frames, so they wait for enough ids."""
+    spec = read_profile(golden / "custom_voice" / "checkpoint").speech
+    prompts = Qwen3TtsPrompts(spec.qwen3_tts)
+    whole = qwen3_tts_rows(spec.qwen3_tts, ROLE, [5, 6, 7], "alice", "english", (), False)
+    open_ = prompts.build_open(ROLE, [5, 6, 7], "alice", "english")
+    assert (open_.ids, open_.frames) == (whole.ids, whole.frames)
+    assert open_.step_text_ids == [6, 7] and whole.step_text_ids == [6, 7, spec.qwen3_tts.tts_eos]
+    assert prompts.build_open(ROLE, [], "alice") is None
+    base = Qwen3TtsPrompts(read_profile(golden / "base" / "checkpoint").speech.qwen3_tts)
+    clip = CloneRef([9, 9], [[1, 2, 3, 4]] * 5)  # bos + 5 frames: 6 codec rows, 2 transcript ids
+    assert base.build_open(ROLE, [5, 6, 7], "v", clone=clip) is None  # 2 + 3 + eos = 6 rows: no trailing
+    rows = base.build_open(ROLE, [5, 6, 7, 8], "v", clone=clip)  # 7 rows: eos trails, all 4 ids in the prompt
+    assert rows is not None and rows.step_text_ids == [] and rows.vector_row is not None
+    assert base.build_open(ROLE, [5, 6, 7, 8, 10], "v", clone=clip).step_text_ids == [10]

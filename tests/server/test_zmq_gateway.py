@@ -375,6 +375,9 @@ async def test_the_gateway_judges_each_field_as_http_does(field, value, param):
     ({"type": "speech", "input": "hi \x1b there"}, "input"),
     ({"type": "speech", "input": "Hi.", "sampling": {"max_tokens": 10**9}}, "sampling.max_tokens"),
     ({"type": "speech", "input": "Hi.", "sampling": {"temperature": float("nan")}}, "sampling.temperature"),
+    # text streamed in: only a model with the streaming-text layout (Qwen3-TTS) takes it
+    ({"type": "speech", "input": "Hi ", "stream_input": True}, "stream_input"),
+    ({"type": "append", "input": "more"}, "id"),  # no stream_input request under this id
 ])
 async def test_text_and_speech_fields_are_judged_by_the_schema(msg: dict, param: str):
     engine = FakeEngine()
