@@ -454,3 +454,35 @@ def test_append_text_rules(golden):
     while eng.has_unfinished:
         eng.step()
     assert frames_before <= 2
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_held_rows_preempted_and_recomputed_keep_their_frames(golden, async_scheduling):
+    """A KV cache too small for all four CustomVoice prompts; speaker_streaming, added last,
+    gets the rest of its text only at step 20, so it waits, the newest row, while the others
+    grow: it is preempted while it waits, and recomputes up to its last position whose text
+    has come (never one without its text id); every request's frames equal the reference's."""
+    refs = cases(golden, "custom_voice")
+    n = json.loads((golden / "manifest.json").read_text())["max_new_tokens"] - 1
+    eng = make_engine(golden / "custom_voice" / "checkpoint", async_scheduling=async_scheduling, num_blocks=16,
+                      prefix=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=n)
+    for i in (1, 2, 3, 0):
+        c, held = refs[i], i == 0
+        trailing = c["trailing_ids"].tolist()
+        eng.add_request(f"r{i}", c["text_ids"].tolist(), sp, prompt_frames=c["codec_ids"],
+                        step_text_ids=trailing[:1] if held else trailing, group_sampling=GREEDY_GROUPS,
+                        step_text_open=held)
+    got = {f"r{i}": [] for i in range(4)}
+    step, preempted = 0, 0
+    while eng.has_unfinished:
+        if step == 20:
+            preempted = eng.requests["r0"].num_preemptions
+            eng.append_text("r0", refs[0]["trailing_ids"].tolist()[1:], final=True)
+        for o in eng.step():
+            if o.frames is not None:
+                got[o.request_id].append(o.frames)
+        step += 1
+    assert preempted > 0
+    for i, ref in enumerate(refs):
+        np.testing.assert_array_equal(np.concatenate(got[f"r{i}"]), ref["frames"], err_msg=ref["name"])
