@@ -40,9 +40,12 @@ class WarmUp:
 
     def _warm_up_audio(self) -> None:
         sp = self._warm_sampling_params(26 if self.frames else 7 * 26)
-        vocab = self.cfg.model.vocab_size
-        self.add_request("__warmup__", [i % vocab for i in range(1, 33)], sp, audio=True)
+        self._add_warm("__warmup__", [i % self.cfg.model.vocab_size for i in range(1, 33)], sp, audio=True)
         self._run_to_end()
+
+    def _add_warm(self, request_id: str, prompt: list[int], sampling: SamplingParams, **kw) -> None:
+        """add_request with what the family's requests carry besides their ids (ModelFamily.warm_up_args)."""
+        self.add_request(request_id, prompt, sampling, **kw, **self.family.warm_up_args(prompt))
 
     def warm_up_eager_prefill(self) -> None:
         """Run the eager prefill path once alone (with hidden states) and once joining running
@@ -63,16 +66,16 @@ class WarmUp:
         def prompt(n: int, salt: int) -> list[int]:
             return [(salt + 7 * i) % vocab for i in range(min(n, longest))]
 
-        self.add_request("__warmup_prefill__", prompt(2 * MAX_TOKEN_ROW_QUERY + 100, 1), text,
-                         hidden_state_layers=() if self.frames else (-1,))
+        self._add_warm("__warmup_prefill__", prompt(2 * MAX_TOKEN_ROW_QUERY + 100, 1), text,
+                       hidden_state_layers=() if self.frames else (-1,))
         self._run_to_end()
         n_decodes = min(8, self.cfg.scheduler.max_num_seqs - 1)
         if n_decodes < 1:
             return
         for i in range(n_decodes):  # speech while the codec has streams for them (Mimi: max_streams)
-            self.add_request(f"__warmup_decode{i}__", prompt(16, 100 + i), decode, audio=audio and self.codec.can_open())
+            self._add_warm(f"__warmup_decode{i}__", prompt(16, 100 + i), decode, audio=audio and self.codec.can_open())
         self.step()
         self.step()  # the short prompts are decoding now ...
-        self.add_request("__warmup_join__", prompt(3 * MAX_TOKEN_ROW_QUERY + 77, 2), text)  # ... and a long one joins
+        self._add_warm("__warmup_join__", prompt(3 * MAX_TOKEN_ROW_QUERY + 77, 2), text)  # ... and a long one joins
         self._run_to_end()
 

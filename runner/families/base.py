@@ -225,6 +225,11 @@ class ModelFamily(ABC):
             raise InvalidRequest("prompt_vectors", f"the {self.name} family takes no prompt vectors")
         return None
 
+    def warm_up_args(self, prompt_token_ids: list[int]) -> dict:
+        """add_request arguments a request of these prompt ids needs besides them (a family
+        whose prompts are rows: their codec part), for the engine's start-up requests."""
+        return {}
+
     def codec_prefix(self, rows: np.ndarray | None) -> np.ndarray | None:
         """Frames [n, K] the codec decodes into a request's stream before its own and never
         emits (a reference clip the audio continues), from the prompt's rows; None: none."""

@@ -170,6 +170,11 @@ class Qwen3TtsFamily(ModelFamily):
                                  f"codes must be codes (code 0 in [0, {c.codebook_size}))")
         return np.concatenate([frames.astype(np.int64), np.asarray(prompt_token_ids, dtype=np.int64)[:, None]], axis=1)
 
+    def warm_up_args(self, prompt_token_ids: list[int]) -> dict:
+        """Text-only positions (no codec part) and a trailing text: the streaming layout's path."""
+        return {"prompt_frames": np.full((len(prompt_token_ids), self.codes_per_frame), NO_CODE, dtype=np.int64),
+                "step_text_ids": list(prompt_token_ids[:8])}
+
     def codec_prefix(self, rows: np.ndarray | None) -> np.ndarray | None:
         """A voice-clone prompt's reference frames (rows whose K codes are all given, W:612-629:
         the reference decodes ref_code + the generated codes and cuts the reference's share)."""

@@ -486,3 +486,11 @@ def test_held_rows_preempted_and_recomputed_keep_their_frames(golden, async_sche
     assert preempted > 0
     for i, ref in enumerate(refs):
         np.testing.assert_array_equal(np.concatenate(got[f"r{i}"]), ref["frames"], err_msg=ref["name"])
+
+
+def test_warm_up_runs_the_familys_requests(golden, codec_dir):
+    """The engine's start-up requests carry the family's prompt rows (a Qwen3-TTS request
+    without them is refused: the CUDA server failed to start before ModelFamily.warm_up_args)."""
+    eng = make_engine(golden / "custom_voice" / "checkpoint", async_scheduling=True, codec={"path": str(codec_dir)})
+    eng.warm_up()
+    assert not eng.has_unfinished and eng.num_requests_total == 0
