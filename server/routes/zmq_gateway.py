@@ -28,6 +28,7 @@ import contextlib
 import hmac
 import logging
 import uuid
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -67,6 +68,15 @@ from streaming.zmq_protocol import (
 
 log = logging.getLogger("omnistream.zmq")
 
+
+@dataclass
+class _TextIn:
+    """A stream_input speech request's text still arriving: its unread pieces, and the
+    characters taken so far (bounded by max_input_chars)."""
+
+    queue: asyncio.Queue  # (piece, final)
+    chars: int
+
 # libzmq drops (unread, with the connection) frames over this many times the served limit:
 # a bound on memory; between the two, the frame is read and answered with `too_large`.
 HARD_LIMIT_FACTOR = 4
@@ -87,8 +97,8 @@ class ZmqGateway:
         self._api_key = settings.api_key.encode("utf-8", "surrogatepass") if settings.api_key else None
         self._ctx = zmq.asyncio.Context.instance()
         self._tasks: dict[tuple[bytes, str], asyncio.Task] = {}
-        # stream_input speech requests still taking text: (text piece, final) queues
-        self._inputs: dict[tuple[bytes, str], asyncio.Queue] = {}
+        # stream_input speech requests still taking text
+        self._inputs: dict[tuple[bytes, str], _TextIn] = {}
         self._idents_by_fd: dict[int, set[bytes]] = {}  # connections (by fd) -> identities seen on them
         self._closed_fds: set[int] = set()  # disconnected, and no connection accepted on the fd since
         self._loop_task: asyncio.Task | None = None
@@ -191,7 +201,8 @@ class ZmqGateway:
         else:
             pieces = None
             if msg.type == "speech" and msg.stream_input:  # the text's next pieces (_append)
-                pieces = self._inputs[key] = asyncio.Queue(MAX_PENDING_PIECES)
+                pieces = asyncio.Queue(MAX_PENDING_PIECES)
+                self._inputs[key] = _TextIn(pieces, len(msg.input or ""))
             task = asyncio.create_task(self._run(ident, msg, pieces))
             self._tasks[key] = task
             task.add_done_callback(lambda _t, k=key: self._tasks.pop(k, None) if self._tasks.get(k) is _t else None)
@@ -208,21 +219,27 @@ class ZmqGateway:
 
     async def _append(self, ident: bytes, msg: ZmqRequest) -> None:
         """The next piece of a stream_input speech request's text."""
-        q = self._inputs.get((ident, msg.id))
-        if q is None:
+        t = self._inputs.get((ident, msg.id))
+        if t is None:
             await self._error(ident, msg.id, INVALID_REQUEST, f"id: no speech request {msg.id!r} is taking text "
                               "(append follows a speech request with stream_input, until a final piece)", "id")
             return
+        piece, limit = msg.input or "", self.settings.max_input_chars
         try:
-            check_text(msg.input or "", "input", self.settings.max_input_chars, allow_empty=True)
-        except SchemaError as e:
+            check_text(piece, "input", limit, allow_empty=True)
+            if t.chars + len(piece) > limit:
+                raise SchemaError("input", f"the streamed text would pass {limit} characters; this piece was dropped "
+                                  "(send the text so far as final, and the rest as another request)")
+        except SchemaError as e:  # the request goes on with the text it has
             await self._error(ident, msg.id, INVALID_REQUEST, str(e), e.field)
             return
+        q = t.queue
         if q.full():
             await self._error(ident, msg.id, INVALID_REQUEST, f"input: more than {MAX_PENDING_PIECES} pieces "
                               "wait unread; send fewer, larger pieces", "input")
             return
-        q.put_nowait((msg.input or "", bool(msg.final)))
+        t.chars += len(piece)
+        q.put_nowait((piece, bool(msg.final)))
         if msg.final:
             del self._inputs[(ident, msg.id)]
 
@@ -233,7 +250,6 @@ class ZmqGateway:
         judge the same fields (SchemaError names the field)."""
         rid = f"zmq-{uuid.uuid4().hex}"
         limits = RequestLimits.of(self.engine.info, self.settings.max_input_chars)
-        given = msg.sampling.given() if msg.sampling is not None else {}
         if msg.type == "speech":
             voice, sampling = self._speech_voice(msg)
             if msg.input is None:
@@ -275,8 +291,6 @@ class ZmqGateway:
                 break
             piece, final = await q.get()
             ids += await text.feed(piece, final)
-            if len(text.text) > limit:
-                raise SchemaError("input", f"the streamed text is longer than {limit} characters")
         rid = f"zmq-{uuid.uuid4().hex}"
         if prompt is None:  # complete before it could start: the whole text at once
             if not text.text.strip():
@@ -288,8 +302,6 @@ class ZmqGateway:
             while not final:
                 piece, final = await q.get()
                 new = await text.feed(piece, final)
-                if len(text.text) > limit:  # the request ends here: its text is cut at the limit
-                    new, final = [], True
                 await self.engine.append_text(rid, new + (self.profile.end_of_text() if final else []), final)
 
         return prompt.add_request(rid, sampling, text_open=True), feed

@@ -17,7 +17,7 @@ import pytest
 import websockets
 
 from streaming.zmq_client import ZmqClient
-from streaming.zmq_protocol import ZmqRequest, decode_reply, encode
+from streaming.zmq_protocol import ErrorReply, ZmqRequest, decode_reply, encode
 from tests.e2e.helpers import WAIT_S, speak_session
 from tests.support.server_proc import ServerProc, start_server
 from tests.support.tiny_qwen3_tts import make_served_qwen3_tts, text_of_ids
@@ -26,6 +26,7 @@ pytestmark = pytest.mark.e2e
 
 FRAME_BYTES = 1920 * 2  # int16 PCM of one 12.5 Hz frame
 MAX_FRAMES = 12
+MAX_CHARS = 200
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,8 @@ def qwen3_server(tmp_path_factory, qwen3_tts_golden) -> ServerProc:
     ckpt = qwen3_tts_golden("qwen3_tts_golden") / "custom_voice" / "checkpoint"
     folder = make_served_qwen3_tts(tmp_path_factory.mktemp("qwen3") / "cv", ckpt, max_frames=MAX_FRAMES,
                                    greedy_groups=True)
-    srv = start_server(tmp_path_factory.mktemp("qwen3-server") / "srv", "--model", str(folder))
+    srv = start_server(tmp_path_factory.mktemp("qwen3-server") / "srv", "--model", str(folder),
+                       "--max-input-chars", str(MAX_CHARS))
     try:
         yield srv
     finally:
@@ -149,4 +151,16 @@ def test_zmq_streamed_text_is_spoken_whatever_its_timing(qwen3_server: ServerPro
     with ZmqClient(qwen3_server.zmq_endpoint, timeout_s=WAIT_S) as c:
         c.sock.send(encode(ZmqRequest("append", "nobody", input="more", final=True)))
         reply = decode_reply(c.sock.recv_multipart()[0])
-    assert reply.code == "invalid_request" and reply.param == "id"
+        assert reply.code == "invalid_request" and reply.param == "id"
+        # the whole text is bounded by --max-input-chars: the piece past it is refused, the
+        # request goes on with the text it has
+        c.sock.send(encode(ZmqRequest("speech", "long", input="Hello there ", voice="bob", stream_input=True)))
+        c.sock.send(encode(ZmqRequest("append", "long", input="x" * MAX_CHARS)))
+        c.sock.send(encode(ZmqRequest("append", "long", input="bye.", final=True)))
+        replies = []
+        while not (replies and getattr(replies[-1], "finished", False)):
+            assert c.sock.poll(WAIT_S * 1000)
+            replies.append(decode_reply(c.sock.recv_multipart()[0]))
+    errors = [r for r in replies if isinstance(r, ErrorReply)]
+    assert len(errors) == 1 and errors[0].param == "input" and "dropped" in errors[0].message
+    assert any(r.audio is not None for r in replies if not isinstance(r, ErrorReply))
