@@ -1,5 +1,6 @@
 """Tile sweep of the skinny decode GEMMs (runner/kernels/linear.py) against cuBLAS, on one
-model's shapes (`--shapes`: Orpheus-3B, CSM-1B's backbone and depth decoder), at the graph bucket
+model's shapes (`--shapes`: Orpheus-3B, CSM-1B's backbone and depth decoder, Qwen3-TTS 1.7B's
+talker and code predictor), at the graph bucket
 sizes where the tile can change (M = 1, 16, 32, 64).
 
 For each (GEMM, M) every candidate tile is timed, and so is cuBLAS (F.linear); gate_up with
@@ -57,6 +58,14 @@ SHAPE_SETS = {
             "down": (2048, 8192, False), "depth_qkv": (1536, 1024, False), "depth_o": (1024, 1024, False),
             "depth_gate_up": (16384, 1024, True), "depth_down": (1024, 8192, False),
             "depth_projector": (1024, 2048, False), "lm_head": (2051, 2048, False), "depth_head": (2051, 1024, False)},
+    # Qwen3-TTS 12 Hz 1.7B (deploy/bench/csm.py QWEN3_TTS_1B7): the talker (Qwen3, hidden 2048,
+    # 16 / 8 heads of 128, intermediate 6144), the code predictor (hidden 1024, the same heads,
+    # intermediate 3072) with its input projection, code 0's head (3072 ids) and a group's (2048)
+    "qwen3_tts": {"qkv": (4096, 2048, False), "o": (2048, 2048, False), "gate_up": (12288, 2048, True),
+                  "down": (2048, 6144, False), "depth_qkv": (4096, 1024, False), "depth_o": (1024, 2048, False),
+                  "depth_gate_up": (6144, 1024, True), "depth_down": (1024, 3072, False),
+                  "depth_projector": (1024, 2048, False), "lm_head": (3072, 2048, False),
+                  "depth_head": (2048, 1024, False)},
 }
 SHAPES = SHAPE_SETS["orpheus"]
 MS = (1, 16, 32, 64)  # bucket thresholds of the linear table's rows
