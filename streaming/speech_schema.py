@@ -56,6 +56,11 @@ class SpeechRequest(SpeechOptions):
     stream_format: str | None = None  # "audio" | "sse"
     stream: bool | None = None
     user: str | None = None  # OpenAI's end-user id: accepted, not used (as on completions)
+    # vllm-omni's Qwen3-TTS fields: the model's kind, and a Base model's per-request clip
+    task_type: str | None = None  # CustomVoice | VoiceDesign | Base: only the served model's
+    ref_audio: str | None = None  # the clip inline: base64 or a data: URL (no URL is fetched)
+    ref_text: str | None = None  # its transcript (ICL); without it the voice is the x-vector alone
+    x_vector_only_mode: bool | None = None  # true: the x-vector alone even with ref_text
 
 
 class SessionConfig(SpeechOptions, tag_field="type", tag="session.config"):

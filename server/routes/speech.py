@@ -17,6 +17,7 @@ truncated file for a complete one.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -32,10 +33,12 @@ from server.engine_api import EngineOverloaded, EngineUnavailable
 from server.errors import invalid_request, read_body
 from server.outputs import client_gone, cut_connection, first_output, mid_stream_error, until_finished
 from server.sampling import SPEECH_FIELDS, rejection_error, request_limits
+from server.tts.clips import clip_key, decode_clip, inline_clip
 from server.tts.encoding import EncodedStream, whole_file
+from server.tts.voice_store import ReferenceVoice
 from streaming.encoders import AudioFormat, UnsupportedFormat, b64, resolve_format
 from streaming.ipc import AddRequest, RequestOutput
-from streaming.sampling_params import SamplingParams
+from streaming.sampling_params import InvalidRequest, SamplingParams
 from streaming.schema import (
     MISSING,
     UNSUPPORTED,
@@ -84,7 +87,16 @@ async def parse_speech_body(ctx: ServerContext, req: SpeechRequest) -> SpeechJob
     if req.input is None:
         raise SchemaError("input", "this field is required", MISSING)
     text = check_text(req.input, "input", limits.max_input_chars)
-    voice = ctx.profile.resolve_voice(voice_name(req.voice))
+    if req.task_type is not None and req.task_type != ctx.profile.task_type:
+        raise SchemaError("task_type", f"{req.task_type!r} is not served: this server's model is task_type "
+                          f"{ctx.profile.task_type!r}", UNSUPPORTED)
+    if req.ref_audio is not None:
+        voice = await clip_voice(ctx, req)
+    else:
+        for name in ("ref_text", "x_vector_only_mode"):
+            if getattr(req, name) is not None:
+                raise SchemaError(name, "goes with ref_audio (a per-request reference clip)")
+        voice = ctx.profile.resolve_voice(voice_name(req.voice))
     # absent (None) is the default; an empty name is a mistake, refused by resolve_format
     fmt_name = DEFAULT_RESPONSE_FORMAT if req.response_format is None else req.response_format
     try:
@@ -105,6 +117,34 @@ async def parse_speech_body(ctx: ServerContext, req: SpeechRequest) -> SpeechJob
     language = check_language(req.language, ctx.profile.languages)
     return SpeechJob(await speech_add_request(ctx, voice, text, sampling, language=language, instructions=instructions),
                      fmt, stream_format, stream)
+
+
+async def clip_voice(ctx: ServerContext, req: SpeechRequest) -> str:
+    """vllm-omni's per-request clip (a Base model): encoded by the engine at its first use,
+    then served from the profile's ClipCache under its clip_key, which names the voice. The
+    clip is the voice: a `voice` beside it is not read (the OpenAI SDK requires one)."""
+    profile, s = ctx.profile, ctx.settings
+    if not profile.clones_voices:
+        raise SchemaError("ref_audio", "this model clones no reference clip (a Qwen3-TTS Base folder does); "
+                          "name one of its voices", UNSUPPORTED)
+    try:
+        data = inline_clip(req.ref_audio, s.max_voice_upload_bytes)
+    except ValueError as e:
+        raise SchemaError("ref_audio", str(e)) from None
+    transcript = "" if req.x_vector_only_mode else check_text(req.ref_text or "", "ref_text", s.max_input_chars,
+                                                              allow_empty=True).strip()
+    key = clip_key(data, transcript)
+    if profile.clips.get(key) is None:
+        try:
+            pcm = await asyncio.to_thread(decode_clip, data, profile.sample_rate, s.max_voice_seconds)
+        except ValueError as e:
+            raise SchemaError("ref_audio", str(e).removeprefix("file: ")) from None
+        try:
+            codes, xvector = await ctx.engine.encode_audio(pcm.tobytes())
+        except InvalidRequest as e:
+            raise SchemaError("ref_audio", str(e).split(": ", 1)[-1]) from None
+        profile.clips.put(ReferenceVoice(key, "", transcript, codes, pcm.size / profile.sample_rate, xvector))
+    return key
 
 
 async def create_speech(request: web.Request) -> web.StreamResponse:

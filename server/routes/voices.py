@@ -21,47 +21,18 @@ once by the engine (ipc.EncodeAudio: codes, and Qwen3-TTS Base's x-vector) and s
 from __future__ import annotations
 
 import asyncio
-import io
 
-import av
-import numpy as np
 from aiohttp import BodyPartReader, web
 
 from server.context import get_ctx
 from server.errors import APIError, invalid_request, not_found, request_timeout
+from server.tts.clips import decode_clip
 from server.tts.voice_store import ReferenceVoice, VoiceStoreError
 from streaming.sampling_params import InvalidRequest
 from streaming.schema import check_text
 
 ENDPOINT = "/v1/audio/voices"
 _TEXT_FIELD_BYTES = 8192  # name, speaker and transcript parts
-
-
-def decode_clip(data: bytes, sample_rate: int, max_seconds: float) -> np.ndarray:
-    """Any container / codec FFmpeg reads -> int16 mono at `sample_rate`. ValueError naming
-    `file` when it holds no decodable audio or runs past max_seconds."""
-    try:
-        with av.open(io.BytesIO(data), "r") as container:
-            if not container.streams.audio:
-                raise ValueError("file: holds no audio stream")
-            resampler = av.AudioResampler(format="s16", layout="mono", rate=sample_rate)
-            chunks, n, limit = [], 0, int(max_seconds * sample_rate)
-            for frame in container.decode(audio=0):
-                for out in resampler.resample(frame):
-                    chunks.append(out.to_ndarray().reshape(-1))
-                    n += chunks[-1].size
-                if n > limit:
-                    raise ValueError(f"file: the clip is longer than {max_seconds:g} s")
-            for out in resampler.resample(None):
-                chunks.append(out.to_ndarray().reshape(-1))
-    except av.FFmpegError as e:
-        raise ValueError(f"file: not a readable audio file ({e.strerror or e})") from None  # no errno, no "<none>"
-    pcm = np.concatenate(chunks) if chunks else np.zeros(0, np.int16)
-    if pcm.size == 0:
-        raise ValueError("file: the clip holds no samples")
-    if pcm.size > int(max_seconds * sample_rate):
-        raise ValueError(f"file: the clip is longer than {max_seconds:g} s")
-    return pcm.astype(np.int16, copy=False)
 
 
 async def _read_form(request: web.Request, max_bytes: int) -> dict[str, bytes]:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from server.errors import APIError, invalid_request
 from server.tokenizer import TextTokenizer
+from server.tts.clips import ClipCache
 from server.tts.qwen3_tts_prompt import Qwen3TtsPrompts, Qwen3TtsRows
 from server.tts.voice_store import ReferenceVoice, VoiceStore
 from streaming.ipc import AddRequest, PromptVector
@@ -58,6 +59,8 @@ class SpeechProfile:
         if spec is not None:
             spec.check()
         self.store = store if spec is not None and spec.takes_reference_audio else None
+        # vllm-omni's per-request clips (ref_audio), encoded once (server/tts/clips.py)
+        self.clips = ClipCache() if spec is not None and spec.clones_voices else None
         # the prompt layout, chosen once: Qwen3-TTS's rows, else text_template's ids
         self._qwen3 = Qwen3TtsPrompts(spec.qwen3_tts) if spec is not None and spec.qwen3_tts is not None else None
 
@@ -103,7 +106,11 @@ class SpeechProfile:
         return self.spec.voices + (tuple(v.name for v in self.store.list()) if self.store is not None else ())
 
     def reference_voice(self, name: str) -> ReferenceVoice | None:
-        return self.store.get(name) if self.store is not None else None
+        """An uploaded voice, or a per-request clip by its clip_key name."""
+        voice = self.store.get(name) if self.store is not None else None
+        if voice is None and self.clips is not None:
+            voice = self.clips.get(name)
+        return voice
 
     @property
     def languages(self) -> tuple[str, ...]:

@@ -164,3 +164,15 @@ def test_zmq_streamed_text_is_spoken_whatever_its_timing(qwen3_server: ServerPro
     errors = [r for r in replies if isinstance(r, ErrorReply)]
     assert len(errors) == 1 and errors[0].param == "input" and "dropped" in errors[0].message
     assert any(r.audio is not None for r in replies if not isinstance(r, ErrorReply))
+
+
+def test_a_custom_voice_model_takes_no_reference_clip(qwen3_server: ServerProc):
+    client = openai.OpenAI(base_url=qwen3_server.base_url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.audio.speech.create(model="omnistream", voice="alice", input="Hi.", response_format="pcm",
+                                   extra_body={"ref_audio": "AAAA", "task_type": "Base"})
+    assert e.value.body["param"] in ("ref_audio", "task_type")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.audio.speech.create(model="omnistream", voice="alice", input="Hi.", response_format="pcm",
+                                   extra_body={"ref_audio": "AAAA"})
+    assert e.value.body["param"] == "ref_audio" and "Base" in e.value.body["message"]

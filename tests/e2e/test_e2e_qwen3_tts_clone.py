@@ -7,6 +7,8 @@ OpenAI client and a WebSocket session, seeded requests repeat, and the upload's 
 
 from __future__ import annotations
 
+import base64
+
 import aiohttp
 import numpy as np
 import openai
@@ -77,3 +79,34 @@ async def test_clone_voices_upload_and_speak(clone_server: ServerProc):
     with pytest.raises(openai.BadRequestError) as e:
         client.audio.speech.create(model="omnistream", voice="xvec", input="Hi.", response_format="pcm")
     assert e.value.body["param"] == "voice"
+
+
+async def test_vllm_omni_per_request_clip(clone_server: ServerProc):
+    """vllm-omni's Base request: the clip inline in every request (ref_audio, base64 or a data:
+    URL) with its transcript (ref_text) speaks as the same clip uploaded as a voice (same seed,
+    same PCM); x_vector_only_mode as an upload without transcript; the clip is encoded once
+    and cached. Refusals name the field."""
+    srv = clone_server
+    clip = wav_clip(0.8, rate=22050, channels=1)
+    async with aiohttp.ClientSession() as http:
+        assert (await upload(http, srv, "same", clip, transcript="Hi there."))[0] == 201
+        assert (await upload(http, srv, "same-x", clip, transcript=None))[0] == 201
+
+        async def speech(**body) -> tuple[int, bytes | dict]:
+            body = {"input": "Hello there.", "response_format": "pcm", "seed": 3} | body
+            async with http.post(srv.base_url + "/v1/audio/speech", json=body) as r:
+                return r.status, (await r.read() if r.status == 200 else await r.json())
+
+        b64 = base64.b64encode(clip).decode()
+        status, icl = await speech(ref_audio=b64, ref_text="Hi there.", task_type="Base")
+        assert status == 200 and icl == (await speech(voice="same"))[1]
+        assert (await speech(ref_audio="data:audio/wav;base64," + b64, ref_text="Hi there."))[1] == icl  # cached
+        status, xvec = await speech(ref_audio=b64, ref_text="Hi there.", x_vector_only_mode=True, voice="any")
+        assert status == 200 and xvec == (await speech(voice="same-x"))[1] and xvec != icl
+        for body, param in ((dict(ref_audio="https://example.com/a.wav"), "ref_audio"),
+                            (dict(ref_audio="not base64!"), "ref_audio"),
+                            (dict(ref_audio=base64.b64encode(b"not audio" * 50).decode()), "ref_audio"),
+                            (dict(voice="same", ref_text="Hi."), "ref_text"),
+                            (dict(voice="same", task_type="CustomVoice"), "task_type")):
+            status, err = await speech(**body)
+            assert status == 400 and err["error"]["param"] == param, (body, err)
