@@ -71,6 +71,9 @@ class SessionConfig(SpeechOptions, tag_field="type", tag="session.config"):
     sample_rate: int | None = None  # only the model's
     task_type: str | None = None  # vllm-omni: CustomVoice (named voices) | VoiceDesign | Base
     stream_audio: bool | None = None  # vllm-omni: true = PCM frames while they are produced
+    # true: input.text pieces join one utterance that speaks while its text arrives, until
+    # input.flush (Qwen3-TTS); false: text is cut into sentences, one utterance each
+    stream_input: bool | None = None
 
 
 class InputText(msgspec.Struct, tag_field="type", tag="input.text", forbid_unknown_fields=True):

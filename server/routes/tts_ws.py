@@ -152,7 +152,10 @@ class TextSession(Sink):
         return check_text(text, "text", self.ctx.settings.max_input_chars, allow_empty=True)
 
     async def speak(self, segments: list[str]) -> None:
-        refusal = self.speaker.say(segments, self.voicing)
+        await self.refused(self.speaker.say(segments, self.voicing), segments)
+
+    async def refused(self, refusal: Refusal | None, segments: list[str]) -> None:
+        """Tell the client why its text was not queued (nothing when it was)."""
         if refusal is Refusal.OVERFLOW:
             limit = self.ctx.settings.ws_max_pending_segments
             await self.send_error(
@@ -203,6 +206,7 @@ class TextSession(Sink):
 class SpeechStreamSession(TextSession):
     endpoint = SPEECH_WS_ENDPOINT
     sentences = 0  # segments spoken or failed: vllm-omni's total_sentences
+    stream_input = False  # session.config's stream_input: text streams into one utterance
 
     def _session_info(self) -> dict:
         return {"voice": self.voicing.voice, "format": PCM_FORMAT, "sample_rate": self.ctx.profile.sample_rate}
@@ -227,11 +231,27 @@ class SpeechStreamSession(TextSession):
             )
         msg = convert(obj, message_type)
         if isinstance(msg, InputText):
-            await self.speak(self.segmenter.push(self.check_text(msg.text)))
+            text = self.check_text(msg.text)
+            if self.stream_input:
+                await self.refused(self.speaker.stream(text, False, self.voicing), [text])
+            else:
+                await self.speak(self.segmenter.push(text))
         elif isinstance(msg, InputFlush):
-            await self.speak(self.segmenter.flush())
+            if self.stream_input:
+                await self.refused(self.speaker.stream("", True, self.voicing), [])
+            else:
+                await self.speak(self.segmenter.flush())
         elif isinstance(msg, SessionConfig):
             self.voicing = self._configure(msg)
+            if msg.stream_input is not None:
+                if msg.stream_input and not self.ctx.profile.takes_streamed_text:
+                    raise SchemaError("stream_input", "this model speaks whole sentences only (Qwen3-TTS streams "
+                                      "text into a running utterance)", UNSUPPORTED)
+                if not msg.stream_input and self.stream_input:
+                    await self.refused(self.speaker.stream("", True, self.voicing), [])  # the open one ends
+                else:
+                    await self.speak(self.segmenter.flush())  # text buffered for sentences goes first
+                self.stream_input = msg.stream_input
             await self.send_json({"type": "session.updated", "session": self._session_info()})
         elif not self.speaker.input_ended:  # session.close or vllm-omni's input.done
             await self.speak(self.segmenter.flush())

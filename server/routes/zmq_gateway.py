@@ -36,7 +36,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from server.engine_api import EngineOverloaded, EngineUnavailable
 from server.settings import ServerSettings
-from server.tts.qwen3_tts_prompt import StreamedText
+from server.tts.streamed_speech import streamed_request
 from streaming.ipc import AddRequest, RequestOutput
 from streaming.sampling_params import InvalidRequest, SamplingParams
 from streaming.schema import (
@@ -202,7 +202,9 @@ class ZmqGateway:
             pieces = None
             if msg.type == "speech" and msg.stream_input:  # the text's next pieces (_append)
                 pieces = asyncio.Queue(MAX_PENDING_PIECES)
-                self._inputs[key] = _TextIn(pieces, len(msg.input or ""))
+                pieces.put_nowait((msg.input or "", bool(msg.final)))  # first: appends queue behind it
+                if not msg.final:
+                    self._inputs[key] = _TextIn(pieces, len(msg.input or ""))
             task = asyncio.create_task(self._run(ident, msg, pieces))
             self._tasks[key] = task
             task.add_done_callback(lambda _t, k=key: self._tasks.pop(k, None) if self._tasks.get(k) is _t else None)
@@ -272,39 +274,13 @@ class ZmqGateway:
             names = _GENERATE_TOKEN_FIELDS if msg.prompt_token_ids is not None else _GENERATE_TEXT_FIELDS
         return names.get(field, field)
 
-    async def _streamed(self, ident: bytes, msg: ZmqRequest, q: asyncio.Queue):
-        """A stream_input speech request: its text read from `q` until its prompt is fixed (or
-        the text is complete: then an ordinary request), and the coroutine function feeding the
-        rest to the engine (None for the ordinary request)."""
-        key = (ident, msg.id)
+    async def _streamed(self, msg: ZmqRequest, q: asyncio.Queue):
+        """A stream_input speech request (server/tts/streamed_speech.py): its first piece is
+        `input`, the others come through `q` (_append)."""
         voice, sampling = self._speech_voice(msg)
-        limit = self.settings.max_input_chars
-        text = StreamedText(self.tokenizer)
-        piece, final = check_text(msg.input or "", "input", limit, allow_empty=True), bool(msg.final)
-        if final:
-            self._inputs.pop(key, None)
-        ids = await text.feed(piece, final)
-        prompt = None
-        while not final:
-            prompt = await self.profile.build_open_prompt(self.tokenizer, voice, ids)
-            if prompt is not None:
-                break
-            piece, final = await q.get()
-            ids += await text.feed(piece, final)
-        rid = f"zmq-{uuid.uuid4().hex}"
-        if prompt is None:  # complete before it could start: the whole text at once
-            if not text.text.strip():
-                raise SchemaError("input", "the streamed text is empty", MISSING)
-            return self.profile.build_prompt(self.tokenizer, voice, text.text).add_request(rid, sampling), None
-
-        async def feed() -> None:
-            final = False
-            while not final:
-                piece, final = await q.get()
-                new = await text.feed(piece, final)
-                await self.engine.append_text(rid, new + (self.profile.end_of_text() if final else []), final)
-
-        return prompt.add_request(rid, sampling, text_open=True), feed
+        check_text(msg.input or "", "input", self.settings.max_input_chars, allow_empty=True)  # queued already
+        return await streamed_request(self.profile, self.tokenizer, self.engine, f"zmq-{uuid.uuid4().hex}", voice,
+                                      sampling, q)
 
     def _speech_voice(self, msg: ZmqRequest) -> tuple[str, SamplingParams]:
         if not self.profile.speaks:
@@ -324,7 +300,7 @@ class ZmqGateway:
         try:
             feed = None
             if pieces is not None:
-                req, feed = await self._streamed(ident, msg, pieces)
+                req, feed = await self._streamed(msg, pieces)
             else:
                 req = await self._build(msg)
             async with contextlib.aclosing(self.engine.generate(req)) as stream:

@@ -176,3 +176,40 @@ def test_a_custom_voice_model_takes_no_reference_clip(qwen3_server: ServerProc):
         client.audio.speech.create(model="omnistream", voice="alice", input="Hi.", response_format="pcm",
                                    extra_body={"ref_audio": "AAAA"})
     assert e.value.body["param"] == "ref_audio" and "Base" in e.value.body["message"]
+
+
+async def streamed_session(url: str, pieces: list[str], pause_s: float) -> tuple[bytes, list[dict]]:
+    """A WebSocket session in stream_input mode: the pieces of one utterance (`pause_s`
+    apart), input.flush, then a second utterance in one piece and session.close."""
+    async with websockets.connect(url) as ws:
+        await ws.send(json.dumps({"type": "session.config", "voice": "bob", "seed": 5, "stream_input": True}))
+        for piece in pieces:
+            await ws.send(json.dumps({"type": "input.text", "text": piece}))
+            await asyncio.sleep(pause_s)
+        await ws.send(json.dumps({"type": "input.flush"}))
+        await ws.send(json.dumps({"type": "input.text", "text": "Fine, thanks."}))
+        await ws.send(json.dumps({"type": "session.close"}))
+        audio, events = b"", []
+        while True:
+            msg = await asyncio.wait_for(ws.recv(), WAIT_S)
+            if isinstance(msg, bytes):
+                audio += msg
+                continue
+            event = json.loads(msg)
+            assert event["type"] != "error", event
+            events.append(event)
+            if event["type"] == "session.done":
+                return audio, events
+
+
+async def test_ws_stream_input_speaks_text_as_it_arrives(qwen3_server: ServerProc):
+    """session.config stream_input: input.text pieces join one utterance that starts speaking
+    before its text is complete; input.flush ends it and the next text opens another. The
+    frames do not depend on when the pieces come: the same seed with the pieces at once and
+    120 ms apart gives the same audio."""
+    url = qwen3_server.base_url.replace("http", "ws") + "/v1/audio/speech/stream"
+    pieces = ["Hello there ", "how are ", "you today? "]
+    fast, events = await streamed_session(url, pieces, 0.0)
+    slow, _ = await streamed_session(url, pieces, 0.12)
+    assert [e["type"] for e in events].count("audio.done") == 2
+    assert fast and len(fast) % FRAME_BYTES == 0 and fast == slow

@@ -54,6 +54,7 @@ async def test_total_sentences_counts_a_failed_sentence_and_input_done_with_noth
         ({"task_type": "VoiceDesign"}, "task_type", "model is task_type 'CustomVoice'"),
         ({"task_type": "Base"}, "task_type", "model is task_type 'CustomVoice'"),
         ({"task_type": "Clone"}, "task_type", "CustomVoice, VoiceDesign, Base"),
+        ({"stream_input": True}, "stream_input", "whole sentences only"),
         ({"task_type": 3}, "task_type", "str"),
         ({"language": "Chinese"}, "language", "Auto"),
         ({"instructions": "whisper it"}, "instructions", "instructions"),
