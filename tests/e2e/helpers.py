@@ -76,6 +76,12 @@ async def speak_session(ws, config: dict, text: str) -> tuple[bytes, list[dict]]
     await ws.send(json.dumps({"type": "session.config", **config}))
     await ws.send(json.dumps({"type": "input.text", "text": text}))
     await ws.send(json.dumps({"type": "session.close"}))
+    return await session_audio(ws)
+
+
+async def session_audio(ws) -> tuple[bytes, list[dict]]:
+    """Read a session to its session.done: (the audio bytes, the audio.done events). An error
+    event fails the test."""
     audio, done = b"", []
     while True:
         msg = await asyncio.wait_for(ws.recv(), WAIT_S)
