@@ -260,17 +260,14 @@ class FrameRunner(ModelRunner):
         k = self.num_codebooks
         if self._fused_codebooks:
             return FusedCodebooks(batch, k, self.code_limit, rows)
-        sampler: CodebookSampler = RaceCodebooks(self.sampler, batch, k)
-        if rows is not None:
-            sampler = CodecRange(sampler, self.code_limit, rows, self.layout.codebook_size)
+
+        def general(b: SamplingBatch) -> CodebookSampler:  # the sampler's path, in the codec's range
+            s = RaceCodebooks(self.sampler, b, k)
+            return s if rows is None else CodecRange(s, self.code_limit, rows, self.layout.codebook_size)
+
+        sampler = general(batch)
         if group_batch is not None:
-            groups: CodebookSampler
-            if self.fused_groups:
-                groups = FusedCodebooks(group_batch, k, self.code_limit, rows)
-            else:
-                groups = RaceCodebooks(self.sampler, group_batch, k)
-                if rows is not None:
-                    groups = CodecRange(groups, self.code_limit, rows, self.layout.codebook_size)
+            groups = FusedCodebooks(group_batch, k, self.code_limit, rows) if self.fused_groups else general(group_batch)
             sampler = SplitCodebooks(sampler, groups)
         if self.layout.code0 is not None:
             sampler = Code0Window(self.layout.code0, batch.counters, sampler)
