@@ -195,24 +195,27 @@ class Qwen3TtsPrompts:
                if clone is not None else None)
         return self.build(tokenizer.encode(assistant_turn(text)), voice, language, instruct, ref)
 
+    async def _context_async(self, tokenizer: TextTokenizer, instructions: str | None,
+                             clone: tuple[str, list[list[int]]] | None) -> tuple[list[int], CloneRef | None]:
+        """What precedes the text, tokenized off the event loop: the instruct turn's ids and a
+        cloned voice's CloneRef (its transcript's ids)."""
+        instruct = await tokenizer.encode_async(instruct_turn(instructions)) if instructions else []
+        if clone is None:
+            return instruct, None
+        return instruct, self._clone(await tokenizer.encode_async(ref_turn(clone[0])) if clone[0] else None, clone[1])
+
     async def encode_open(self, tokenizer: TextTokenizer, voice: str, text_ids: list[int], language: str | None = None,
                           instructions: str | None = None,
                           clone: tuple[str, list[list[int]]] | None = None) -> Qwen3TtsRows | None:
         """build_open over a tokenizer: `text_ids` the final ids so far (StreamedText)."""
-        instruct = await tokenizer.encode_async(instruct_turn(instructions)) if instructions else []
-        ref = None
-        if clone is not None:
-            ref = self._clone(await tokenizer.encode_async(ref_turn(clone[0])) if clone[0] else None, clone[1])
+        instruct, ref = await self._context_async(tokenizer, instructions, clone)
         role, _ = split_turn(await tokenizer.encode_async(assistant_turn("")))
         return self.build_open(role, text_ids, voice, language, instruct, ref)
 
     async def encode_async(self, tokenizer: TextTokenizer, voice: str, text: str, language: str | None = None,
                            instructions: str | None = None,
                            clone: tuple[str, list[list[int]]] | None = None) -> Qwen3TtsRows:
-        instruct = await tokenizer.encode_async(instruct_turn(instructions)) if instructions else []
-        ref = None
-        if clone is not None:
-            ref = self._clone(await tokenizer.encode_async(ref_turn(clone[0])) if clone[0] else None, clone[1])
+        instruct, ref = await self._context_async(tokenizer, instructions, clone)
         return self.build(await tokenizer.encode_async(assistant_turn(text)), voice, language, instruct, ref)
 
 
