@@ -27,7 +27,7 @@ import time
 import torch
 
 from deploy.bench.common import scratch
-from deploy.bench.csm import csm_folder, mimi_folder
+from deploy.bench.frame_models import csm_folder, mimi_folder
 
 TEXTS = ("Hello there.", "This is a short benchmark sentence for streaming speech.")  # server/bench.py's text
 BASE_SEED = 1000  # server/bench.py: seed 1000 + i for stream i

@@ -58,7 +58,7 @@ SHAPE_SETS = {
             "down": (2048, 8192, False), "depth_qkv": (1536, 1024, False), "depth_o": (1024, 1024, False),
             "depth_gate_up": (16384, 1024, True), "depth_down": (1024, 8192, False),
             "depth_projector": (1024, 2048, False), "lm_head": (2051, 2048, False), "depth_head": (2051, 1024, False)},
-    # Qwen3-TTS 12 Hz 1.7B (deploy/bench/csm.py QWEN3_TTS_1B7): the talker (Qwen3, hidden 2048,
+    # Qwen3-TTS 12 Hz 1.7B (deploy/bench/frame_models.py QWEN3_TTS_1B7): the talker (Qwen3, hidden 2048,
     # 16 / 8 heads of 128, intermediate 6144), the code predictor (hidden 1024, the same heads,
     # intermediate 3072) with its input projection, code 0's head (3072 ids) and a group's (2048)
     "qwen3_tts": {"qkv": (4096, 2048, False), "o": (2048, 2048, False), "gate_up": (12288, 2048, True),

@@ -22,7 +22,8 @@ import sys
 import torch
 
 from deploy.bench.common import add_out_arg, log, run_header, scratch, write_results
-from deploy.bench.csm import FRAME_S, mimi_folder
+from deploy.bench.csm import FRAME_S
+from deploy.bench.frame_models import mimi_folder
 
 
 def build_stage(dtype: torch.dtype, max_rows: int, max_frames: int, max_streams: int):
