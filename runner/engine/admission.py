@@ -1,10 +1,18 @@
 """What a request may be, judged before it is queued (Engine.add_request): its prompt ids against
-the vocabulary, the model's length and the KV cache, and its hidden-state layers. Each refusal is
-an InvalidRequest naming the field; nothing here touches the engine's state."""
+the vocabulary, the model's length and the KV cache, its hidden-state layers, and the parts its
+model family judges (frames, step text, group sampling, prompt vectors). Each refusal is an
+InvalidRequest naming the field; nothing here touches the engine's state."""
 
 from __future__ import annotations
 
-from streaming.sampling_params import InvalidRequest
+from dataclasses import dataclass
+
+import numpy as np
+
+from runner.engine.request import FrameLog
+from runner.families.base import ModelFamily, PromptVectors, StepText
+from streaming import ipc
+from streaming.sampling_params import InvalidRequest, SamplingParams
 
 
 def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int, kv_tokens: int) -> None:
@@ -28,3 +36,34 @@ def check_layers(layers: tuple[int, ...], num_layers: int) -> None:
     for layer in layers:
         if not (-(num_layers + 1) <= layer <= num_layers):
             raise InvalidRequest("hidden_state_layers", f"layer {layer} out of range [-{num_layers + 1}, {num_layers}]")
+
+
+@dataclass(frozen=True)
+class FamilyParts:
+    """A request's parts besides its ids and sampling, as its family judged them (None where
+    the family has none)."""
+
+    frames: FrameLog | None  # every position's row (a multi-codebook family)
+    group_sampling: SamplingParams | None  # groups 1..K-1's own parameters (None: the family's)
+    vectors: PromptVectors | None  # vectors over prompt positions (Qwen3-TTS Base's x-vector)
+    open_text: StepText | None  # its step text while more is to come (Engine.append_text)
+    codec_prefix: np.ndarray | None  # frames priming its codec stream (an audio request's)
+
+
+def family_parts(family: ModelFamily, num_codebooks: int | None, prompt_token_ids: list[int],
+                 prompt_frames: list[list[int]] | np.ndarray | None, step_text_ids: list[int] | None,
+                 step_text_open: bool, group_sampling: SamplingParams | None,
+                 prompt_vectors: list[ipc.PromptVector] | None, audio: bool) -> FamilyParts:
+    """Each part judged by `family` (a family without it refuses it naming the field);
+    num_codebooks: K of a multi-codebook family's rows, None for one without frames."""
+    step_text = family.step_text(None if step_text_ids is None else list(step_text_ids), step_text_open)
+    group_sampling = family.check_group_sampling(group_sampling)
+    # a family without frames checks that none came and returns None
+    rows = family.prompt_frames(prompt_token_ids, None if prompt_frames is None else np.asarray(prompt_frames))
+    return FamilyParts(
+        frames=FrameLog(rows, num_codebooks, step_text) if num_codebooks is not None else None,
+        group_sampling=group_sampling,
+        vectors=family.prompt_vectors(len(prompt_token_ids), prompt_vectors),
+        open_text=step_text if step_text_open else None,
+        codec_prefix=family.codec_prefix(rows) if audio else None,
+    )

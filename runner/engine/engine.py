@@ -16,13 +16,13 @@ import numpy as np
 import torch
 
 from runner.config import EngineConfig
-from runner.engine.admission import check_layers, check_prompt
+from runner.engine.admission import check_layers, check_prompt, family_parts
 from runner.engine.kv_cache import BlockManager, num_kv_blocks
 from runner.engine.model_runner import ModelRunner
 from runner.engine.output_copier import AsyncOutput, StepResult
 from runner.engine.phase_timer import PhaseTimer
 from runner.engine.frame_runner import FrameRunner
-from runner.engine.request import FinishReason, FrameLog, Request, Status
+from runner.engine.request import FinishReason, Request, Status
 from runner.engine.warm_up import WarmUp
 from runner.engine.scheduler import Scheduler, SchedulerOutput
 from runner.families.base import CodecStageLike, EncodedReference, ModelFamily
@@ -145,24 +145,19 @@ class Engine(WarmUp):
             missing = [t for t in self._audio_stop_ids if t not in sampling.stop_token_ids] if not self.frames else []
             if missing:
                 sampling = msgspec.structs.replace(sampling, stop_token_ids=[*sampling.stop_token_ids, *missing])
-        step_text = self.family.step_text(None if step_text_ids is None else list(step_text_ids), step_text_open)
-        group_sampling = self.family.check_group_sampling(group_sampling)
-        # a family without frames checks that none came and returns None
-        rows = self.family.prompt_frames(prompt_token_ids, None if prompt_frames is None else np.asarray(prompt_frames))
-        frames = FrameLog(rows, self.runner.layout.num_codebooks, step_text) if self.frames else None
-        vectors = self.family.prompt_vectors(len(prompt_token_ids), prompt_vectors)
-        prefix = self.family.codec_prefix(rows) if audio else None
+        parts = family_parts(self.family, self.runner.layout.num_codebooks if self.frames else None,
+                             prompt_token_ids, prompt_frames, step_text_ids, step_text_open, group_sampling,
+                             prompt_vectors, audio)
         if audio and not self.codec.can_open():
             self.num_refused_total += 1
             raise EngineBusy("audio: the codec's streams are all in use by other requests; retry later")
-        req = Request(request_id, list(prompt_token_ids), sampling, layers, audio, frames=frames,
-                      group_sampling=group_sampling, vectors=vectors,
-                      open_text=step_text if step_text_open else None)
+        req = Request(request_id, list(prompt_token_ids), sampling, layers, audio, frames=parts.frames,
+                      group_sampling=parts.group_sampling, vectors=parts.vectors, open_text=parts.open_text)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.num_requests_total += 1
         if audio:
-            self.codec.open(id(req), seed=sampling.seed, prefix_frames=prefix)
+            self.codec.open(id(req), seed=sampling.seed, prefix_frames=parts.codec_prefix)
             self._audio_open[id(req)] = req
 
     def append_text(self, request_id: str, step_text_ids: list[int], final: bool) -> bool:
