@@ -239,6 +239,10 @@ class RunnerConfig:
     # its epilogue where its Triton tile runs (runner/kernels/qkv_rope.py), and the attention
     # kernel after it only attends
     qkv_rope: bool = knob(True, "RoPE + KV write in the qkv GEMM's epilogue (A/B switch)", flag="--no-qkv-rope")
+    # a depth decoder's (CSM, Qwen3-TTS) sub-step as one persistent kernel of grid-synchronised
+    # phases instead of ~27 launches (runner/kernels/depth_step.py), at <= 64 rows. Off: its
+    # GEMM phases are slower than the tuned tiles today (docs/performance.md)
+    depth_step: bool = knob(False, "a depth decoder's sub-step as one persistent kernel (experimental)")
     # "auto": the device's table if present; "none": generic tiles/cuBLAS everywhere
     # (runner/kernels/tuning: the tables as data, looked up once per backend)
     tuning: str = knob("auto", "kernel tuning tables: auto (the device's table if there is one), none (generic tiles "

@@ -43,13 +43,16 @@ class TritonOps:
     return split-K `Partials` where the `split` rows say so; `add_rmsnorm` sums them. `norm_fold`:
     `post_attention` runs o_proj as residual_linear and finishes the RMSNorm inside gate_up where
     the `fold` rows say so. `qkv_rope`: `qkv_rope_write` runs the qkv GEMM with RoPE and the KV
-    write in its epilogue (runner/kernels/qkv_rope.py) wherever qkv's tile is an MMA tile. All
+    write in its epilogue (runner/kernels/qkv_rope.py) wherever qkv's tile is an MMA tile.
+    `depth_step`: a depth decoder runs its sub-steps as runner/kernels/depth_step.py. All
     fixed at construction; the tile (or none) per call from the GEMM's shape and M.
     """
 
     def __init__(self, pdl: bool = False, skinny_linear: bool = True, split_k: bool = True,
-                 norm_fold: bool = True, qkv_rope: bool = True, tables: LinearTables = REFERENCE) -> None:
+                 norm_fold: bool = True, qkv_rope: bool = True, depth_step: bool = False,
+                 tables: LinearTables = REFERENCE) -> None:
         self.tables = tables
+        self.depth_step_kernel = depth_step
         self.pdl = pdl
         self.skinny = skinny_linear
         self.split_k = skinny_linear and split_k

@@ -28,10 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.config import ModelConfig
-from runner.layers.attention import AttentionMetadata, allocate_kv_cache
+from runner.layers.attention import AttentionMetadata
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.csm_sampling import CodebookSampler
 from runner.models.llama import DecoderLayer, RMSNorm, RotaryEmbedding, run_decoder
+
+DEPTH_STEP_ROWS = 64  # runner/kernels/depth_step.py's MAX_ROWS (that module needs triton to import)
 
 
 class DecoderStack(nn.Module):
@@ -72,7 +74,11 @@ class DepthKV:
         k = num_codebooks
         self.max_rows = max_rows
         self.num_codebooks = k
-        self.caches = allocate_kv_cache(cfg, max_rows, k, device, dtype)
+        # one allocation [L, 2, R, K, Hkv, D] (zeroed, as allocate_kv_cache's): the layers' caches
+        # are its views, and runner/kernels/depth_step.py reaches every layer from one pointer
+        self.stacked = torch.zeros(cfg.num_layers, 2, max_rows, k, cfg.num_kv_heads, cfg.head_dim, device=device,
+                                   dtype=dtype)
+        self.caches = [self.stacked[i] for i in range(cfg.num_layers)]
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
         rows = torch.arange(max_rows, **i64)
@@ -124,6 +130,10 @@ class DepthDecoder(DecoderStack):
                                         if projector_bias is not None else nn.Identity())
         self.projected_codes: torch.Tensor | None = None  # [table_rows, H_depth]: prepare_decode()
         self.heads: torch.Tensor | None = None  # [K - 1, V, H_depth] row-major: prepare_decode()
+        # sub-steps of <= depth_step.MAX_ROWS rows as one persistent launch each, where the ops
+        # have the kernel (CUDA; the interpreter in tests) and the layers no biases
+        self.step_kernel = ops.depth_step_kernel and not cfg.attention_bias
+        self.step: tuple | None = None  # (StepWeights, StepScratch, programs, sync): prepare_decode()
 
     def head_weights(self) -> torch.Tensor:
         """The heads as one contiguous [K - 1, V, H_depth] tensor (head k at [k - 1])."""
@@ -141,6 +151,56 @@ class DepthDecoder(DecoderStack):
         proj = self.inputs_embeds_projector
         self.projected_codes = F.linear(w, proj.weight, proj.bias) if self.projects else w
         self.heads = self.head_weights()
+        # 16-bit weights on CUDA (an fp32 dot there is TF32; the interpreter computes in fp32)
+        if self.step_kernel and (self.heads.dtype != torch.float32 or self.heads.device.type != "cuda"):
+            from runner.kernels.depth_step import fits
+
+            cfg = self.cfg
+            if fits(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
+                self.step = self.kernel_layout()
+
+    def kernel_layout(self) -> tuple:
+        """runner/kernels/depth_step.py's inputs: the layers' weights stacked per kind (each
+        parameter re-pointed to its view of the stack, so nothing is held twice), the scratch,
+        the grid (one program per SM on CUDA) and whether it synchronises in one launch (CUDA) or
+        runs a launch per phase (the interpreter)."""
+        from runner.kernels.depth_step import StepScratch, StepWeights
+
+        cfg, layers = self.cfg, self.layers
+
+        def stack(get) -> torch.Tensor:
+            params = [get(layer) for layer in layers]
+            stacked = torch.stack([p.detach() for p in params])
+            for i, p in enumerate(params):
+                p.data = stacked[i]
+            return stacked
+
+        d = cfg.head_dim
+        ones = torch.ones(len(layers), d, device=self.heads.device, dtype=self.heads.dtype)
+        weights = StepWeights(
+            qkv=stack(lambda l: l.self_attn.qkv_proj.weight), o=stack(lambda l: l.self_attn.o_proj.weight),
+            gate_up=stack(lambda l: l.mlp.gate_up_proj.weight), down=stack(lambda l: l.mlp.down_proj.weight),
+            ln1=stack(lambda l: l.input_layernorm.weight), ln2=stack(lambda l: l.post_attention_layernorm.weight),
+            q_norm=stack(lambda l: l.self_attn.q_norm.weight) if cfg.qk_norm else ones,
+            k_norm=stack(lambda l: l.self_attn.k_norm.weight) if cfg.qk_norm else ones,
+            norm=self.norm.weight.detach(), heads=self.heads)
+        dev = self.heads.device
+        scratch = StepScratch(cfg.hidden_size, cfg.num_heads * d, cfg.intermediate_size, self.codebook_size,
+                              self.num_codebooks, dev, self.heads.dtype)
+        cuda = dev.type == "cuda"
+        programs = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 3
+        return weights, scratch, programs, cuda
+
+    def _fused_logits(self, frames: torch.Tensor, p: int, kv: DepthKV) -> torch.Tensor:
+        """Codebook p's logits [B, V] from the code of codebook p - 1, position p through every
+        layer in one launch (runner/kernels/depth_step.py)."""
+        from runner.kernels.depth_step import depth_step
+
+        weights, scratch, programs, sync = self.step
+        rot = self.rotary
+        return depth_step(weights, scratch, kv.stacked, self.projected_codes, frames[:, p - 1],
+                          self.code_offsets[p - 1], p, rot.cos, rot.sin, self.cfg.rms_norm_eps, self.cfg.num_heads,
+                          self.cfg.qk_norm, programs, sync=sync)
 
     def codebook_logits(self, h: torch.Tensor, codebook: int) -> torch.Tensor:
         """[B, H] depth hidden at position `codebook` -> [B, V] in the model dtype (as transformers)."""
@@ -163,13 +223,20 @@ class DepthDecoder(DecoderStack):
         x = torch.stack((self.inputs_embeds_projector(hidden), first), dim=1)
         h = self(x.reshape(2 * b, -1), kv.pair_positions[: 2 * b], kv.caches, kv.pair_meta(b))
         h = h.view(b, 2, -1)[:, 1]  # position 1 predicts codebook 1
+        fused = self.step is not None and b <= DEPTH_STEP_ROWS
+        if fused:
+            self.step[1].counters.zero_()  # the sub-steps' grid barriers count from 0
         for p in range(1, k):
-            code = sampler(self.codebook_logits(h, p), p, out=frames[:, p])
-            if p == k - 1:
-                break
-            # codebook p's code sits at position p + 1, embedded at row offsets[p] + code
-            x = table.index_select(0, code + offsets[p])
-            h = self(x, kv.positions[p + 1, :b], kv.caches, kv.step_meta(b, p + 1))
+            if p == 1:
+                logits = self.codebook_logits(h, 1)
+            elif fused:
+                logits = self._fused_logits(frames, p, kv)
+            else:
+                # codebook p - 1's code sits at position p, embedded at row offsets[p - 1] + code
+                x = table.index_select(0, frames[:, p - 1] + offsets[p - 1])
+                h = self(x, kv.positions[p, :b], kv.caches, kv.step_meta(b, p))
+                logits = self.codebook_logits(h, p)
+            sampler(logits, p, out=frames[:, p])
         return frames
 
 

@@ -1,0 +1,136 @@
+"""A depth decoder's sub-step as one persistent kernel (runner/kernels/depth_step.py).
+
+Compiled on CUDA (one launch, grid barriers); under Triton's interpreter on CPU, one launch per
+phase (the interpreter runs programs one after another, so a barrier would never open);
+skipped without `triton` (CPU CI). tests/gpu/test_depth_step_graphs.py runs the barrier path in
+the engine's graphs.
+
+What is checked, on tiny depth decoders with CSM's layout (no q/k norms) and Qwen3-TTS's
+(per-head q/k norms, a projector with a bias, uneven table offsets):
+* teacher-forced, every sub-step's logits and the K/V it writes equal the layer-by-layer path's
+  (runner/models/llama.py over TorchOps) within a bf16 rounding, at 1, 3 and 17 rows (one and
+  two row blocks); no other cache slot changes;
+* in fp32, greedy frames of DepthDecoder.decode with the kernel equal those without it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.triton_interpreter import interpret_without_cuda, interpreted_or_skip
+
+_CUDA = interpret_without_cuda()
+triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
+
+from runner.config import ModelConfig, RopeConfig
+from runner.kernels.depth_step import _depth_step_kernel
+from runner.layers.attention import TorchPagedAttention
+from runner.layers.ops import TorchOps
+from runner.models.csm_parts import CsmDepthDecoder, DepthDecoder, DepthKV
+from runner.models.csm_sampling import GreedyCodebooks
+
+DEVICE = "cuda" if _CUDA else "cpu"
+if not _CUDA:
+    interpreted_or_skip(_depth_step_kernel, "runner.kernels.depth_step")
+
+K = 6  # codebooks
+V = 40  # codes per codebook: the head's last column block is partial
+
+
+def _cfg(qk_norm: bool) -> ModelConfig:
+    return ModelConfig(path="", decoder="qwen3" if qk_norm else "llama", vocab_size=V, hidden_size=64,
+                       intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                       rms_norm_eps=1e-5, max_position_embeddings=K, tie_word_embeddings=False,
+                       attention_bias=False, qk_norm=qk_norm, rope=RopeConfig())
+
+
+class _Uneven(DepthDecoder):
+    """Qwen3-TTS's layout: code 0 in a wider table than the groups, a projector with a bias."""
+
+    def __init__(self, cfg: ModelConfig):
+        offsets = (0,) + tuple(50 + (p - 1) * V for p in range(1, K))
+        super().__init__(cfg, offsets, 50 + (K - 1) * V, 48, TorchPagedAttention(), TorchOps(), projector_bias=True)
+        self.lm_head = torch.nn.Parameter(torch.empty((K - 1) * V, cfg.hidden_size))
+
+    def head_weights(self) -> torch.Tensor:
+        return self.lm_head.view(K - 1, V, -1)
+
+
+def _decoder(kind: str, dtype: torch.dtype, seed: int = 0) -> DepthDecoder:
+    torch.manual_seed(seed)
+    if kind == "csm":
+        dec = CsmDepthDecoder(_cfg(False), K, 48, TorchPagedAttention(), TorchOps())
+    else:
+        dec = _Uneven(_cfg(True))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in dec.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * r if name.endswith("norm.weight") else 0.2 * r)
+    dec = dec.to(DEVICE, dtype)
+    dec.rotary.reset(DEVICE)
+    dec.prepare_decode()
+    dec.step = dec.kernel_layout()
+    return dec
+
+
+def _pair(dec: DepthDecoder, kv: DepthKV, hidden: torch.Tensor, code0: torch.Tensor) -> None:
+    """Positions 0 and 1 into the cache, as DepthDecoder.decode's first forward."""
+    b = hidden.shape[0]
+    first = dec.projected_codes.index_select(0, code0 + dec.code_offsets[0])
+    x = torch.stack((dec.inputs_embeds_projector(hidden), first), dim=1)
+    dec(x.reshape(2 * b, -1), kv.pair_positions[: 2 * b], kv.caches, kv.pair_meta(b))
+
+
+@pytest.fixture(autouse=True)
+def _inference():
+    with torch.inference_mode():
+        yield
+
+
+@pytest.mark.parametrize("kind", ["csm", "uneven"])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_teacher_forced_substeps_match_the_layer_path(kind, rows):
+    from runner.kernels.depth_step import depth_step
+
+    dec = _decoder(kind, torch.bfloat16, seed=rows)
+    weights, scratch, programs, sync = dec.step
+    kv = DepthKV(dec.cfg, K, 20, DEVICE, torch.bfloat16)
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(rows, 48, generator=g).to(DEVICE, torch.bfloat16)
+    frames = torch.randint(0, V, (rows, K), generator=g).to(DEVICE)
+    _pair(dec, kv, hidden, frames[:, 0])
+    for p in range(2, K):
+        before = kv.stacked.clone()
+        x = dec.projected_codes.index_select(0, frames[:, p - 1] + dec.code_offsets[p - 1])
+        h = dec(x, kv.positions[p, :rows], kv.caches, kv.step_meta(rows, p))
+        want = dec.codebook_logits(h, p)
+        wrote = kv.stacked.clone()
+        kv.stacked.copy_(before)
+        scratch.counters.zero_()
+        got = depth_step(weights, scratch, kv.stacked, dec.projected_codes, frames[:, p - 1], dec.code_offsets[p - 1],
+                         p, dec.rotary.cos, dec.rotary.sin, dec.cfg.rms_norm_eps, dec.cfg.num_heads, dec.cfg.qk_norm,
+                         programs, sync=sync)
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(kv.stacked.float(), wrote.float(), atol=2e-2, rtol=2e-2)
+        slot_p = torch.zeros_like(kv.stacked, dtype=torch.bool)
+        slot_p[:, :, :rows, p] = True
+        assert torch.equal(kv.stacked[~slot_p], before[~slot_p]), "the kernel wrote outside position p of its rows"
+        kv.stacked.copy_(wrote)  # go on from the layer path's state
+
+
+@pytest.mark.skipif(_CUDA, reason="fp32 dots are TF32 on the GPU (the model runs the kernel for 16-bit weights only)")
+@pytest.mark.parametrize("kind", ["csm", "uneven"])
+def test_greedy_frames_equal_the_layer_path_in_fp32(kind):
+    dec = _decoder(kind, torch.float32, seed=11)
+    kv = DepthKV(dec.cfg, K, 8, DEVICE, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(5, 48, generator=g).to(DEVICE)
+    code0 = torch.randint(0, V, (5,), generator=g).to(DEVICE)
+    fused = dec.decode(hidden, code0, GreedyCodebooks(), kv)
+    step, dec.step = dec.step, None
+    plain = dec.decode(hidden, code0, GreedyCodebooks(), kv)
+    dec.step = step
+    assert torch.equal(fused, plain)
+    assert fused.shape == (5, K) and torch.equal(fused[:, 0], code0)
