@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 from runner.kernels.tuning import TUNING_MODES
+
+DEPTH_STEP_MODES = ("auto", "on", "off")
 from streaming.knobs import knob
 
 SUPPORTED_ARCHITECTURES = {
@@ -240,9 +242,11 @@ class RunnerConfig:
     # kernel after it only attends
     qkv_rope: bool = knob(True, "RoPE + KV write in the qkv GEMM's epilogue (A/B switch)", flag="--no-qkv-rope")
     # a depth decoder's (CSM, Qwen3-TTS) sub-step as one persistent kernel of grid-synchronised
-    # phases instead of ~27 launches (runner/kernels/depth_step.py), at <= 64 rows. Off: its
-    # GEMM phases are slower than the tuned tiles today (docs/performance.md)
-    depth_step: bool = knob(False, "a depth decoder's sub-step as one persistent kernel (experimental)")
+    # phases instead of ~27 launches (runner/kernels/depth_step.py, depth_row.py). auto: at one
+    # row, for the decoder shapes the device's tuning table lists (where it measured faster);
+    # on: at 1..64 rows wherever it fits (A/B); off: never
+    depth_step: str = knob("auto", "a depth decoder's sub-step as one persistent kernel: auto (one row, where the "
+                                   "device's tuning table says), on (1..64 rows, A/B switch), off")
     # "auto": the device's table if present; "none": generic tiles/cuBLAS everywhere
     # (runner/kernels/tuning: the tables as data, looked up once per backend)
     tuning: str = knob("auto", "kernel tuning tables: auto (the device's table if there is one), none (generic tiles "
@@ -329,6 +333,8 @@ class EngineConfig:
             raise ConfigError("num_blocks: must be >= 1")
         if self.runner.sampler_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"sampler_backend: {self.runner.sampler_backend!r} is not one of auto, torch, triton")
+        if self.runner.depth_step not in DEPTH_STEP_MODES:
+            raise ConfigError(f"depth_step: {self.runner.depth_step!r} is not one of {', '.join(DEPTH_STEP_MODES)}")
         if self.runner.tuning not in TUNING_MODES:
             raise ConfigError(f"tuning: {self.runner.tuning!r} is not one of {', '.join(TUNING_MODES)}")
         if self.runner.torch_device.type == "cuda" and not torch.cuda.is_available():

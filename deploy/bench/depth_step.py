@@ -5,6 +5,11 @@ one launch per phase (no barriers), with each phase kind's share. µs per sub-st
 K / 2, next to the bound (its weight bytes over the copy bandwidth measured in the same run).
 
     python -m deploy.bench.depth_step [--model csm|qwen3_tts] [--rows 1,8,16,32,64]
+        [--write-table runner/kernels/tuning/NAME.json]
+
+--write-table puts the model's depth-decoder shape into (or takes it out of) the table's `depth`
+section: in when the one-row kernel (the module's tiles) beat the layer path at one row in this
+run, out otherwise. `RunnerConfig.depth_step` "auto" reads that section.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ def build(shape: dict, max_rows: int):
                       num_heads=shape["heads"], num_kv_heads=shape["kv_heads"], head_dim=128, rms_norm_eps=1e-6,
                       max_position_embeddings=shape["codebooks"], tie_word_embeddings=False, attention_bias=False,
                       qk_norm=shape["qk_norm"], rope=RopeConfig())
-    attn, ops = make_backends(RunnerConfig(device="cuda", dtype="bfloat16"))
+    attn, ops = make_backends(RunnerConfig(device="cuda", dtype="bfloat16", depth_step="on"))
     dev = torch.device("cuda")
     with torch.device(dev):
         dec = CsmDepthDecoder(cfg, shape["codebooks"], 2048, attn, ops)
@@ -57,8 +62,11 @@ def weight_bytes(dec) -> int:
     return sum(t.numel() * t.element_size() for t in parts)
 
 
-def run(model: str, rows: list[int]) -> dict:
+def run(model: str, rows: list[int], row_tiles: list[str]) -> dict:
+    """row_tiles: variants of depth_step.ROW_TILES for the one-row kernel ("" = as it is;
+    "gate_up_n=64,gate_up_k=128" replaces those entries), each timed at every row count."""
     from deploy.bench.gemm import _time_graph
+    from runner.kernels import depth_step as ds
     from runner.kernels.depth_step import PHASES_PER_LAYER, depth_step
 
     shape = SHAPES[model]
@@ -69,6 +77,7 @@ def run(model: str, rows: list[int]) -> dict:
     bw = bench_bandwidth()
     bound_us = weight_bytes(dec) / bw * 1e6
     out = []
+    default_tiles = dict(ds.ROW_TILES)
     for m in rows:
         frames = torch.randint(0, shape["vocab"], (m, k), device="cuda")
         meta = kv.step_meta(m, p)
@@ -83,23 +92,30 @@ def run(model: str, rows: list[int]) -> dict:
                               dec.code_offsets[p - 1], p, dec.rotary.cos, dec.rotary.sin, cfg.rms_norm_eps,
                               cfg.num_heads, cfg.qk_norm, programs, sync=sync)
 
+        layers_us = _time_graph(layer_path, copies=1, launches=20)
         want = layer_path(0).float()
-        got = kernel(0).float()
-        err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
-        row = {"model": model, "rows": m, "bound_us": bound_us, "rel_err": err,
-               "layers_us": _time_graph(layer_path, copies=1, launches=20),
-               "kernel_us": _time_graph(kernel, copies=1, launches=20),
-               "phased_us": _time_graph(lambda i: kernel(i, sync=False), copies=1, launches=20)}
-        # each phase kind alone: one launch per layer of it (and the head), no barrier
-        for j, name in enumerate(PHASES + ("head",)):
-            sel = [cfg.num_layers * PHASES_PER_LAYER] if name == "head" else [
-                layer * PHASES_PER_LAYER + j for layer in range(cfg.num_layers)]
-            row[f"{name}_us"] = _time_graph(lambda i, sel=sel: _phases(depth_step, sel, weights, scratch, kv, dec,
-                                                                    frames, p, programs), copies=1, launches=20)
-        out.append(row)
-        log(f"{model} rows {m}: layers {row['layers_us']:.1f} µs, kernel {row['kernel_us']:.1f}, phased "
-            f"{row['phased_us']:.1f}, bound {bound_us:.1f}; " + ", ".join(
-                f"{n} {row[n + '_us']:.1f}" for n in PHASES + ("head",)) + f"; max rel err {err:.2e}")
+        for variant in row_tiles:
+            ds.ROW_TILES.clear()
+            ds.ROW_TILES.update(default_tiles, **{kv.split("=")[0]: int(kv.split("=")[1])
+                                                  for kv in filter(None, variant.split(","))})
+            got = kernel(0).float()
+            err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+            row = {"model": model, "rows": m, "tiles": variant or "default", "bound_us": bound_us, "rel_err": err,
+                   "layers_us": layers_us, "kernel_us": _time_graph(kernel, copies=1, launches=20),
+                   "phased_us": _time_graph(lambda i: kernel(i, sync=False), copies=1, launches=20)}
+            # each phase kind alone: one launch per layer of it (and the head), no barrier
+            for j, name in enumerate(PHASES + ("head",)):
+                sel = [cfg.num_layers * PHASES_PER_LAYER] if name == "head" else [
+                    layer * PHASES_PER_LAYER + j for layer in range(cfg.num_layers)]
+                row[f"{name}_us"] = _time_graph(lambda i, sel=sel: _phases(depth_step, sel, weights, scratch, kv,
+                                                                        dec, frames, p, programs),
+                                                copies=1, launches=20)
+            out.append(row)
+            log(f"{model} rows {m} tiles {row['tiles']}: layers {layers_us:.1f} µs, kernel {row['kernel_us']:.1f}, "
+                f"phased {row['phased_us']:.1f}, bound {bound_us:.1f}; " + ", ".join(
+                    f"{n} {row[n + '_us']:.1f}" for n in PHASES + ("head",)) + f"; max rel err {err:.2e}")
+        ds.ROW_TILES.clear()
+        ds.ROW_TILES.update(default_tiles)
     return {"header": run_header(), "bandwidth": bw, "rows": out}
 
 
@@ -114,16 +130,48 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="csm", choices=sorted(SHAPES))
     ap.add_argument("--rows", default="1,8,16,32,64")
+    ap.add_argument("--row-tiles", default="",
+                    help="';'-separated variants of the one-row kernel's tiles (runner/kernels/depth_step.py ROW_TILES), "
+                         "e.g. ';gate_up_n=64,gate_up_k=128' (the empty variant: the module's tiles)")
+    ap.add_argument("--write-table", default=None, metavar="PATH",
+                    help="put this shape into the tuning table's depth section if the one-row kernel won (else take "
+                         "it out)")
     add_out_arg(ap, "depth_step")
     args = ap.parse_args()
-    res = run(args.model, [int(x) for x in args.rows.split(",")])
-    lines = ["| rows | layer path µs | kernel µs | one launch a phase µs | bound µs | " + " | ".join(
-        f"{n} µs" for n in PHASES + ("head",)) + " |", "|" + " ---: |" * (5 + len(PHASES) + 1)]
+    res = run(args.model, [int(x) for x in args.rows.split(",")], args.row_tiles.split(";"))
+    lines = ["| rows | one-row tiles | layer path µs | kernel µs | one launch a phase µs | bound µs | " + " | ".join(
+        f"{n} µs" for n in PHASES + ("head",)) + " |", "| ---: | --- |" + " ---: |" * (4 + len(PHASES) + 1)]
     for r in res["rows"]:
-        lines.append(f"| {r['rows']} | {r['layers_us']:.1f} | {r['kernel_us']:.1f} | {r['phased_us']:.1f} | "
+        lines.append(f"| {r['rows']} | {r['tiles']} | {r['layers_us']:.1f} | {r['kernel_us']:.1f} | {r['phased_us']:.1f} | "
                      f"{r['bound_us']:.1f} | " + " | ".join(f"{r[n + '_us']:.1f}" for n in PHASES + ("head",)) + " |")
     write_results(args.out, res, "\n".join(lines) + "\n")
     print("\n".join(lines))
+    if args.write_table:
+        one = [r for r in res["rows"] if r["rows"] == 1 and r["tiles"] == "default"]
+        if not one:
+            raise SystemExit("--write-table needs --rows with 1 and the module's tiles (the empty --row-tiles variant)")
+        print(write_depth_row(args.write_table, args.model, one[0], torch.cuda.get_device_name()))
+
+
+def write_depth_row(path: str, model: str, r: dict, gpu: str) -> str:
+    """The table at `path` with this shape in its depth section iff the kernel beat the layer path."""
+    import json
+    from pathlib import Path
+
+    from runner.kernels.tuning import dumps_table
+
+    shape = SHAPES[model]
+    key = f"{shape['hidden']}x{shape['inter']}"
+    won = r["kernel_us"] < r["layers_us"]
+    raw = json.loads(Path(path).read_text())
+    depth = raw.get("depth", {})
+    rows = sorted(set(depth.get("one_row", ())) - {key} | ({key} if won else set()))
+    line = (f"{gpu}, bf16: one-row sub-steps as runner/kernels/depth_row.py where it beat "
+            f"the layer path in CUDA graphs (python -m deploy.bench.depth_step --rows 1 --write-table)")
+    raw["depth"] = {"provenance": line, "one_row": rows}
+    Path(path).write_text(dumps_table(raw))
+    return (f"{key} ({model}): kernel {r['kernel_us']:.1f} µs, layer path {r['layers_us']:.1f} µs -> "
+            f"{'in' if won else 'not in'} {path}'s depth section")
 
 
 if __name__ == "__main__":

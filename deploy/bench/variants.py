@@ -172,7 +172,7 @@ def parse_variant(spec: str) -> Variant:
             v.attn_splits = int(kv.removeprefix("attn_splits="))
         elif kv != "default":
             k, val = kv.split("=")
-            v.switches[k] = bool(int(val))
+            v.switches[k] = bool(int(val)) if val.isdigit() else val  # a bool switch, or a mode (depth_step=on)
     return v
 
 

@@ -31,10 +31,12 @@ compiled kernel's shared memory). Activations written in the kernel are read wit
 never a stale L1 line). `SYNC=False` runs one phase per launch (no barrier): the Triton
 interpreter (which runs programs one after another) and the A/B against the barrier.
 
-Off by default (RunnerConfig.depth_step): on the H200 its narrow GEMM phases (16-column tiles
-with long K loops on 48-64 programs) stream weights at well under the tuned tiles' rate, and
-the sub-step is slower than the layer path; docs/performance.md has the per-phase figures
-(python -m deploy.bench.depth_step) and what it needs next.
+Used only with RunnerConfig.depth_step "on" (an A/B switch): on the H200 its narrow GEMM
+phases (16-column tiles with long K loops on 48-64 programs) stream weights well below the
+tuned tiles' rate, and a sub-step is slower than the layer path at every row count. One row
+goes to runner/kernels/depth_row.py (GEMVs), which the tuning table's `depth` section turns on
+per shape; docs/performance.md has both kernels' per-phase figures
+(python -m deploy.bench.depth_step).
 
 Importing this module needs `triton` (CUDA, or the interpreter in tests).
 """
@@ -47,31 +49,13 @@ import torch
 import triton
 import triton.language as tl
 
+from runner.kernels.depth_common import grid_sync, head_norm
+from runner.kernels.depth_row import _depth_row_kernel
 from runner.kernels.linear import silu_mul
 from runner.kernels.rope import rope_pair
 
 PHASES_PER_LAYER = 5
 MAX_ROWS = 64
-
-
-@triton.jit
-def _grid_sync(counter_ptr, target):
-    """Wait until `target` arrivals at counter_ptr (this program's included)."""
-    tl.debug_barrier()  # every thread's stores of this phase issued before the release
-    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-    seen = _load_acquire(counter_ptr)
-    while seen < target:
-        seen = _load_acquire(counter_ptr)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _load_acquire(ptr):
-    """ld.acquire.gpu: the other programs' writes before their release are visible after it (a
-    relaxed poll and an atomic after it would do too, but Triton drops an atomic whose result is
-    unused)."""
-    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                     is_pure=False, pack=1)
 
 
 @triton.jit
@@ -119,20 +103,6 @@ def _gemm(bases, m_mask, w_ptr, stride_wn, n_a, half_off, n_mask, rstd, nw_ptr, 
             w2 = tl.load(wb + k0, mask=n_mask[:, None], other=0.0)
             acc_b = tl.dot(a, tl.trans(w2), acc_b)
     return acc_a, acc_b
-
-
-@triton.jit
-def _head_norm(xa, xb, w_ptr, part_cols, half, eps, HEAD_DIM: tl.constexpr):
-    """Per-head RMSNorm (Qwen3's q_norm / k_norm) of a whole head held as halves xa, xb [BM, D/2]."""
-    dt = xa.dtype
-    fa = xa.to(tl.float32)
-    fb = xb.to(tl.float32)
-    r = tl.math.rsqrt((tl.sum(fa * fa, axis=1) + tl.sum(fb * fb, axis=1)) / HEAD_DIM + eps)
-    wa = tl.load(w_ptr + part_cols).to(tl.float32)
-    wb = tl.load(w_ptr + half + part_cols).to(tl.float32)
-    oa = (wa[None, :] * (fa * r[:, None]).to(dt).to(tl.float32)).to(dt)
-    ob = (wb[None, :] * (fb * r[:, None]).to(dt).to(tl.float32)).to(dt)
-    return oa, ob
 
 
 @triton.jit
@@ -200,9 +170,9 @@ def _depth_step_kernel(
                 if head < HQ + HKV:
                     if QK_NORM:  # whole heads per program (BNQ == D / 2)
                         if head < HQ:
-                            xa, xb = _head_norm(xa, xb, qn_ptr + layer * HEAD_DIM, pc, HALF, eps, HEAD_DIM)
+                            xa, xb = head_norm(xa, xb, qn_ptr + layer * HEAD_DIM, pc, HALF, eps, HEAD_DIM)
                         else:
-                            xa, xb = _head_norm(xa, xb, kn_ptr + layer * HEAD_DIM, pc, HALF, eps, HEAD_DIM)
+                            xa, xb = head_norm(xa, xb, kn_ptr + layer * HEAD_DIM, pc, HALF, eps, HEAD_DIM)
                     c = tl.load(cos_ptr + pos * stride_cos + pc).to(xa.dtype).to(tl.float32)
                     s = tl.load(sin_ptr + pos * stride_cos + pc).to(xa.dtype).to(tl.float32)
                     xa, xb = rope_pair(xa, xb, c[None, :], s[None, :], True)
@@ -278,7 +248,7 @@ def _depth_step_kernel(
                 _residual_store(acc, x_ptr + rows64 * H, x_ptr, rows64, cols, m_mask, H)
         if SYNC:
             if ph < last_phase:
-                _grid_sync(counter_ptr, (ph - first_phase + 1) * nprog)
+                grid_sync(counter_ptr, (ph - first_phase + 1) * nprog)
 
 
 @triton.jit
@@ -330,6 +300,27 @@ def step_tiles(rows: int, hidden: int, q_width: int, inter: int, head_dim: int, 
     return StepTiles(bm, _chunk(128, hidden), qkv_k=_chunk(qkv_k, hidden), o_k=_chunk(wide, q_width),
                      gate_up_k=_chunk(gate_up_k, hidden), down_k=_chunk(wide, inter), head_k=_chunk(wide, hidden),
                      qkv_n=head_dim // 2 if qk_norm else 16)
+
+
+# depth_row.py's GEMV tiles at one row: output rows per program (qkv, o_proj, gate_up per half,
+# down, head) and the K chunks gate_up and down stream (qkv, o_proj and the head take K whole).
+# gate_up None: row_gate_up's rule
+ROW_TILES = dict(qkv_n=16, o_n=8, gate_up_n=None, gate_up_k=None, down_n=8, down_k=2048, head_n=16)
+
+
+def row_gate_up(inter: int) -> tuple[int, int]:
+    """gate_up's (rows per half, K chunk) at one row: the widest of 64 / 32 / 16 rows that still
+    gives ~128 programs a tile, with a 16 KB chunk per half (CSM's I = 8192: 64 x 128; Qwen3-TTS's
+    3072: 16 x 512; measured on the H200, docs/performance.md)."""
+    n = ROW_TILES["gate_up_n"] or next((b for b in (64, 32) if inter // b >= 128), 16)
+    return n, ROW_TILES["gate_up_k"] or 8192 // n
+
+
+def row_fits(hidden: int, inter: int, q_width: int) -> bool:
+    """Whether one row runs depth_row.py's kernel: the whole-K tiles (hidden, Hq * D) are
+    powers of two, and each GEMV's rows divide its width."""
+    pow2 = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731
+    return pow2(hidden) and pow2(q_width) and inter % row_gate_up(inter)[0] == 0 and _chunk(2048, inter) >= 16
 
 
 def fits(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -403,6 +394,7 @@ def depth_step(
     m = codes.shape[0]
     layers, _, rows, kc, hkv, d = kv.shape
     hidden, inter, vocab = w.qkv.shape[2], w.down.shape[2], w.heads.shape[1]
+    row = m == 1 and row_fits(hidden, inter, num_q_heads * d)
     t = step_tiles(m, hidden, num_q_heads * d, inter, d, qk_norm)
     assert 2 <= position < kc and m <= rows and codes.dtype == torch.int64, (position, kc, m, rows)
     assert w.qkv.shape[1] == (num_q_heads + 2 * hkv) * d and hidden % t.o_n == 0 and inter % t.gate_up_n == 0
@@ -414,6 +406,22 @@ def depth_step(
     assert only is None or not sync
     spans = [(0, phases - 1)] if sync else [(ph, ph) for ph in (range(phases) if only is None else only)]
     for first, last in spans:
+        if row:
+            _depth_row_kernel[(programs,)](
+                table, table.stride(0), codes, code_offset,
+                s.x, s.q, s.attn, s.act, s.logits,
+                w.qkv, w.o, w.gate_up, w.down, w.ln1, w.ln2, w.q_norm, w.k_norm, w.norm, w.heads[position - 1],
+                flat, cos, sin, s.counters[position],
+                position, vocab, first, last, eps, d**-0.5 * 1.4426950408889634,
+                flat.stride(0), flat.stride(1), cos.stride(0),
+                LAYERS=layers, H=hidden, I=inter, HQ=num_q_heads, HKV=hkv, HEAD_DIM=d,
+                SB=max(16, triton.next_power_of_2(kc)), GP=max(16, triton.next_power_of_2(group)), QK_NORM=qk_norm,
+                BNQ=ROW_TILES["qkv_n"], BNO=ROW_TILES["o_n"], BNG=row_gate_up(inter)[0],
+                KCG=_chunk(row_gate_up(inter)[1], hidden), BND=ROW_TILES["down_n"],
+                KCD=_chunk(ROW_TILES["down_k"], inter), BNH=ROW_TILES["head_n"],
+                SYNC=sync, num_warps=8, num_stages=1, launch_cooperative_grid=sync,
+            )  # fmt: skip
+            continue
         _depth_step_kernel[(programs,)](
             table, table.stride(0), codes, codes.stride(0), code_offset,
             s.x, s.q, s.attn, s.act, s.logits,

@@ -64,7 +64,7 @@ def _triton_ops(runner: RunnerConfig, device: torch.device, tables: Tables) -> O
 
     return TritonOps(pdl=runner.pdl and pdl_available(device), skinny_linear=runner.skinny_linear,
                      split_k=runner.split_k, norm_fold=runner.norm_fold, qkv_rope=runner.qkv_rope,
-                     depth_step=runner.depth_step, tables=tables.linear)
+                     depth_step=runner.depth_step, depth=tables.depth, tables=tables.linear)
 
 
 def _torch_sampling(device: torch.device, tables: Tables) -> SamplingBackend:

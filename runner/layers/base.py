@@ -89,8 +89,6 @@ class OpsBackend(Protocol):
     TorchOps computes exactly what transformers computes, op by op, in the same dtypes;
     TritonOps does each op in one fused launch with the same roundings.
 
-    Capability: `depth_step_kernel` (bool): a depth decoder (runner/models/csm_parts.py) may run
-    its sub-steps of <= 64 rows as runner/kernels/depth_step.py's one persistent launch.
 
     * rmsnorm(x [..., N], w [N], eps) -> [..., N]        normalise in fp32, cast to x.dtype, * w
     * add_rmsnorm(x, residual, w, eps) -> (normed, new_residual)
@@ -128,9 +126,10 @@ class OpsBackend(Protocol):
           (x may be a column slice of wider logits)
     * greedy_head(x [N, H], weight [V, H], padded) -> [N] int64   argmax(head(x, weight, padded));
           TritonOps may take the ids in the head GEMM's epilogue without writing the logits
+    * depth_step_rows(hidden, inter) -> int   the most rows a depth decoder of that shape
+          (runner/models/csm_parts.py) runs a sub-step for as runner/kernels/depth_step.py's one
+          persistent launch (0: never; TorchOps always 0)
     """
-
-    depth_step_kernel: bool
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 

@@ -53,7 +53,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class TorchOps:
     """Reference path: plain torch ops, one small kernel each."""
 
-    depth_step_kernel = False
+    def depth_step_rows(self, hidden: int, inter: int) -> int:
+        return 0
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch_rmsnorm(x, weight, eps)

@@ -24,7 +24,8 @@ from runner.kernels.linear import (
     skinny_linear,
 )
 from runner.kernels.qkv_rope import qkv_rope_write
-from runner.kernels.tuning import LinearTables
+from runner.kernels.depth_step import MAX_ROWS as DEPTH_STEP_MAX_ROWS
+from runner.kernels.tuning import DepthTuning, LinearTables
 from runner.layers.ops import torch_head, unfolded_post_attention
 
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)  # fp32 keeps cuBLAS (tl.dot would round to tf32)
@@ -44,15 +45,17 @@ class TritonOps:
     `post_attention` runs o_proj as residual_linear and finishes the RMSNorm inside gate_up where
     the `fold` rows say so. `qkv_rope`: `qkv_rope_write` runs the qkv GEMM with RoPE and the KV
     write in its epilogue (runner/kernels/qkv_rope.py) wherever qkv's tile is an MMA tile.
-    `depth_step`: a depth decoder runs its sub-steps as runner/kernels/depth_step.py. All
+    `depth_step` ("auto" / "on" / "off", RunnerConfig's) with `depth` (the device table's
+    DepthTuning): `depth_step_rows`. All
     fixed at construction; the tile (or none) per call from the GEMM's shape and M.
     """
 
     def __init__(self, pdl: bool = False, skinny_linear: bool = True, split_k: bool = True,
-                 norm_fold: bool = True, qkv_rope: bool = True, depth_step: bool = False,
-                 tables: LinearTables = REFERENCE) -> None:
+                 norm_fold: bool = True, qkv_rope: bool = True, depth_step: str = "off",
+                 depth: DepthTuning = DepthTuning(), tables: LinearTables = REFERENCE) -> None:
         self.tables = tables
-        self.depth_step_kernel = depth_step
+        self.depth_step = depth_step
+        self.depth = depth
         self.pdl = pdl
         self.skinny = skinny_linear
         self.split_k = skinny_linear and split_k
@@ -192,3 +195,8 @@ class TritonOps:
             if tile is not None:
                 return head_argmax(x, weight, tile, pdl=self.pdl)
         return self.argmax(self.head(x, weight, padded))
+
+    def depth_step_rows(self, hidden: int, inter: int) -> int:
+        if self.depth_step == "on":
+            return DEPTH_STEP_MAX_ROWS
+        return 1 if self.depth_step == "auto" and self.depth.one_row_fits(hidden, inter) else 0

@@ -33,8 +33,6 @@ from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.csm_sampling import CodebookSampler
 from runner.models.llama import DecoderLayer, RMSNorm, RotaryEmbedding, run_decoder
 
-DEPTH_STEP_ROWS = 64  # runner/kernels/depth_step.py's MAX_ROWS (that module needs triton to import)
-
 
 class DecoderStack(nn.Module):
     """Llama decoder layers + final norm over input embeddings [T, H] (no token embedding, no head)."""
@@ -130,9 +128,9 @@ class DepthDecoder(DecoderStack):
                                         if projector_bias is not None else nn.Identity())
         self.projected_codes: torch.Tensor | None = None  # [table_rows, H_depth]: prepare_decode()
         self.heads: torch.Tensor | None = None  # [K - 1, V, H_depth] row-major: prepare_decode()
-        # sub-steps of <= depth_step.MAX_ROWS rows as one persistent launch each, where the ops
-        # have the kernel (CUDA; the interpreter in tests) and the layers no biases
-        self.step_kernel = ops.depth_step_kernel and not cfg.attention_bias
+        # sub-steps of <= step_rows rows as one persistent launch each, where the ops have the
+        # kernel for this shape (CUDA; the interpreter in tests) and the layers no biases
+        self.step_rows = 0 if cfg.attention_bias else ops.depth_step_rows(cfg.hidden_size, cfg.intermediate_size)
         self.step: tuple | None = None  # (StepWeights, StepScratch, programs, sync): prepare_decode()
 
     def head_weights(self) -> torch.Tensor:
@@ -152,7 +150,7 @@ class DepthDecoder(DecoderStack):
         self.projected_codes = F.linear(w, proj.weight, proj.bias) if self.projects else w
         self.heads = self.head_weights()
         # 16-bit weights on CUDA (an fp32 dot there is TF32; the interpreter computes in fp32)
-        if self.step_kernel and (self.heads.dtype != torch.float32 or self.heads.device.type != "cuda"):
+        if self.step_rows and (self.heads.dtype != torch.float32 or self.heads.device.type != "cuda"):
             from runner.kernels.depth_step import fits
 
             cfg = self.cfg
@@ -223,7 +221,7 @@ class DepthDecoder(DecoderStack):
         x = torch.stack((self.inputs_embeds_projector(hidden), first), dim=1)
         h = self(x.reshape(2 * b, -1), kv.pair_positions[: 2 * b], kv.caches, kv.pair_meta(b))
         h = h.view(b, 2, -1)[:, 1]  # position 1 predicts codebook 1
-        fused = self.step is not None and b <= DEPTH_STEP_ROWS
+        fused = self.step is not None and b <= self.step_rows
         if fused:
             self.step[1].counters.zero_()  # the sub-steps' grid barriers count from 0
         for p in range(1, k):

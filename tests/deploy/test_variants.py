@@ -33,3 +33,29 @@ def test_attention_fields_and_unknown_names() -> None:
     with pytest.raises(ValueError, match="attn:bogus"):
         parse_variant("attn:bogus=1")
     assert parse_variant("default").switches == {} and parse_variant("skip=down").skips == ["down"]
+
+
+def test_a_mode_switch_keeps_its_word() -> None:
+    assert parse_variant("depth_step=on,pdl=0").switches == {"depth_step": "on", "pdl": False}
+
+
+def test_the_depth_bench_writes_the_shape_in_only_where_the_kernel_won(tmp_path) -> None:
+    import json
+    import shutil
+
+    from deploy.bench.depth_step import write_depth_row
+    from runner.kernels.tuning import TABLES_DIR, read_table, tables_from_json
+
+    path = tmp_path / "nvidia_h200.json"
+    shutil.copy(TABLES_DIR / "nvidia_h200.json", path)
+    slow = {"kernel_us": 136.9, "layers_us": 118.1}
+    fast = {"kernel_us": 100.0, "layers_us": 118.1}
+    assert "not in" in write_depth_row(str(path), "csm", slow, "NVIDIA H200")
+    t = tables_from_json(json.loads(path.read_text()))
+    assert t.depth.one_row == read_table("nvidia_h200").depth.one_row == ("1024x3072",)
+    write_depth_row(str(path), "csm", fast, "NVIDIA H200")
+    assert tables_from_json(json.loads(path.read_text())).depth.one_row == ("1024x3072", "1024x8192")
+    write_depth_row(str(path), "qwen3_tts", slow, "NVIDIA H200")  # a later run it lost: taken out
+    t = tables_from_json(json.loads(path.read_text()))
+    assert t.depth.one_row == ("1024x8192",) and t.linear == read_table("nvidia_h200").linear
+    assert "depth_step --rows 1 --write-table" in t.provenance["depth"]

@@ -28,10 +28,11 @@ def csm_dir(tmp_path_factory):
     return make_tiny_csm(tmp_path_factory.mktemp("csm_gpu"), seed=3, hidden=128, depth_hidden=128)
 
 
-def engine(path, *, graphs: bool, dtype: str = "bfloat16", async_scheduling: bool = True, codec: bool = False) -> Engine:
+def engine(path, *, graphs: bool, dtype: str = "bfloat16", async_scheduling: bool = True, codec: bool = False,
+           depth_step: str = "auto") -> Engine:
     cfg = EngineConfig.build(path, device="cuda", dtype=dtype, max_model_len=128, max_num_batched_tokens=64,
                              max_num_seqs=8, block_size=16, num_blocks=128, async_scheduling=async_scheduling,
-                             cuda_graphs=graphs, max_graph_batch_size=8)
+                             cuda_graphs=graphs, max_graph_batch_size=8, depth_step=depth_step)
     family = family_for(read_profile(path), str(path))
     return Engine(cfg, family=family, codec=family.build_codec(torch.device("cuda"), torch.float32) if codec else None)
 
@@ -53,6 +54,24 @@ def test_graphs_are_used_and_equal_eager(csm_dir):
     assert len(replays) > 10 and depth  # whole steps, and depth halves of the steps prompts joined
     for k in got_e:
         np.testing.assert_array_equal(got_g[k]["frames"], got_e[k]["frames"])
+
+
+def test_depth_step_kernel_in_graphs_equals_eager(csm_dir):
+    """The persistent sub-step kernels (runner/kernels/depth_step.py at 2..8 rows, depth_row.py at
+    one) inside the captured frame graphs give the eager kernels' frames, rows joining mid-run."""
+    sps = [SamplingParams(temperature=0.0, max_tokens=16),
+           SamplingParams(temperature=0.9, top_k=20, max_tokens=16, seed=4, ignore_eos=True),
+           SamplingParams(temperature=1.0, top_p=0.8, max_tokens=16, seed=5)]
+    g = engine(csm_dir, graphs=True, depth_step="on")
+    assert g.model.depth_decoder.step is not None and g.model.depth_decoder.step_rows == 64
+    got_g = drive_requests(g, PROMPTS, sps, join_every=2)
+    got_e = drive_requests(engine(csm_dir, graphs=False, depth_step="on"), PROMPTS, sps, join_every=2)
+    for k in got_e:
+        np.testing.assert_array_equal(got_g[k]["frames"], got_e[k]["frames"])
+    one = drive_requests(engine(csm_dir, graphs=True, depth_step="on"), PROMPTS[:1], sps[:1])  # one row: depth_row.py
+    alone = drive_requests(engine(csm_dir, graphs=False, depth_step="on"), PROMPTS[:1], sps[:1])
+    for k in alone:
+        np.testing.assert_array_equal(one[k]["frames"], alone[k]["frames"])
 
 
 def test_cuda_audio_requests_stream_pcm(csm_dir):

@@ -17,6 +17,7 @@ from runner.kernels.tuning import (
     GENERIC,
     TABLES_DIR,
     AttentionTuning,
+    DepthTuning,
     LinearTables,
     SamplingTuning,
     SnacTuning,
@@ -109,7 +110,10 @@ def test_h200_file_holds_the_old_literals_exactly():
     assert t.snac == SnacTuning(float32=OLD_SNAC_FP32, bfloat16=OLD_SNAC_BF16)
     assert t.sampling == SamplingTuning(**OLD_SAMPLING)
     # one line of provenance per table, no run ids
-    assert set(t.provenance) == {"linear", "split", "fold", "head", "attention", "snac", "sampling"}
+    assert set(t.provenance) == {"linear", "split", "fold", "head", "attention", "snac", "sampling", "depth"}
+    # the depth section (added with runner/kernels/depth_row.py): Qwen3-TTS 1.7B's code predictor only
+    assert t.depth == DepthTuning(one_row=("1024x3072",))
+    assert t.depth.one_row_fits(1024, 3072) and not t.depth.one_row_fits(1024, 8192)
     assert all("\n" not in line and "-run" not in line for line in t.provenance.values())
 
 

@@ -15,6 +15,8 @@ section optional and with one line of provenance:
     attention         AttentionTuning's fields
     snac              {"float32": SNAC_TILES, "bfloat16": SNAC_TILES}
     sampling          SamplingTuning's fields
+    depth             {"one_row": ["HxI", ...]}: DepthTuning, the depth decoders that run a
+                      one-row sub-step as one persistent kernel
 
 TILE is a LinearTile's fields by name, those at their default left out (groups -1 is written
 "per_sm"). A missing section means the generic choice for that op.
@@ -44,6 +46,7 @@ from runner.kernels.tuning.tiles import (
     PLAIN,
     SAFE_SNAC_TILES,
     AttentionTuning,
+    DepthTuning,
     LinearTile,
     SamplingTuning,
     SnacTiles,
@@ -153,6 +156,7 @@ class Tables:
     attention: AttentionTuning = field(default_factory=AttentionTuning)
     snac: SnacTuning = field(default_factory=SnacTuning)
     sampling: SamplingTuning = field(default_factory=SamplingTuning)
+    depth: DepthTuning = field(default_factory=DepthTuning)
     gpu_names: tuple[str, ...] = ()
     fallback_for_capability: tuple[int, int] | None = None
     provenance: Mapping[str, str] = field(default_factory=dict)  # section -> one line
@@ -252,10 +256,12 @@ def _snac_from_json(d: dict) -> SnacTiles:
     return SnacTiles(**d, per_block=per_block)
 
 
+SECTIONS = ("linear", "split", "fold", "head", "attention", "snac", "sampling", "depth")
+
+
 def tables_from_json(raw: dict) -> Tables:
     """A table file's contents -> Tables (sections left out: the generic choice)."""
-    prov = {s: raw[s]["provenance"] for s in ("linear", "split", "fold", "head", "attention", "snac", "sampling")
-            if s in raw and "provenance" in raw[s]}
+    prov = {s: raw[s]["provenance"] for s in SECTIONS if s in raw and "provenance" in raw[s]}
 
     def rows(section: str) -> dict:
         return {_nk(key): tuple((int(m), tile_from_json(t)) for m, t in rr)
@@ -285,6 +291,7 @@ def tables_from_json(raw: dict) -> Tables:
         attention=AttentionTuning(**params("attention")),
         snac=SnacTuning(**{k: _snac_from_json(v) for k, v in snac.items()}),
         sampling=SamplingTuning(**params("sampling")),
+        depth=DepthTuning(one_row=tuple(params("depth").get("one_row", ()))),
         gpu_names=tuple(raw.get("gpu_names", ())),
         fallback_for_capability=tuple(cap) if cap else None,
         provenance=MappingProxyType(prov),
@@ -317,6 +324,8 @@ def tables_to_json(t: Tables) -> dict:
     out["attention"] = asdict(t.attention)
     out["snac"] = {"float32": _snac_to_json(t.snac.float32), "bfloat16": _snac_to_json(t.snac.bfloat16)}
     out["sampling"] = asdict(t.sampling)
+    if t.depth.one_row or "depth" in t.provenance:
+        out["depth"] = {"one_row": list(t.depth.one_row)}
     for section, line in t.provenance.items():
         out[section] = {"provenance": line, **out[section]}
     return out

@@ -157,3 +157,16 @@ class SamplingTuning:
     # B <= the SM count; equal to num_warps on purpose: a seeded request must give the same
     # tokens whatever the batch size, so the reduction tree may not depend on B
     num_warps_small: int = 8
+
+
+@dataclass(frozen=True)
+class DepthTuning:
+    """Where a depth decoder (CSM, Qwen3-TTS) runs a one-row sub-step as runner/kernels/
+    depth_row.py's persistent kernel instead of its layers: the decoders' shapes, "HxI"
+    (hidden x intermediate), that measured faster that way on this device. Empty: never."""
+
+    one_row: tuple[str, ...] = ()
+
+    def one_row_fits(self, hidden: int, inter: int) -> bool:
+        return f"{hidden}x{inter}" in self.one_row
+
