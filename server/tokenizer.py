@@ -73,6 +73,21 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def settled(self, text: str) -> str:
+        """The longest prefix of `text` (as the tokenizer normalizes it) whose ids no text
+        appended after it can change: up to where its last pre-tokenized word starts. BPE never
+        merges across words, and the pre-tokenizer's split of the text before its last word does
+        not depend on what follows (Qwen2's regex: a word is a letter run with at most one
+        leading non-letter, a number, a punctuation run, a whitespace run). So Chinese text
+        settles at each punctuation mark and English at each space. A tokenizer without a
+        pre-tokenizer settles at the last whitespace."""
+        norm = self._tok.normalizer.normalize_str(text) if self._tok.normalizer is not None else text
+        pre = self._tok.pre_tokenizer
+        if pre is None:
+            return norm[: max(0, *(norm.rfind(c) for c in " \t\n"))]
+        words = pre.pre_tokenize_str(norm)
+        return norm[: words[-1][1][0]] if words else ""
+
     def incremental_decoder(self, skip_special_tokens: bool = True) -> "IncrementalDecoder":
         return IncrementalDecoder(self, skip_special_tokens)
 

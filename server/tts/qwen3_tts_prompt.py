@@ -221,11 +221,11 @@ class Qwen3TtsPrompts:
 
 class StreamedText:
     """A text arriving in pieces (a client streaming an LLM's output into speech) -> the text
-    ids of a Qwen3-TTS prompt as they become final. Ids are handed out up to the last
-    whitespace: the Qwen2 pre-tokenizer starts a new piece at a space before a word, so the
-    ids of the text before it do not change with what follows (text without spaces waits for
-    its end). Each call re-tokenizes the text so far as the wrapper's assistant turn and
-    slices it, as a whole text would be."""
+    ids of a Qwen3-TTS prompt as they become final: those of the text up to where its last
+    pre-tokenized word starts (TextTokenizer.settled: at each space in English, at each
+    punctuation mark in Chinese), which do not change with what follows. Each call
+    re-tokenizes the settled text as the wrapper's assistant turn and slices it, as a whole
+    text would be."""
 
     def __init__(self, tokenizer: TextTokenizer):
         self.tokenizer = tokenizer
@@ -235,10 +235,10 @@ class StreamedText:
     async def feed(self, piece: str, final: bool) -> list[int]:
         """Add `piece`; -> the ids that became final (all the rest when `final`)."""
         self.text += piece
-        cut = len(self.text) if final else max(self.text.rfind(c) for c in " \t\n")
-        if cut <= 0:
+        text = self.text if final else self.tokenizer.settled(self.text)
+        if not text:
             return []
-        _, ids = split_turn(await self.tokenizer.encode_async(assistant_turn(self.text[:cut])))
+        _, ids = split_turn(await self.tokenizer.encode_async(assistant_turn(text)))
         n = len(self.sent)
         if ids[:n] != self.sent:  # a boundary the rule above missed: the ids already fed stay
             log.warning("streamed text: ids of %r changed under more text; keeping the %d already fed", self.text, n)

@@ -239,6 +239,42 @@ async def test_streamed_text_hands_out_final_ids_only(default_model_dir, tmp_pat
     assert await StreamedText(tok).feed("nospace", final=False) == []
 
 
+async def test_streamed_chinese_text_settles_at_each_punctuation_mark(tmp_path):
+    """A byte-level BPE with Qwen2's normalizer and pre-tokenizer (server/qwen2_tokenizer.py's),
+    trained here on Chinese and English: a Chinese text without spaces, fed a character at a
+    time, hands out ids at its punctuation marks (each before the text ends), every id the whole
+    text's id at that index."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from server.qwen2_tokenizer import PRETOKENIZE_REGEX
+
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    corpus = ["今天天气很好，我们去公园散步吧。", "你好，世界！这是一个测试。", "Hello there, how are you today?"]
+    bpe.train_from_iterator(corpus * 20, trainers.BpeTrainer(
+        vocab_size=500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|im_start|>", "<|im_end|>", "assistant"]))
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    tok = TextTokenizer.from_folder(tmp_path)
+    text = "你好，世界！今天天气很好，我们去公园散步吧。好的"
+    whole = split_turn(tok.encode(assistant_turn(text)))[1]
+    assert len(whole) < len(text.encode())  # merges happened: a word's ids depend on all of it
+    stream, got, first_at = StreamedText(tok), [], []
+    for i, ch in enumerate(text):
+        new = await stream.feed(ch, final=i == len(text) - 1)
+        if new and i < len(text) - 1:
+            first_at.append(i)
+        got += new
+        assert got == whole[: len(got)], (i, ch)
+    assert got == whole
+    # settled at the marks: "你好" once "，" came, "，世界" once "！" came, ...
+    assert first_at[:2] == [text.index("，"), text.index("！")]
+
+
 def test_open_rows_hold_back_the_end_and_wait_for_enough_text(golden):
     """The open prompt is the streaming layout of the ids so far without its closing tts_eos;
     an ICL voice's rows pair text with its clip's frames, so they wait for enough ids."""
