@@ -11,7 +11,8 @@
             {"type": "audio.start", "utterance": k, "sentence_index": k, "sentence_text",
              "format": "pcm_s16le", "sample_rate", "text"}
             binary frames of s16le PCM
-            {"type": "audio.done", "utterance": k, "sentence_index": k, "finish_reason", "usage": {...}}
+            {"type": "audio.done", "utterance": k, "sentence_index": k, "sentence_text", "text",
+             "finish_reason", "usage": {...}}
             {"type": "session.done", "total_sentences": n} then close 1000
             {"type": "error", "code", "message", "param"[, "utterance"]}
 
@@ -29,7 +30,10 @@ any other value is an error naming the field (`instructions` likewise, as on POS
 /v1/audio/speech: taken by a model with an instruct turn, Qwen3-TTS 1.7B).
 
 Text is cut into segments (server.tts.text_segmenter); each segment is one engine request,
-spoken in order by a `server.tts.speaker.Speaker` (bounded prefetch).
+spoken in order by a `server.tts.speaker.Speaker` (bounded prefetch). With `stream_input`
+(Qwen3-TTS) the input.text pieces up to an input.flush are one utterance that starts speaking
+with its first settled words: its audio.start carries the text that had arrived by then, its
+audio.done all of it.
 
 Messages are judged by streaming.schema (strict types, unknown keys refused; `session.config`
 exactly as POST /v1/audio/speech judges the same fields;
@@ -289,10 +293,10 @@ class SpeechStreamSession(TextSession):
                 "type": "audio.start",
                 "utterance": utt.index,
                 "sentence_index": utt.index,
-                "sentence_text": utt.text,
+                "sentence_text": utt.spoken_text,
                 "format": PCM_FORMAT,
                 "sample_rate": self.ctx.profile.sample_rate,
-                "text": utt.text,
+                "text": utt.spoken_text,
             }
         )
 
@@ -306,6 +310,8 @@ class SpeechStreamSession(TextSession):
                 "type": "audio.done",
                 "utterance": utt.index,
                 "sentence_index": utt.index,
+                "sentence_text": utt.spoken_text,
+                "text": utt.spoken_text,
                 "finish_reason": last.finish_reason,
                 "usage": usage_of(utt, last),
             }

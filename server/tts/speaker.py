@@ -33,6 +33,7 @@ from server.engine_api import EngineOverloaded, EngineUnavailable
 from server.errors import APIError
 from server.routes.speech import speech_add_request
 from server.sampling import SPEECH_FIELDS, rejection_error
+from server.tts.qwen3_tts_prompt import StreamedText
 from server.tts.streamed_speech import Feed, streamed_request
 from streaming.ipc import AddRequest, RequestOutput
 from streaming.sampling_params import InvalidRequest, SamplingParams
@@ -60,6 +61,12 @@ class Utterance:
     add: AddRequest | None = None
     task: asyncio.Task | None = None
     pieces: asyncio.Queue | None = None  # a streamed segment's text: (piece, final) items
+    streamed: StreamedText | None = None  # ... and the text its pieces have brought so far
+
+    @property
+    def spoken_text(self) -> str:
+        """The utterance's text: a streamed one's so far (all of it once its request finished)."""
+        return self.streamed.text if self.streamed is not None else self.text
 
 
 class Refusal(Enum):
@@ -257,9 +264,11 @@ class Speaker:
                                                        language=voicing.language, instructions=voicing.instructions)
                 else:  # waits for the first words (the writer is still sending earlier utterances)
                     ctx = self._ctx
+                    utt.streamed = StreamedText(ctx.tokenizer)
                     utt.add, feed = await streamed_request(
                         ctx.profile, ctx.tokenizer, ctx.engine, f"speech-{uuid.uuid4().hex}", voicing.voice,
-                        voicing.sampling, pieces, voicing.language, voicing.instructions, param="text")
+                        voicing.sampling, pieces, voicing.language, voicing.instructions, param="text",
+                        text=utt.streamed)
             except APIError as e:
                 utt.items.put_nowait(e)
             else:

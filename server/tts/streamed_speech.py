@@ -26,10 +26,12 @@ Feed = Callable[[], Awaitable[None]]
 
 async def streamed_request(profile, tokenizer: TextTokenizer, engine, request_id: str, voice: str,
                            sampling: SamplingParams, pieces: asyncio.Queue, language: str | None = None,
-                           instructions: str | None = None, param: str = "input") -> tuple[AddRequest, Feed | None]:
+                           instructions: str | None = None, param: str = "input", text: StreamedText | None = None
+                           ) -> tuple[AddRequest, Feed | None]:
     """(the engine request, the coroutine function feeding the rest of its text; None when the
-    text was complete before the request could start). Refusals name `param`."""
-    text = StreamedText(tokenizer)
+    text was complete before the request could start). Refusals name `param`. `text`: the
+    StreamedText to fill (the caller reads the text so far from it), a new one by default."""
+    text = text if text is not None else StreamedText(tokenizer)
     ids: list[int] = []
     final = False
     while not final:

@@ -203,3 +203,5 @@ async def test_ws_stream_input_speaks_text_as_it_arrives(qwen3_server: ServerPro
     slow, _ = await streamed_session(url, pieces, 0.12)
     assert len(done) == 2
     assert fast and len(fast) % FRAME_BYTES == 0 and fast == slow
+    # audio.done names what each utterance said: the streamed one's whole text
+    assert [(d["text"], d["sentence_text"]) for d in done] == [("".join(pieces),) * 2, ("Fine, thanks.",) * 2]
