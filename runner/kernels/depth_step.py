@@ -214,15 +214,8 @@ def _depth_step_kernel(
                          o.to(attn_ptr.dtype.element_ty), mask=(offs_g < G)[:, None])
         elif j == 2:  # ---- o_proj + residual
             res = _row_bases(layer, rows, m_mask, table_ptr, stride_t, idx_ptr, stride_idx, idx_offset, x_ptr, H)
-            bases = attn_ptr + rows64 * QW
-            w = wo_ptr + layer * H * QW
-            for t in range(pid, H // BNO, nprog):
-                n0 = t * BNO
-                cols = n0 + tl.arange(0, BNO)
-                zero = tl.zeros([BM, BNO], tl.float32)
-                acc, _ = _gemm(bases, m_mask, w, QW, n0, 0, cols >= 0, zero, ln1_ptr, zero, zero,
-                               QW, BKO, BNO, False, False)
-                _residual_store(acc, res, x_ptr, rows64, cols, m_mask, H)
+            _residual_gemm(attn_ptr + rows64 * QW, res, wo_ptr + layer * H * QW, x_ptr, rows64, m_mask, pid, nprog,
+                           H, QW, BM, BKO, BNO)
         elif j == 3:  # ---- RMSNorm + gate_up + SiLU*mul
             bases = x_ptr + rows64 * H
             rstd = _rstd(bases, m_mask, eps, H, BK)
@@ -237,18 +230,23 @@ def _depth_step_kernel(
                 y = silu_mul(g.to(dt), u.to(dt))
                 tl.store(act_ptr + rows64[:, None] * I + cols[None, :], y, mask=m_mask[:, None])
         else:  # ---- down + residual
-            bases = act_ptr + rows64 * I
-            w = wd_ptr + layer * H * I
-            for t in range(pid, H // BND, nprog):
-                n0 = t * BND
-                cols = n0 + tl.arange(0, BND)
-                zero = tl.zeros([BM, BND], tl.float32)
-                acc, _ = _gemm(bases, m_mask, w, I, n0, 0, cols >= 0, zero, ln1_ptr, zero, zero,
-                               I, BKD, BND, False, False)
-                _residual_store(acc, x_ptr + rows64 * H, x_ptr, rows64, cols, m_mask, H)
+            _residual_gemm(act_ptr + rows64 * I, x_ptr + rows64 * H, wd_ptr + layer * H * I, x_ptr, rows64, m_mask,
+                           pid, nprog, H, I, BM, BKD, BND)
         if SYNC:
             if ph < last_phase:
                 grid_sync(counter_ptr, (ph - first_phase + 1) * nprog)
+
+
+@triton.jit
+def _residual_gemm(a_bases, res_bases, w, x_ptr, rows64, m_mask, pid, nprog, H: tl.constexpr, K: tl.constexpr,
+                   BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """o_proj and down: x = res + A @ W^T (W [H, K]), BN columns a program."""
+    for t in range(pid, H // BN, nprog):
+        n0 = t * BN
+        cols = n0 + tl.arange(0, BN)
+        zero = tl.zeros([BM, BN], tl.float32)
+        acc, _ = _gemm(a_bases, m_mask, w, K, n0, 0, cols >= 0, zero, w, zero, zero, K, BK, BN, False, False)
+        _residual_store(acc, res_bases, x_ptr, rows64, cols, m_mask, H)
 
 
 @triton.jit
