@@ -1,8 +1,9 @@
-"""A depth decoder's sub-step as one persistent kernel (runner/kernels/depth_step.py).
+"""A depth decoder's sub-step as one persistent kernel (runner/kernels/depth_step.py; one row:
+runner/kernels/depth_row.py).
 
 Compiled on CUDA (one launch, grid barriers); under Triton's interpreter on CPU, one launch per
 phase (the interpreter runs programs one after another, so a barrier would never open);
-skipped without `triton` (CPU CI). tests/gpu/test_depth_step_graphs.py runs the barrier path in
+skipped without `triton` (CPU CI). tests/gpu/test_frame_graphs.py runs the barrier path in
 the engine's graphs.
 
 What is checked, on tiny depth decoders with CSM's layout (no q/k norms) and Qwen3-TTS's
