@@ -57,7 +57,7 @@ def build(shape: dict, max_rows: int):
 
 def weight_bytes(dec) -> int:
     """Bytes a sub-step reads: every layer's weights and norms, the final norm, one head."""
-    w = dec.step[0]
+    w = dec.step.weights
     parts = (w.qkv, w.o, w.gate_up, w.down, w.ln1, w.ln2, w.norm, w.heads[0])
     return sum(t.numel() * t.element_size() for t in parts)
 

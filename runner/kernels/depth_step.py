@@ -44,6 +44,7 @@ Importing this module needs `triton` (CUDA, or the interpreter in tests).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -365,6 +366,17 @@ class StepScratch:
         self.act = torch.zeros(r, inter, device=device, dtype=dtype)
         self.logits = torch.zeros(r, vocab, device=device, dtype=dtype)
         self.counters = torch.zeros(num_codebooks, device=device, dtype=torch.int32)
+
+
+class StepKernel(NamedTuple):
+    """What a depth decoder keeps to launch the kernels: its stacked weights, the scratch, the
+    grid (one program per SM on CUDA) and whether one launch synchronises itself (CUDA) or runs
+    a launch per phase (the interpreter)."""
+
+    weights: StepWeights
+    scratch: StepScratch
+    programs: int
+    sync: bool
 
 
 def depth_step(

@@ -23,6 +23,8 @@ call), then one row per batch row per sub-step: K - 1 forwards per frame.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +34,9 @@ from runner.layers.attention import AttentionMetadata
 from runner.layers.base import AttentionBackend, OpsBackend
 from runner.models.csm_sampling import CodebookSampler
 from runner.models.llama import DecoderLayer, RMSNorm, RotaryEmbedding, run_decoder
+
+if TYPE_CHECKING:  # runner/kernels needs triton: imported where the kernels run
+    from runner.kernels.depth_step import StepKernel
 
 
 class DecoderStack(nn.Module):
@@ -131,7 +136,7 @@ class DepthDecoder(DecoderStack):
         # sub-steps of <= step_rows rows as one persistent launch each, where the ops have the
         # kernel for this shape (CUDA; the interpreter in tests) and the layers no biases
         self.step_rows = 0 if cfg.attention_bias else ops.depth_step_rows(cfg.hidden_size, cfg.intermediate_size)
-        self.step: tuple | None = None  # (StepWeights, StepScratch, programs, sync): prepare_decode()
+        self.step: StepKernel | None = None  # the kernels' weights and scratch: prepare_decode()
 
     def head_weights(self) -> torch.Tensor:
         """The heads as one contiguous [K - 1, V, H_depth] tensor (head k at [k - 1])."""
@@ -151,18 +156,20 @@ class DepthDecoder(DecoderStack):
         self.heads = self.head_weights()
         # 16-bit weights on CUDA (an fp32 dot there is TF32; the interpreter computes in fp32)
         if self.step_rows and (self.heads.dtype != torch.float32 or self.heads.device.type != "cuda"):
-            from runner.kernels.depth_step import fits
+            from runner.kernels.depth_step import fits, row_fits
 
             cfg = self.cfg
-            if fits(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
+            widths = (cfg.hidden_size, cfg.intermediate_size)
+            if (row_fits(*widths, cfg.num_heads * cfg.head_dim) if self.step_rows == 1
+                    else fits(*widths, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)):
                 self.step = self.kernel_layout()
 
-    def kernel_layout(self) -> tuple:
+    def kernel_layout(self) -> StepKernel:
         """runner/kernels/depth_step.py's inputs: the layers' weights stacked per kind (each
         parameter re-pointed to its view of the stack, so nothing is held twice), the scratch,
         the grid (one program per SM on CUDA) and whether it synchronises in one launch (CUDA) or
         runs a launch per phase (the interpreter)."""
-        from runner.kernels.depth_step import StepScratch, StepWeights
+        from runner.kernels.depth_step import StepKernel, StepScratch, StepWeights
 
         cfg, layers = self.cfg, self.layers
 
@@ -187,18 +194,17 @@ class DepthDecoder(DecoderStack):
                               self.num_codebooks, dev, self.heads.dtype)
         cuda = dev.type == "cuda"
         programs = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 3
-        return weights, scratch, programs, cuda
+        return StepKernel(weights, scratch, programs, sync=cuda)
 
     def _fused_logits(self, frames: torch.Tensor, p: int, kv: DepthKV) -> torch.Tensor:
         """Codebook p's logits [B, V] from the code of codebook p - 1, position p through every
         layer in one launch (runner/kernels/depth_step.py)."""
         from runner.kernels.depth_step import depth_step
 
-        weights, scratch, programs, sync = self.step
-        rot = self.rotary
-        return depth_step(weights, scratch, kv.stacked, self.projected_codes, frames[:, p - 1],
+        s, rot = self.step, self.rotary
+        return depth_step(s.weights, s.scratch, kv.stacked, self.projected_codes, frames[:, p - 1],
                           self.code_offsets[p - 1], p, rot.cos, rot.sin, self.cfg.rms_norm_eps, self.cfg.num_heads,
-                          self.cfg.qk_norm, programs, sync=sync)
+                          self.cfg.qk_norm, s.programs, sync=s.sync)
 
     def codebook_logits(self, h: torch.Tensor, codebook: int) -> torch.Tensor:
         """[B, H] depth hidden at position `codebook` -> [B, V] in the model dtype (as transformers)."""
@@ -223,7 +229,7 @@ class DepthDecoder(DecoderStack):
         h = h.view(b, 2, -1)[:, 1]  # position 1 predicts codebook 1
         fused = self.step is not None and b <= self.step_rows
         if fused:
-            self.step[1].counters.zero_()  # the sub-steps' grid barriers count from 0
+            self.step.scratch.counters.zero_()  # the sub-steps' grid barriers count from 0
         for p in range(1, k):
             if p == 1:
                 logits = self.codebook_logits(h, 1)
