@@ -9,7 +9,7 @@ the field in the client's terms, and the request does not run.
 
 A speech request with `stream_input` takes its text in pieces ("append" messages, the last one
 `final`): its Qwen3-TTS request starts as soon as the ids so far fix its prompt
-(server/tts/qwen3_tts_prompt.py StreamedText: ids are final up to the last space) and the rest
+(server/tts/qwen3_tts_prompt.py StreamedText: ids are final up to the text's last word) and the rest
 of the text reaches the running request as it arrives (ipc.AppendText); a row whose next text
 id has not come waits in the engine. At most MAX_PENDING_PIECES pieces wait unread, and the
 whole text is bounded by max_input_chars.
@@ -36,7 +36,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from server.engine_api import EngineOverloaded, EngineUnavailable
 from server.settings import ServerSettings
-from server.tts.streamed_speech import streamed_request
+from server.tts.streamed_speech import TextFeed, streamed_request
 from streaming.ipc import AddRequest, RequestOutput
 from streaming.sampling_params import InvalidRequest, SamplingParams
 from streaming.schema import (
@@ -296,17 +296,17 @@ class ZmqGateway:
         return voice, sampling_params(given, self.profile.sampling, limits, nested_names())
 
     async def _run(self, ident: bytes, msg: ZmqRequest, pieces: asyncio.Queue | None = None) -> None:
-        feeder = None
+        feeder: TextFeed | None = None
         try:
             feed = None
             if pieces is not None:
                 req, feed = await self._streamed(msg, pieces)
             else:
                 req = await self._build(msg)
+            feeder = TextFeed(feed, f"zmq gateway {msg.id!r}")
             async with contextlib.aclosing(self.engine.generate(req)) as stream:
                 async for out in stream:
-                    if feed is not None and feeder is None:  # the request runs: feed it its text
-                        feeder = asyncio.create_task(feed())
+                    feeder.output()  # the request runs: feed it its text
                     await self._send_step(ident, msg.id, out)
         except RequestError as e:
             await self._send(ident, e.reply(), [])
@@ -325,9 +325,7 @@ class ZmqGateway:
         finally:
             self._inputs.pop((ident, msg.id), None)
             if feeder is not None:
-                if feeder.done() and not feeder.cancelled() and feeder.exception() is not None:
-                    log.error("zmq gateway: feeding the text of %r failed", msg.id, exc_info=feeder.exception())
-                feeder.cancel()
+                feeder.close()
 
     async def _send_step(self, ident: bytes, rid: str, out: RequestOutput) -> None:
         frames: list = []

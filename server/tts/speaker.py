@@ -34,7 +34,7 @@ from server.errors import APIError
 from server.routes.speech import speech_add_request
 from server.sampling import SPEECH_FIELDS, rejection_error
 from server.tts.qwen3_tts_prompt import StreamedText
-from server.tts.streamed_speech import Feed, streamed_request
+from server.tts.streamed_speech import Feed, TextFeed, streamed_request
 from streaming.ipc import AddRequest, RequestOutput
 from streaming.sampling_params import InvalidRequest, SamplingParams
 
@@ -60,8 +60,7 @@ class Utterance:
     items: asyncio.Queue  # RequestOutput | Exception, ends with a finished output or an exception
     add: AddRequest | None = None
     task: asyncio.Task | None = None
-    pieces: asyncio.Queue | None = None  # a streamed segment's text: (piece, final) items
-    streamed: StreamedText | None = None  # ... and the text its pieces have brought so far
+    streamed: StreamedText | None = None  # a streamed segment's text so far
 
     @property
     def spoken_text(self) -> str:
@@ -254,8 +253,7 @@ class Speaker:
             await self._slots.acquire()
             limit = voicing.sampling.max_tokens + 2  # everything one utterance can produce
             pieces = text if isinstance(text, asyncio.Queue) else None
-            utt = Utterance(index, "" if pieces is not None else text, queued_at, asyncio.Queue(maxsize=limit),
-                            pieces=pieces)
+            utt = Utterance(index, "" if pieces is not None else text, queued_at, asyncio.Queue(maxsize=limit))
             index += 1
             feed = None
             try:
@@ -281,12 +279,11 @@ class Speaker:
         """The utterance's engine request, its outputs into utt.items; `feed` (a streamed
         segment) runs beside it once the engine has the request, until the text's end."""
         assert utt.add is not None
-        feeder = None
+        feeder = TextFeed(feed, self._endpoint)
         try:
             async with aclosing(self._ctx.engine.generate(utt.add)) as outputs:
                 async for out in outputs:
-                    if feed is not None and feeder is None:
-                        feeder = asyncio.create_task(feed())
+                    feeder.output()
                     # Steps without audio carry nothing the client needs (usage comes last).
                     if out.finished or (out.audio is not None and out.audio.size):
                         await utt.items.put(out)
@@ -298,10 +295,7 @@ class Speaker:
         except InvalidRequest as e:  # the engine client's way to reject a field
             await utt.items.put(rejection_error(str(e), e.field, SPEECH_FIELDS, "text"))
         finally:
-            if feeder is not None:
-                if feeder.done() and not feeder.cancelled() and feeder.exception() is not None:
-                    log.error("%s: feeding streamed text failed", self._endpoint, exc_info=feeder.exception())
-                feeder.cancel()
+            feeder.close()
 
     async def _write_loop(self) -> None:
         finished = False
