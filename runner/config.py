@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from runner.kernels.tuning import TUNING_MODES
-
-DEPTH_STEP_MODES = ("auto", "on", "off")
 from streaming.knobs import knob
+
+DEPTH_STEP_MODES = ("auto", "on", "off")  # RunnerConfig.depth_step
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -125,7 +125,7 @@ class Scheduler:
             known = n_prompt + len(req.output_token_ids)  # tokens on the host
             total = known + req.num_inflight  # = req.num_tokens
             start = req.num_computed_tokens
-            n = (total if req.open_text is None else self._text_end(req, n_prompt, total)) - start
+            n = self._text_end(req, n_prompt, total) - start
             if n <= 0 or total - n_prompt >= req.sampling.max_tokens or total >= max_len:
                 # n <= 0: chunk ended the prompt, token still in flight; or the row waits for
                 # its text (_text_end). At max_tokens (in-flight tokens counted) or
@@ -168,9 +168,8 @@ class Scheduler:
                 req.num_computed_tokens = bs.match_prefix(req)
                 if req.status is Status.WAITING and not req.num_preemptions:
                     req.num_cached_tokens = req.num_computed_tokens
-            total = req.num_tokens
-            if req.open_text is not None:  # recomputed after a preemption: up to its text
-                total = self._text_end(req, len(req.prompt_token_ids), total)
+            # recomputed after a preemption: a row whose text is arriving, up to its text
+            total = self._text_end(req, len(req.prompt_token_ids), req.num_tokens)
             n = min(total - req.num_computed_tokens, budget)
             if n <= 0 or not bs.allocate(req, n):
                 bs.free_request(req)  # give back prefix-cache hits; retried next step
@@ -196,11 +195,11 @@ class Scheduler:
 
     @staticmethod
     def _text_end(req: Request, n_prompt: int, total: int) -> int:
-        """The positions a request whose text is still arriving may compute: all `total`, or
-        all but the last while that position's input (generated frame total - 1 - n_prompt)
-        has no text id yet. The row then waits there, its KV and slot kept, and samples
-        nothing until the id comes (Engine.append_text)."""
-        if total > n_prompt and not req.open_text.ready(total - 1 - n_prompt):
+        """The positions a request may compute: all `total`, or, while its text is still
+        arriving, all but the last while that position's input (generated frame total - 1 -
+        n_prompt) has no text id yet. The row then waits there, its KV and slot kept, and
+        samples nothing until the id comes (Engine.append_text)."""
+        if req.open_text is not None and total > n_prompt and not req.open_text.ready(total - 1 - n_prompt):
             return total - 1
         return total
 
