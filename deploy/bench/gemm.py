@@ -319,6 +319,15 @@ def write_table(path: str | Path, tuned: list | None, provenance: str | None = N
     return raw
 
 
+def new_shapes(path: str | Path, shapes: dict) -> dict:
+    """The entries of `shapes` (name -> (N, K, gated)) whose plain (N, K) the linear section of
+    the table at `path` has no rows for."""
+    from runner.kernels.tuning import tables_from_json
+
+    named = {(n, k) for _, n, k in tables_from_json(json.loads(Path(path).read_text())).linear.tuned}
+    return {name: shape for name, shape in shapes.items() if shape[:2] not in named}
+
+
 def main() -> int:
     import argparse
 
@@ -333,9 +342,18 @@ def main() -> int:
                     help="also sweep split-K for the GEMMs feeding the add + RMSNorm and write the split rows")
     ap.add_argument("--split-only", action="store_true",
                     help="sweep (and write) only the split-K rows; the table's linear rows are kept")
+    ap.add_argument("--new-only", action="store_true",
+                    help="sweep only the shapes --write-table's table has no rows for (models share shapes: CSM's "
+                         "rows for 2048x2048 stay as measured when Qwen3-TTS's are swept)")
     args = ap.parse_args()
     args.split |= args.split_only
-    res = {"tuned": None} if args.split_only else run_gemm_sweep(args.workers, SHAPE_SETS[args.shapes])
+    shapes = SHAPE_SETS[args.shapes]
+    if args.new_only:
+        if not args.write_table:
+            raise SystemExit("--new-only needs --write-table (the table whose shapes are kept)")
+        shapes = new_shapes(args.write_table, shapes)
+        print(f"new shapes: {', '.join(shapes) or 'none'}")
+    res = {"tuned": None} if args.split_only or not shapes else run_gemm_sweep(args.workers, shapes)
     split = None
     if args.split:
         names = [nm for nm in SPLIT_NAMES if nm in SHAPE_SETS[args.shapes]]
@@ -348,14 +366,14 @@ def main() -> int:
         (out / "gemm_tuned.json").write_text(json.dumps(res["tuned"]))
         print(tuned_literal(res["tuned"]))
     if args.write_table:
-        gpu, shapes = torch.cuda.get_device_name(), args.shapes
-        swept = ", ".join(f"{name} {n}x{k}" for name, (n, k, _) in SHAPE_SETS[shapes].items())
+        gpu = torch.cuda.get_device_name()
+        swept = ", ".join(f"{name} {n}x{k}" for name, (n, k, _) in shapes.items())
         write_table(args.write_table, res["tuned"],
-                    f"{gpu}, bf16: {shapes} decode GEMMs ({swept}) swept alone against cuBLAS (python -m "
-                    f"deploy.bench.gemm --shapes {shapes}), the faster per row; null rows: cuBLAS",
+                    f"{gpu}, bf16: {args.shapes} decode GEMMs ({swept}) swept alone against cuBLAS (python -m "
+                    f"deploy.bench.gemm --shapes {args.shapes}), the faster per row; null rows: cuBLAS",
                     split=None if split is None else split["rows"],
-                    split_provenance=f"{gpu}: {shapes} split-K rows where the GEMM alone beat cuBLAS by "
-                                     f"{round(100 * (1 - SPLIT_GAIN))}% (gemm --shapes {shapes} --split)")
+                    split_provenance=f"{gpu}: {args.shapes} split-K rows where the GEMM alone beat cuBLAS by "
+                                     f"{round(100 * (1 - SPLIT_GAIN))}% (gemm --shapes {args.shapes} --split)")
         written = [name for name, part in (("linear", res["tuned"]), ("split", split)) if part is not None]
         print(f"wrote the {' and '.join(written)} section(s) of {args.write_table}")
     return 0

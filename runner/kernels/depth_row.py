@@ -1,20 +1,22 @@
 """runner/kernels/depth_step.py's sub-step for one row (batch 1), as GEMVs whose first weight
-slice is loaded before the grid barrier (CUDA, Triton).
+chunks are loaded before the grid barrier (CUDA, Triton).
 
 Why a kernel of its own: at one row every phase is latency-bound, and a phase costs at least a
 DRAM round trip for its weights after the barrier opens. Weights never depend on the
 activations, so each program loads the weights of its first tile of the next phase (all of them
 where a tile fits in registers: qkv, o_proj, the head; the first K chunk of gate_up and down)
 *before* it waits at the barrier: the round trip overlaps the other programs finishing the
-phase. Each GEMV spreads K over all the program's warps (a tile of `BN` output rows x a K
-chunk, reduced with tl.sum), and gate_up / down stream their K chunks double-buffered in
-registers (the next chunk's load issued before the current chunk's FMAs).
+phase. Each GEMV spreads K over all the program's warps (a tile of output rows x a K chunk,
+reduced with tl.sum), and gate_up / down stream their K chunks double-buffered in registers
+(the next chunk's load issued before the current chunk's FMAs). gate_up is one GEMV over the
+gate and up rows interleaved: both halves share one stream of 32 KB chunks, twice what each
+half had in flight alone.
 
 Phases (phase index = layer * 5 + j, the head last; the barrier sits at the start of each
 phase but the launch's first):
   j = 0  qkv: RMSNorm(x) @ Wqkv^T; q to scratch, k / v (not yet rotated) into the layer's cache
   j = 1  per kv head: q and this position's k normed (Qwen3) and rotated, k written back, then
-         attention over positions 0..p
+         attention over positions 0..p (the past keys / values loaded before the barrier)
   j = 2  o_proj, residual add
   j = 3  RMSNorm(x) @ [Wgate | Wup]^T -> silu(gate) * up
   j = 4  down, residual add
@@ -65,10 +67,16 @@ def _x_use(x, nw, rstd, NORM: tl.constexpr):
 
 
 @triton.jit
+def _dot(acc, w, x, nw, rstd, NORM: tl.constexpr):
+    return acc + tl.sum(w.to(tl.float32) * _x_use(x, nw, rstd, NORM)[None, :], axis=1)
+
+
+@triton.jit
 def _gemv(w_first, w_ptr, rows, mask, x_ptr, rstd, nw_ptr, K: tl.constexpr, KC: tl.constexpr, NORM: tl.constexpr):
     """[BN] fp32 W[rows] . x, w_first = W[rows, 0 : KC] already loaded. Every iteration issues
     the next chunk's loads (weights and x) before the current chunk's products, so no chunk
-    waits on a load of its own."""
+    waits on a load of its own. (Two or three chunks in flight ran slower on the H200: the
+    buffers spill, docs/performance.md.)"""
     acc = tl.zeros_like(rows.to(tl.float32))
     w = w_first
     x, nw = _x_raw(x_ptr, nw_ptr, 0, KC, NORM)
@@ -133,14 +141,32 @@ def _qkv_phase(xb, w, nw, q_ptr, kv, stride_kv, pos, eps, counter_ptr, target, w
 
 
 @triton.jit
+def _past_kv(kv, stride_kv, kvh, pos, KW: tl.constexpr, HEAD_DIM: tl.constexpr, SB: tl.constexpr):
+    """Head kvh's keys (halves) and values at positions 0..pos-1 ([SB, D/2] x2, [SB, D]; zero
+    from pos on): written by earlier sub-steps, so loadable before this one's barrier."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_s = tl.arange(0, SB)
+    kr = kv + offs_s[:, None] * KW + kvh * HEAD_DIM  # [SB, 1] row bases
+    past = (offs_s < pos)[:, None]
+    k_a = tl.load(kr + tl.arange(0, HALF)[None, :], mask=past, other=0.0, cache_modifier=".cg")
+    k_b = tl.load(kr + HALF + tl.arange(0, HALF)[None, :], mask=past, other=0.0, cache_modifier=".cg")
+    vv = tl.load(kr + stride_kv + tl.arange(0, HEAD_DIM)[None, :], mask=past, other=0.0, cache_modifier=".cg")
+    return k_a, k_b, vv
+
+
+@triton.jit
 def _attention_phase(q_ptr, kv, stride_kv, attn_ptr, qn, kn, cos_ptr, sin_ptr, stride_cos, pos, eps, scale_log2e,
                      counter_ptr, target, wait, pid, nprog, HQ: tl.constexpr, HKV: tl.constexpr,
                      HEAD_DIM: tl.constexpr, SB: tl.constexpr, GP: tl.constexpr, QK_NORM: tl.constexpr):
     """Per kv head: q and this position's k normed (Qwen3) and rotated, k written back, then
-    attention over positions 0..pos."""
+    attention over positions 0..pos. The past keys and values are loaded before the barrier;
+    position pos's k and v (this sub-step's qkv phase) after it, and put in their row in
+    registers (the k that is written back, so the cache is never read back here)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     KW: tl.constexpr = HKV * HEAD_DIM
     G: tl.constexpr = HQ // HKV
+    # (a program past the kv heads loads nothing: no position lies below 0)
+    k_a, k_b, vv = _past_kv(kv, stride_kv, tl.minimum(pid, HKV - 1), tl.where(pid < HKV, pos, 0), KW, HEAD_DIM, SB)
     _barrier(counter_ptr, target, wait)
     dt = q_ptr.dtype.element_ty
     offs_g = tl.arange(0, GP)
@@ -148,35 +174,34 @@ def _attention_phase(q_ptr, kv, stride_kv, attn_ptr, qn, kn, cos_ptr, sin_ptr, s
     offs_s = tl.arange(0, SB)
     offs_d = tl.arange(0, HEAD_DIM)
     g_mask = (offs_g < G)[:, None]
-    s_mask = offs_s <= pos
+    at_pos = (offs_s == pos)[:, None]
     c = tl.load(cos_ptr + pos * stride_cos + offs_h).to(dt).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + pos * stride_cos + offs_h).to(dt).to(tl.float32)[None, :]
     for kvh in range(pid, HKV, nprog):
-        # this position's k: (norm,) rotate, write back before the keys are read
+        if kvh != pid:
+            k_a, k_b, vv = _past_kv(kv, stride_kv, kvh, pos, KW, HEAD_DIM, SB)
+        # this position's k: (norm,) rotate, write back for the later sub-steps
         kp = kv + pos * KW + kvh * HEAD_DIM + offs_h[None, :]  # [1, HALF]
         ka = tl.load(kp, cache_modifier=".cg")
         kb = tl.load(kp + HALF, cache_modifier=".cg")
-        if QK_NORM:
-            ka, kb = head_norm(ka, kb, kn, offs_h, HALF, eps, HEAD_DIM)
-        ka, kb = rope_pair(ka, kb, c, s, True)
-        tl.store(kp, ka)
-        tl.store(kp + HALF, kb)
+        v_pos = tl.load(kv + stride_kv + pos * KW + kvh * HEAD_DIM + offs_d[None, :], cache_modifier=".cg")
         qp = q_ptr + (kvh * G + offs_g)[:, None] * HEAD_DIM + offs_h[None, :]  # [GP, HALF]
         qa = tl.load(qp, mask=g_mask, other=0.0, cache_modifier=".cg")
         qb = tl.load(qp + HALF, mask=g_mask, other=0.0, cache_modifier=".cg")
         if QK_NORM:
+            ka, kb = head_norm(ka, kb, kn, offs_h, HALF, eps, HEAD_DIM)
             qa, qb = head_norm(qa, qb, qn, offs_h, HALF, eps, HEAD_DIM)
+        ka, kb = rope_pair(ka, kb, c, s, True)
         qa, qb = rope_pair(qa, qb, c, s, True)
-        tl.debug_barrier()  # k's store above is visible to every thread of the program
-        kr = kv + offs_s[:, None] * KW + kvh * HEAD_DIM  # [SB, 1] row bases
-        s_m = s_mask[:, None]
-        k_a = tl.load(kr + offs_h[None, :], mask=s_m, other=0.0, cache_modifier=".cg")
-        k_b = tl.load(kr + HALF + offs_h[None, :], mask=s_m, other=0.0, cache_modifier=".cg")
-        vv = tl.load(kr + stride_kv + offs_d[None, :], mask=s_m, other=0.0, cache_modifier=".cg")
-        sc = (tl.dot(qa, tl.trans(k_a)) + tl.dot(qb, tl.trans(k_b))) * scale_log2e  # [GP, SB] fp32
-        sc = tl.where(s_mask[None, :], sc, float("-inf"))
+        tl.store(kp, ka)
+        tl.store(kp + HALF, kb)
+        cur_a = tl.where(at_pos, ka, k_a)  # [SB, HALF]
+        cur_b = tl.where(at_pos, kb, k_b)
+        cur_v = tl.where(at_pos, v_pos, vv)  # [SB, D]
+        sc = (tl.dot(qa, tl.trans(cur_a)) + tl.dot(qb, tl.trans(cur_b))) * scale_log2e  # [GP, SB] fp32
+        sc = tl.where((offs_s <= pos)[None, :], sc, float("-inf"))
         pr = tl.exp2(sc - tl.max(sc, 1)[:, None])
-        o = tl.dot(pr.to(vv.dtype), vv) / tl.sum(pr, 1)[:, None]
+        o = tl.dot(pr.to(cur_v.dtype), cur_v) / tl.sum(pr, 1)[:, None]
         dst = attn_ptr + (kvh * G + offs_g)[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(dst, o.to(attn_ptr.dtype.element_ty), mask=g_mask)
 
@@ -199,23 +224,29 @@ def _residual_phase(a_ptr, w, res, x_ptr, counter_ptr, target, wait, pid, nprog,
 
 
 @triton.jit
+def _gate_up_rows(t, BNG: tl.constexpr, I: tl.constexpr):
+    """Tile t's weight rows of [Wgate | Wup], interleaved ([2 BNG]: gate r, up r, gate r + 1, ...),
+    so one GEMV streams both halves and its result splits into (gate, up) by a reshape."""
+    r = t * BNG + tl.arange(0, BNG)
+    return tl.reshape(r[:, None] + (tl.arange(0, 2) * I)[None, :], (2 * BNG,))
+
+
+@triton.jit
 def _gate_up_phase(x_ptr, w, nw, act_ptr, eps, counter_ptr, target, wait, pid, nprog,
                    H: tl.constexpr, I: tl.constexpr, BNG: tl.constexpr, KCG: tl.constexpr):
     """RMSNorm(x) @ [Wgate | Wup]^T -> silu(gate) * up (the gated epilogue's roundings)."""
-    rows0 = pid * BNG + tl.arange(0, BNG)
-    g0 = _w_tile(w, rows0, rows0 < I, 0, H, KCG)
-    u0 = _w_tile(w, rows0 + I, rows0 < I, 0, H, KCG)
+    rows0 = _gate_up_rows(pid, BNG, I)
+    w0 = _w_tile(w, rows0, rows0 < 2 * I, 0, H, KCG)  # (a tile past I / BNG loads nothing)
     _barrier(counter_ptr, target, wait)
     rstd = _row_rstd(x_ptr, eps, H)
     dt = act_ptr.dtype.element_ty
     for t in range(pid, I // BNG, nprog):
-        rows = t * BNG + tl.arange(0, BNG)
+        rows = _gate_up_rows(t, BNG, I)
         if t != pid:
-            g0 = _w_tile(w, rows, rows < I, 0, H, KCG)
-            u0 = _w_tile(w, rows + I, rows < I, 0, H, KCG)
-        g = _gemv(g0, w, rows, rows < I, x_ptr, rstd, nw, H, KCG, True)
-        u = _gemv(u0, w, rows + I, rows < I, x_ptr, rstd, nw, H, KCG, True)
-        tl.store(act_ptr + rows, silu_mul(g.to(dt), u.to(dt)))
+            w0 = _w_tile(w, rows, rows < 2 * I, 0, H, KCG)
+        gu = _gemv(w0, w, rows, rows < 2 * I, x_ptr, rstd, nw, H, KCG, True)
+        g, u = tl.split(tl.reshape(gu, (BNG, 2)))
+        tl.store(act_ptr + t * BNG + tl.arange(0, BNG), silu_mul(g.to(dt), u.to(dt)))
 
 
 @triton.jit

@@ -10,7 +10,8 @@ What is checked, on tiny depth decoders with CSM's layout (no q/k norms) and Qwe
 (per-head q/k norms, a projector with a bias, uneven table offsets):
 * teacher-forced, every sub-step's logits and the K/V it writes equal the layer-by-layer path's
   (runner/models/llama.py over TorchOps) within a bf16 rounding, at 1 row (runner/kernels/
-  depth_row.py's kernel), 3 and 17 rows (one and two row blocks); no other cache slot changes;
+  depth_row.py's kernel; also with gate_up and down streamed in K chunks), 3
+  and 17 rows (one and two row blocks); no other cache slot changes;
 * in fp32, greedy frames of DepthDecoder.decode with the kernel equal those without it.
 """
 
@@ -19,7 +20,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.triton_interpreter import interpret_without_cuda, interpreted_or_skip
+from tests.support.triton_interpreter import (
+    compile_offline,
+    has_nvidia_backend,
+    interpret_without_cuda,
+    interpreted_or_skip,
+)
 
 _CUDA = interpret_without_cuda()
 triton = pytest.importorskip("triton", reason="triton not installed (CPU torch wheel does not bring it)")
@@ -100,6 +106,21 @@ def _inference():
 @pytest.mark.parametrize("kind", ["csm", "uneven"])
 @pytest.mark.parametrize("rows", [1, 3, 17])
 def test_teacher_forced_substeps_match_the_layer_path(kind, rows):
+    _teacher_forced(kind, rows)
+
+
+@pytest.mark.parametrize("kind", ["csm", "uneven"])
+def test_one_row_kernel_streams_k_chunks(kind, monkeypatch):
+    """depth_row.py's gate_up and down in 4 K chunks each (the module's tiles take K whole at
+    these widths, as they never do at a real model's)."""
+    from runner.kernels.depth_step import ROW_TILES
+
+    for name, value in (("gate_up_k", 16), ("down_k", 32)):
+        monkeypatch.setitem(ROW_TILES, name, value)
+    _teacher_forced(kind, 1)
+
+
+def _teacher_forced(kind: str, rows: int) -> None:
     from runner.kernels.depth_step import depth_step
 
     dec = _decoder(kind, torch.bfloat16, seed=rows)
@@ -143,3 +164,43 @@ def test_greedy_frames_equal_the_layer_path_in_fp32(kind, rows):
     dec.step = step
     assert torch.equal(fused, plain)
     assert fused.shape == (rows, K) and torch.equal(fused[:, 0], code0)
+
+
+_COMPILE_SCRIPT = """
+import os, subprocess, tempfile
+
+import triton.backends.nvidia as nv
+
+from runner.kernels import depth_row as m
+from runner.kernels.depth_step import ROW_TILES, _chunk, row_gate_up
+from tests.support.triton_interpreter import compile_sm90
+
+P = "*bf16"
+sig = dict(table_ptr=P, stride_t="i32", idx_ptr="*i64", idx_offset="i32", x_ptr=P, q_ptr=P, attn_ptr=P, act_ptr=P,
+           logits_ptr=P, wqkv_ptr=P, wo_ptr=P, wgu_ptr=P, wd_ptr=P, ln1_ptr=P, ln2_ptr=P, qn_ptr=P, kn_ptr=P,
+           norm_ptr=P, head_ptr=P, kv_ptr=P, cos_ptr="*fp32", sin_ptr="*fp32", counter_ptr="*i32", pos="i32", V="i32",
+           first_phase="i32", last_phase="i32", eps="fp32", scale_log2e="fp32", stride_kvl="i32", stride_kv="i32",
+           stride_cos="i32")
+# CSM-1B's depth decoder and Qwen3-TTS 1.7B's code predictor, at the module's tiles
+for layers, inter, hq, hkv, sb, qk_norm in ((4, 8192, 8, 2, 32, False), (5, 3072, 16, 8, 16, True)):
+    bng, kcg = row_gate_up(inter)
+    consts = dict(LAYERS=layers, H=1024, I=inter, HQ=hq, HKV=hkv, HEAD_DIM=128, SB=sb, GP=16, QK_NORM=qk_norm,
+                  BNQ=ROW_TILES["qkv_n"], BNO=ROW_TILES["o_n"], BNG=bng, KCG=_chunk(kcg, 1024),
+                  BND=ROW_TILES["down_n"], KCD=_chunk(ROW_TILES["down_k"], inter), BNH=ROW_TILES["head_n"], SYNC=True)
+    # as a launch specialises them: 16-byte aligned tensors, strides that are multiples of 16
+    aligned = tuple(a for a, t in sig.items() if t.startswith("*")) + ("stride_t", "stride_kvl", "stride_kv", "stride_cos")
+    k = compile_sm90(m._depth_row_kernel, sig, consts, divisible=aligned, num_warps=8, num_stages=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(k.asm["cubin"])
+        sass = subprocess.run([os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump"), "-sass", path],
+                              capture_output=True, text=True, check=True).stdout
+    assert sass.count("STL") + sass.count("LDL") == 0, ("register spills", inter)  # the K chunks stay in registers
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(not has_nvidia_backend(), reason="triton's NVIDIA backend is not installed")
+def test_one_row_kernel_compiles_for_sm90_without_spills():
+    compile_offline(_COMPILE_SCRIPT, timeout=300)

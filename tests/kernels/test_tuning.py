@@ -238,3 +238,22 @@ def test_a_split_sweep_writes_its_rows_into_the_table():
     assert out.linear.split_tile(1024, 8192, 9) == (LinearTile(16, 32, 128, 4, 4), 4)
     assert out.linear.split_tile(1024, 8192, 20) is None and out.linear.split_tile(1024, 8192, 1) is None
     assert out.linear.tuned == old.linear.tuned and out.linear.fold == old.linear.fold
+
+
+def test_new_only_sweeps_the_shapes_the_table_lacks(tmp_path):
+    """deploy/bench/gemm.py --new-only: a model's shapes that another model already has rows for
+    (Qwen3-TTS's o 2048x2048 and projector 1024x2048 are CSM's too) are not swept again."""
+    pytest.importorskip("triton", reason="deploy/bench/gemm.py imports the Triton GEMM")
+    from deploy.bench.gemm import SHAPE_SETS, new_shapes
+
+    from runner.kernels.tuning import with_linear_rows
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(json.loads((TABLES_DIR / "nvidia_h200.json").read_text())))
+    qwen = SHAPE_SETS["qwen3_tts"]
+    new = new_shapes(path, qwen)
+    assert {"o", "depth_o"} <= set(qwen) - set(new) and {"qkv", "depth_gate_up", "depth_down"} <= set(new)
+    assert new_shapes(path, SHAPE_SETS["orpheus"]) == {}
+    raw = with_linear_rows(json.loads(path.read_text()), {(PLAIN, n, k): ((1, None),) for n, k, _ in new.values()}, "x")
+    path.write_text(json.dumps(raw))
+    assert new_shapes(path, qwen) == {}
