@@ -92,12 +92,14 @@ def _old_tile_for(kind: int, n: int, k: int, m: int) -> LinearTile | None:
 def test_h200_file_holds_the_old_literals_exactly():
     t = read_table("nvidia_h200")
     # the Orpheus rows as they were; the rows added since are CSM-1B's shapes (gemm --shapes csm)
+    # and those of Qwen3-TTS 1.7B that CSM does not share (gemm --shapes qwen3_tts --new-only)
     assert {key: rows for key, rows in t.linear.tuned.items() if key in OLD_TUNED} == OLD_TUNED
     csm = {(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (1536, 1024), (1024, 1024), (16384, 1024),
            (1024, 8192), (1024, 2048)}  # backbone qkv, o, gate_up, down; depth decoder's and its projector
     heads = {(2051, 2048), (2051, 1024)}  # gemm --shapes csm times them too
+    qwen3 = {(4096, 2048), (12288, 2048), (2048, 6144), (4096, 1024), (6144, 1024), (1024, 3072), (2048, 1024)}
     added = {(n, k) for _, n, k in set(t.linear.tuned) - set(OLD_TUNED)}
-    assert csm <= added <= csm | heads
+    assert csm | qwen3 <= added <= csm | heads | qwen3
     assert {key: rows for key, rows in t.linear.split.items() if key in OLD_SPLIT_TUNED} == OLD_SPLIT_TUNED
     # split rows added since: CSM's o / down of both stacks (gemm --shapes csm --split)
     assert set(t.linear.split) - set(OLD_SPLIT_TUNED) <= {(2048, 2048), (2048, 8192), (1024, 1024), (1024, 8192)}
@@ -111,9 +113,10 @@ def test_h200_file_holds_the_old_literals_exactly():
     assert t.sampling == SamplingTuning(**OLD_SAMPLING)
     # one line of provenance per table, no run ids
     assert set(t.provenance) == {"linear", "split", "fold", "head", "attention", "snac", "sampling", "depth"}
-    # the depth section (added with runner/kernels/depth_row.py): Qwen3-TTS 1.7B's code predictor only
-    assert t.depth == DepthTuning(one_row=("1024x3072",))
-    assert t.depth.one_row_fits(1024, 3072) and not t.depth.one_row_fits(1024, 8192)
+    # the depth section (added with runner/kernels/depth_row.py): empty since Qwen3-TTS's GEMM rows
+    # made its layer path faster than the one-row kernel (deploy.bench.depth_step --write-table)
+    assert t.depth == DepthTuning(one_row=())
+    assert not t.depth.one_row_fits(1024, 3072) and not t.depth.one_row_fits(1024, 8192)
     assert all("\n" not in line and "-run" not in line for line in t.provenance.values())
 
 
@@ -121,7 +124,7 @@ def test_h200_lookups_choose_the_old_tiles():
     """Same tile for every (kind, shape, M) the engine asks: the Orpheus-3B shapes, a shape of
     another model (default_tile), at and between the bucket thresholds."""
     lin = read_table("nvidia_h200").linear
-    shapes = set(OLD_TUNED) | {(GATED, 5120, 3072), (PLAIN, 96, 200), (GATED, 256, 512), (PLAIN, 2048, 1024)}
+    shapes = set(OLD_TUNED) | {(GATED, 5120, 3072), (PLAIN, 96, 200), (GATED, 256, 512), (PLAIN, 2048, 512)}
     for kind, n, k in shapes:
         for m in range(80):
             assert lin.tile(kind, n, k, m) == _old_tile_for(kind, n, k, m), (kind, n, k, m)
