@@ -29,7 +29,7 @@ import torch
 
 from runner.config import EngineConfig
 from runner.engine.engine import Engine
-from runner.kernels.tuning import GENERIC, load_tables
+from runner.kernels.tuning import GENERIC, load_tables, read_table
 from streaming.sampling_params import SamplingParams
 from tests.engine.test_engine import prompts_of, run_staggered
 
@@ -134,3 +134,30 @@ def test_untuned_codec_takes_the_safe_tiles(tiny_snac_dir, dtype):
     want = SnacWindowDecoder(load_snac(cfg, dev), 2048, kernels="torch").decode(codes, start, seeds).float()
     bar = max(64 / 32767, 2 * float((none.decode_torch(codes, start, seeds).float() - want).abs().max()))
     assert float((a - want).abs().max()) <= bar and float((b - want).abs().max()) <= bar
+
+
+def test_every_h200_linear_row_equals_cublas():
+    """Every tile the H200 table's linear rows name, at the row counts of its bucket, gives
+    F.linear's product (gated rows: silu(gate) * up) within a bf16 rounding: the rows come from
+    timing sweeps, which compare no values."""
+    import torch.nn.functional as F
+
+    from runner.kernels.linear import GATED, skinny_linear
+
+    lin = read_table("nvidia_h200").linear
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for (kind, n, k), rows in sorted(lin.tuned.items()):
+        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) / k**0.5
+        lo = 1
+        for max_m, tile in rows:
+            for m in sorted({lo, max_m}):
+                x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+                if tile is None:
+                    continue
+                ref = F.linear(x.float(), w.float())
+                if kind == GATED:
+                    gate, up = ref.chunk(2, dim=-1)
+                    ref = F.silu(gate) * up
+                got = skinny_linear(x, w, None, tile, gated=kind == GATED).float()
+                torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2, msg=lambda s: f"{kind, n, k, m, tile}: {s}")
+            lo = max_m + 1
