@@ -7,6 +7,7 @@ names the kernel and its signature.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import logging
 import threading
@@ -15,11 +16,38 @@ from collections.abc import Iterator
 
 
 def describe(kw: dict) -> str:
-    """'module.kernel: key' from the arguments Triton passes its compile hooks. The key holds the
-    argument types with their specialisations (divisible by 16, == 1) and the constexprs: what
-    tells a second variant of a kernel from the first."""
+    """'module.kernel: name=spec, ...' from the arguments Triton passes its compile hooks: each
+    argument by name with what the variant specialised (`:16` divisible by 16, `=1` a value
+    of 1, `=v` a constexpr's value), then the launch options: what tells a second variant of
+    a kernel from the first. A key that does not parse as Triton's specialisation list is
+    shown as it is."""
     fn = kw.get("fn")
-    return f"{getattr(fn, 'module', '?')}.{getattr(fn, 'name', '?')}: {str(kw.get('key', ''))[:600]}"
+    head = f"{getattr(fn, 'module', '?')}.{getattr(fn, 'name', '?')}"
+    key = str(kw.get("key", ""))
+    names = getattr(getattr(fn, "jit_function", None), "arg_names", None)
+    spec, options = _split_key(key)
+    if names is None or spec is None or len(spec) != len(names):
+        return f"{head}: {key}"
+    return f"{head}: " + ", ".join(_arg(n, s) for n, s in zip(names, spec)) + f" {options}"
+
+
+def _split_key(key: str) -> tuple[list | None, str]:
+    """Triton's cache key "[(type, spec), ...]{options}" -> (the list, the options text)."""
+    end = key.rfind("]") + 1
+    try:
+        spec = ast.literal_eval(key[:end])
+    except (ValueError, SyntaxError):
+        return None, key
+    return (spec, key[end:]) if isinstance(spec, list) else (None, key)
+
+
+def _arg(name: str, spec) -> str:
+    if not (isinstance(spec, tuple) and len(spec) == 2):
+        return f"{name}?{spec}"
+    ty, s = spec
+    if ty == "constexpr":
+        return f"{name}={s}"
+    return f"{name}:{ty}" + {"D": ":16", None: "", "": ""}.get(s, f":{s}")
 
 
 @contextlib.contextmanager

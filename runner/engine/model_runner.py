@@ -256,6 +256,12 @@ class ModelRunner:
         return self.sampler(self.model.compute_logits(final_h), batch, self.slots)
 
     @torch.inference_mode()
+    def warm_attention(self) -> None:
+        """Start-up: the attention backend's launches for every batch size an eager step can
+        bring (AttentionBackend.warm_up), on the model's cache shape (every layer's is alike)."""
+        self.model.attn.warm_up(self.kv_caches[0], self.cfg.model.num_heads)
+
+    @torch.inference_mode()
     def warm_sampling(self) -> None:
         """Start-up: the lm_head at every row count a step can sample (1..max_num_seqs, over the
         constraint's span and the full vocabulary, and as greedy_ids), then the sampler and the token record once

@@ -16,13 +16,15 @@ class WarmUp:
         """Run one audio request through every path a first real request takes (eager prefill,
         graphed decode, the sampler's window variant, the codec's windows of every chunk
         size), so Triton compiles now and not in the first client's time to first audio (seconds
-        of it); then, on CUDA, the eager prefill path
-        (warm_up_eager_prefill), the lm_head at every row count and the sampler at its largest
-        (ModelRunner.warm_sampling). Counters are reset afterwards; the prefix cache keeps the
-        prompts' blocks, which is harmless."""
+        of it); then, on CUDA, the attention launch of every batch size an eager step can bring
+        (ModelRunner.warm_attention), the eager prefill path (warm_up_eager_prefill), the
+        lm_head at every row count and the sampler at its largest (ModelRunner.warm_sampling).
+        Counters are reset afterwards; the prefix cache keeps the prompts' blocks, which is
+        harmless."""
         if self.codec is not None:
             self._warm_up_audio()
         if self.device.type == "cuda":
+            self.runner.warm_attention()
             self.warm_up_eager_prefill()
             self.runner.warm_sampling()
         self.num_requests_total = self.num_generated_total = self.step_count = 0

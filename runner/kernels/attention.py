@@ -441,6 +441,23 @@ def choose_tiling(batch: int, num_kv_heads: int, num_sms: int, num_splits: int,
     return block_n, t.num_stages, 0
 
 
+def launch_classes(num_kv_heads: int, num_sms: int, tuning: AttentionTuning | None = None,
+                   num_splits: int | None = None) -> list[int]:
+    """One batch size per compiled variant of an unfused decode launch (rope None: eager token
+    rows, a mixed step's decodes, decode past the fused limit) on this many KV heads: its
+    constexprs (split count, tile length, loop stages, block-table chunk) are functions of the
+    batch alone, and past 2 * short_wave_programs_per_sm * SMs / Hkv rows they no longer
+    change. The smallest batch of each variant, ascending; `num_splits` as the launch's own
+    override (a backend's fixed split count)."""
+    t = tuning or REFERENCE
+    classes: dict[tuple, int] = {}
+    top = 2 * max(t.short_wave_programs_per_sm, t.target_programs_per_sm) * num_sms // max(num_kv_heads, 1) + 2
+    for batch in range(1, top + 1):
+        splits = num_splits or choose_num_splits(batch, num_kv_heads, num_sms, t)
+        classes.setdefault((splits, *choose_tiling(batch, num_kv_heads, num_sms, splits, t)), batch)
+    return sorted(classes.values())
+
+
 def fused_rope_fits(batch: int, num_kv_heads: int, num_sms: int, tuning: AttentionTuning | None = None) -> bool:
     """Whether a pure-decode launch of `batch` rows has few enough programs for RoPE + KV write
     inside the kernel (B * Hkv <= fused_rope_programs_per_sm per SM: about one wave)."""

@@ -126,6 +126,9 @@ class TorchPagedAttention:
     def unsplit(self) -> TorchPagedAttention:
         return self  # nothing to split: SDPA over the gathered KV
 
+    def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int) -> None:
+        pass  # SDPA needs no per-shape plan (NO_PLAN_BACKENDS on CUDA) and nothing compiles
+
     def forward_decode_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                             meta: AttentionMetadata, scale: float) -> torch.Tensor:

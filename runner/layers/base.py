@@ -75,6 +75,11 @@ class AttentionBackend(Protocol):
         attention in one launch -> [B, Hq, D]."""
         ...
 
+    def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int) -> None:
+        """Start-up (Engine.warm_up): compile or load whatever a first step of some batch size
+        would otherwise compile mid-serving, for caches of this shape."""
+        ...
+
     def unsplit(self) -> AttentionBackend:
         """This backend for caches of one short block per sequence (CSM's depth decoder: K
         slots a row): decode launches never split a sequence's KV, because a split-K launch

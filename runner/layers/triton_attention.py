@@ -16,6 +16,7 @@ from runner.kernels.attention import (
     REFERENCE,
     DecodeRope,
     fused_rope_fits,
+    launch_classes,
     paged_decode_attention,
 )
 from runner.kernels.gpu_info import num_sms
@@ -125,6 +126,20 @@ class TritonPagedAttention:
         assert meta.pure_decode and q.shape[0] == meta.seq_lens.shape[0], (q.shape, meta.seq_lens.shape)
         return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, num_splits=self.num_splits,
                                       pdl=self.pdl, tuning=self.tuning)
+
+    def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int) -> None:
+        """Compile every variant of the unfused decode launch this cache's shape can meet
+        (launch_classes: one launch a variant, block 0, one key each): an eager step's token
+        rows take the variant of their row count, and frame models run every prompt chunk
+        eagerly, so a 13-row step otherwise compiled one mid-serving (0.7 s, every stream
+        waiting). Writes nothing but its own output."""
+        _, _, _, hkv, d = kv_cache.shape
+        dev = kv_cache.device
+        for batch in launch_classes(hkv, num_sms(dev), self.tuning, self.num_splits):
+            q = torch.zeros(batch, num_q_heads, d, device=dev, dtype=kv_cache.dtype)
+            paged_decode_attention(q, kv_cache, torch.zeros(batch, 1, device=dev, dtype=torch.int32),
+                                   torch.ones(batch, device=dev, dtype=torch.int32), 1.0, num_splits=self.num_splits,
+                                   pdl=self.pdl, tuning=self.tuning)
 
     def unsplit(self) -> TritonPagedAttention:
         """The same backend with num_splits 1 (runner/layers/base.py: for one-block caches, where

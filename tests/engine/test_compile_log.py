@@ -50,3 +50,23 @@ def test_recording_collects_compiles_and_restores_the_hook():
         assert knobs.runtime.jit_post_compile_hook is outer
     finally:
         knobs.runtime.jit_post_compile_hook = old
+
+
+def test_describe_names_each_argument_and_its_specialisation():
+    """What tells two variants of a kernel apart (a pointer's alignment, an int's value of 1, a
+    constexpr) is named by argument: a truncated key once hid it."""
+    from runner.engine.compile_log import describe
+
+    class Jit:
+        arg_names = ["q_ptr", "pos_ptr", "stride_qt", "n", "WRITE_KV"]
+
+    class Info:
+        module, name, jit_function = "runner.kernels.fused_ops", "_rope_kernel", Jit()
+
+    key = "[('*bf16', 'D'), ('*i64', None), ('i32', 'D'), ('constexpr', 1), ('constexpr', True)]{'num_warps': 4}"
+    assert describe(dict(key=key, fn=Info())) == ("runner.kernels.fused_ops._rope_kernel: q_ptr:*bf16:16, "
+                                                  "pos_ptr:*i64, stride_qt:i32:16, n=1, WRITE_KV=True "
+                                                  "{'num_warps': 4}")
+    # a key of another form, or of another length than the names: as it is
+    assert describe(dict(key="k", fn=Info())) == "runner.kernels.fused_ops._rope_kernel: k"
+    assert describe(dict(key="[('*bf16', 'D')]{}", fn=Info())).endswith(": [('*bf16', 'D')]{}")

@@ -102,3 +102,27 @@ def test_each_graph_set_captures_on_a_stream_of_its_own(csm_dir):
     streams = {frames.cuda_stream, mimi.cuda_stream, torch.cuda.current_stream().cuda_stream}
     assert len(streams) == 3
     assert shared is None or shared.cuda_stream not in streams
+
+
+def test_serving_compiles_no_triton_kernel_for_any_prompt_length(csm_dir):
+    """Frame models run every prompt chunk eagerly, as decode rows of the paged attention
+    kernel, whose launch variant (split count, tiling) follows the step's row count; a 13-row
+    step compiled one mid-serving (0.7 s, every stream waiting). After Engine.warm_up as the
+    server runs it (ModelRunner.warm_attention compiles every variant), prompts of 1..40
+    tokens, alone and joining running requests, compile nothing."""
+    from tests.support.engine_runs import ServedEngine
+
+    def prompt(n: int) -> list[int]:  # below the tiny CSM's audio tokens (90, 91)
+        return [(5 * i + n) % 80 + 1 for i in range(n)]
+
+    with ServedEngine(csm_dir, max_num_seqs=8, max_model_len=256) as t:
+        for n in range(1, 41):  # alone: the step's rows are the prompt's length
+            t.eng.add_request(f"alone{n}", prompt(n), SamplingParams(max_tokens=2))
+            t.run()
+        t.eng.add_request("running", prompt(7), SamplingParams(max_tokens=60, ignore_eos=True))
+        t.run(2)
+        for n in range(1, 41, 3):  # joining a running request: rows = its decode + the chunk
+            t.eng.add_request(f"joins{n}", prompt(n), SamplingParams(max_tokens=2))
+            t.run(3)
+        t.run()
+    assert t.compiled == []

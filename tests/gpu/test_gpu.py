@@ -11,6 +11,7 @@ from runner.config import EngineConfig
 from runner.engine.engine import Engine
 from streaming.sampling_params import SamplingParams
 from tests.engine.test_engine import prompts_of, run_staggered
+from tests.support.engine_runs import ServedEngine
 from tests.support.tiny_models import load_hf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -342,38 +343,6 @@ def test_cuda_codec_stage_streams_equal_offline(tiny_snac_dir):
         assert np.abs(pcm.astype(np.int32) - ref.astype(np.int32)).max() <= 1
 
 
-class _Traffic:
-    """An engine built as the server builds it and warmed up as the server warms it up, with
-    helpers to drive requests and a record of every Triton compile after the warm-up."""
-
-    def __init__(self, model_path, max_num_seqs: int = 16):
-        from runner.engine.args import engine_args
-        from runner.engine.process import build_engine
-
-        self.eng = build_engine(engine_args(str(model_path), max_num_seqs=max_num_seqs, max_model_len=1024, device="cuda"))
-        self.eng.warm_up()
-        self.compiled: list[str] = []  # while inside `with`: runner.engine.compile_log.recording's list
-
-    def prompt(self, n: int, salt: int) -> list[int]:
-        return prompts_of([n], self.eng.cfg.model.vocab_size, seed=salt)[0]
-
-    def run(self, steps: int | None = None) -> None:
-        n = 0
-        while self.eng.has_unfinished and (steps is None or n < steps):
-            self.eng.step()
-            n += 1
-
-    def __enter__(self) -> "_Traffic":
-        from runner.engine.compile_log import recording
-
-        self._recording = recording()
-        self.compiled = self._recording.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._recording.__exit__(*exc)
-
-
 # every sampling option the API takes, one set per request
 TEXT_SAMPLING = [dict(temperature=1.0), dict(temperature=0.7, top_k=50), dict(temperature=0.9, min_p=0.05),
                  dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01), dict(temperature=1.0, frequency_penalty=0.5),
@@ -386,7 +355,7 @@ def test_after_warm_up_serving_traffic_compiles_no_triton_kernel(default_model_d
     Traffic: audio requests whose batch grows and shrinks, a long prompt (> 128 tokens: the
     eager prefill path) arriving alone and one joining running decodes (an eager mixed step),
     text requests with every sampling option the API takes, and a request for hidden states."""
-    with _Traffic(default_model_dir) as t:
+    with ServedEngine(default_model_dir) as t:
         eng = t.eng
         audio = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, max_tokens=80, seed=1)
         eng.add_request("long-alone", t.prompt(300, 1), audio, audio=True)
@@ -411,7 +380,7 @@ def test_after_warm_up_text_traffic_compiles_no_triton_kernel(tiny_model_dir):
     is padded on CUDA: a step that samples one row must hand the sampler the row stride that
     warm-up's many-row steps did (the GPU compiled a second sampling kernel for it).
     Traffic: long prompts alone with each sampling option, then several requests at once."""
-    with _Traffic(tiny_model_dir("llama", vocab_size=1000, head_dim=64, max_pos=1024)) as t:
+    with ServedEngine(tiny_model_dir("llama", vocab_size=1000, head_dim=64, max_pos=1024)) as t:
         for i, kw in enumerate(TEXT_SAMPLING):
             t.eng.add_request(f"alone{i}", t.prompt(200 + i, i), SamplingParams(max_tokens=4, seed=i, **kw))
             t.run()

@@ -555,3 +555,51 @@ _COMPILE_SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(not has_nvidia_backend(), reason="triton's NVIDIA backend is not installed")
 def test_kernels_compile_for_sm90_with_pdl():
     compile_offline(_COMPILE_SCRIPT, timeout=300)
+
+
+@pytest.mark.parametrize("hkv", [1, 2, 8])
+def test_launch_classes_name_every_unfused_variant_once(hkv):
+    """Every batch size's unfused launch (split count, tile length, stages, table chunk) is the
+    launch of exactly one of launch_classes' batch sizes, the smallest with it."""
+    from runner.kernels.attention import choose_tiling, launch_classes
+    from runner.kernels.tuning import read_table
+
+    for t in (REFERENCE, read_table("nvidia_h200").attention):
+        def launch(b, t=t):
+            splits = choose_num_splits(b, hkv, 132, t)
+            return (splits, *choose_tiling(b, hkv, 132, splits, t))
+
+        classes = launch_classes(hkv, 132, t)
+        assert len({launch(b) for b in classes}) == len(classes) and classes[0] == 1
+        assert {launch(b) for b in range(1, 2000)} == {launch(b) for b in classes}
+        assert all(launch(b) != launch(b - 1) for b in classes[1:])  # each the smallest of its variant
+    fixed = launch_classes(hkv, 132, REFERENCE, num_splits=1)  # a backend's own split count (unsplit())
+    tiles = lambda b: choose_tiling(b, hkv, 132, 1, REFERENCE)  # noqa: E731
+    assert {tiles(b) for b in range(1, 2000)} == {tiles(b) for b in fixed} and len(set(map(tiles, fixed))) == len(fixed)
+
+
+def test_warm_up_runs_each_unfused_variant_once(monkeypatch):
+    """TritonPagedAttention.warm_up (Engine.warm_up, via ModelRunner.warm_attention) launches one
+    decode per launch class on the model's cache and writes nothing to it."""
+    import runner.layers.triton_attention as ta
+    from runner.kernels.attention import launch_classes
+
+    seen = []
+    real = ta.paged_decode_attention
+
+    def record(q, kv_cache, block_tables, seq_lens, *a, **k):
+        seen.append((q.shape[0], k.get("num_splits")))
+        if INTERPRET and len(seen) > 1:  # the interpreter runs one launch for real: ~1500 programs cost ~50 s
+            return torch.empty_like(q)
+        return real(q, kv_cache, block_tables, seq_lens, *a, **k)
+
+    monkeypatch.setattr(ta, "paged_decode_attention", record)
+    kv = torch.randn(2, 3, BS, 8, 16, device=DEVICE, dtype=torch.bfloat16)
+    before = kv.clone()
+    backend = TritonPagedAttention(tuning=REFERENCE)
+    backend.warm_up(kv, num_q_heads=16)
+    assert seen == [(b, None) for b in launch_classes(8, num_sms(DEVICE), REFERENCE)]
+    assert torch.equal(kv, before)
+    seen.clear()
+    backend.unsplit().warm_up(kv, num_q_heads=16)
+    assert seen == [(b, 1) for b in launch_classes(8, num_sms(DEVICE), REFERENCE, num_splits=1)]
