@@ -9,6 +9,9 @@
 # torchaudio and onnxruntime are stubs (tests/reference/stubs: imported by qwen_tts's 25 Hz
 # tokenizer only, never run on the 12 Hz path).
 #
+# `build_qwen3_tts_golden.sh install` only installs the packages (.ci/run does that in the
+# background while it installs the clients), then exits.
+#
 # Every tests/reference/qwen3_tts*_golden.py runs as `python SCRIPT OUT` into
 # .cache/qwen3tts-golden/<script stem>/. Idempotent: the install is redone only when the package
 # list changes, a script's output only when the script or the package list changes; outputs are
@@ -35,6 +38,7 @@ if [ "$(cat "$TARGET/.stamp" 2>/dev/null)" != "$stamp" ]; then
     echo "$stamp" > "$TARGET.new/.stamp"
     rm -rf "$TARGET" && mv "$TARGET.new" "$TARGET"
 fi
+[ "${1:-}" = install ] && exit 0
 
 export PYTHONPATH="$TARGET:$STUBS"
 # the shadowing must hold, or the golden files would come from the main venv's transformers
