@@ -226,25 +226,27 @@ def _residual_phase(a_ptr, w, res, x_ptr, counter_ptr, target, wait, pid, nprog,
 @triton.jit
 def _gate_up_rows(t, BNG: tl.constexpr, I: tl.constexpr):
     """Tile t's weight rows of [Wgate | Wup], interleaved ([2 BNG]: gate r, up r, gate r + 1, ...),
-    so one GEMV streams both halves and its result splits into (gate, up) by a reshape."""
+    so one GEMV streams both halves and its result splits into (gate, up) by a reshape; and
+    whether the tile exists (t < I / BNG: every row, else none)."""
     r = t * BNG + tl.arange(0, BNG)
-    return tl.reshape(r[:, None] + (tl.arange(0, 2) * I)[None, :], (2 * BNG,))
+    rows = tl.reshape(r[:, None] + (tl.arange(0, 2) * I)[None, :], (2 * BNG,))
+    return rows, tl.reshape((r[:, None] < I) & (tl.arange(0, 2) < 2)[None, :], (2 * BNG,))
 
 
 @triton.jit
 def _gate_up_phase(x_ptr, w, nw, act_ptr, eps, counter_ptr, target, wait, pid, nprog,
                    H: tl.constexpr, I: tl.constexpr, BNG: tl.constexpr, KCG: tl.constexpr):
     """RMSNorm(x) @ [Wgate | Wup]^T -> silu(gate) * up (the gated epilogue's roundings)."""
-    rows0 = _gate_up_rows(pid, BNG, I)
-    w0 = _w_tile(w, rows0, rows0 < 2 * I, 0, H, KCG)  # (a tile past I / BNG loads nothing)
+    rows0, mask0 = _gate_up_rows(pid, BNG, I)
+    w0 = _w_tile(w, rows0, mask0, 0, H, KCG)  # (a tile past I / BNG loads nothing)
     _barrier(counter_ptr, target, wait)
     rstd = _row_rstd(x_ptr, eps, H)
     dt = act_ptr.dtype.element_ty
     for t in range(pid, I // BNG, nprog):
-        rows = _gate_up_rows(t, BNG, I)
+        rows, mask = _gate_up_rows(t, BNG, I)
         if t != pid:
-            w0 = _w_tile(w, rows, rows < 2 * I, 0, H, KCG)
-        gu = _gemv(w0, w, rows, rows < 2 * I, x_ptr, rstd, nw, H, KCG, True)
+            w0 = _w_tile(w, rows, mask, 0, H, KCG)
+        gu = _gemv(w0, w, rows, mask, x_ptr, rstd, nw, H, KCG, True)
         g, u = tl.split(tl.reshape(gu, (BNG, 2)))
         tl.store(act_ptr + t * BNG + tl.arange(0, BNG), silu_mul(g.to(dt), u.to(dt)))
 
