@@ -446,8 +446,8 @@ def launch_classes(num_kv_heads: int, num_sms: int, tuning: AttentionTuning | No
     """One batch size per compiled variant of an unfused decode launch (rope None: eager token
     rows, a mixed step's decodes, decode past the fused limit) on this many KV heads: its
     constexprs (split count, tile length, loop stages, block-table chunk) are functions of the
-    batch alone, and past 2 * short_wave_programs_per_sm * SMs / Hkv rows they no longer
-    change. The smallest batch of each variant, ascending; `num_splits` as the launch's own
+    batch alone, and past 2 * max(short_wave_programs_per_sm, target_programs_per_sm) * SMs /
+    Hkv rows they no longer change. The smallest batch of each variant, ascending; `num_splits` as the launch's own
     override (a backend's fixed split count)."""
     t = tuning or REFERENCE
     classes: dict[tuple, int] = {}

@@ -315,6 +315,14 @@ def row_gate_up(inter: int) -> tuple[int, int]:
     return n, ROW_TILES["gate_up_k"] or 8192 // n
 
 
+def row_tiles(hidden: int, inter: int) -> dict[str, int]:
+    """depth_row.py's tile constexprs for these widths: ROW_TILES, row_gate_up's rule, and K
+    chunks that divide K (what the launch passes and the offline compile test compiles)."""
+    bng, kcg = row_gate_up(inter)
+    return dict(BNQ=ROW_TILES["qkv_n"], BNO=ROW_TILES["o_n"], BNG=bng, KCG=_chunk(kcg, hidden),
+                BND=ROW_TILES["down_n"], KCD=_chunk(ROW_TILES["down_k"], inter), BNH=ROW_TILES["head_n"])
+
+
 def row_fits(hidden: int, inter: int, q_width: int) -> bool:
     """Whether one row runs depth_row.py's kernel: the whole-K tiles (hidden, Hq * D) are
     powers of two, and each GEMV's rows divide its width."""
@@ -415,7 +423,6 @@ def depth_step(
     phases = layers * PHASES_PER_LAYER + 1
     assert only is None or not sync
     spans = [(0, phases - 1)] if sync else [(ph, ph) for ph in (range(phases) if only is None else only)]
-    kcg, kcd = _chunk(row_gate_up(inter)[1], hidden), _chunk(ROW_TILES["down_k"], inter)
     for first, last in spans:
         if row:
             _depth_row_kernel[(programs,)](
@@ -427,9 +434,7 @@ def depth_step(
                 flat.stride(0), flat.stride(1), cos.stride(0),
                 LAYERS=layers, H=hidden, I=inter, HQ=num_q_heads, HKV=hkv, HEAD_DIM=d,
                 SB=max(16, triton.next_power_of_2(kc)), GP=max(16, triton.next_power_of_2(group)), QK_NORM=qk_norm,
-                BNQ=ROW_TILES["qkv_n"], BNO=ROW_TILES["o_n"], BNG=row_gate_up(inter)[0], KCG=kcg,
-                BND=ROW_TILES["down_n"], KCD=kcd, BNH=ROW_TILES["head_n"],
-                SYNC=sync, num_warps=8, num_stages=1, launch_cooperative_grid=sync,
+                **row_tiles(hidden, inter), SYNC=sync, num_warps=8, num_stages=1, launch_cooperative_grid=sync,
             )  # fmt: skip
             continue
         _depth_step_kernel[(programs,)](

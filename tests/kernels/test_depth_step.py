@@ -172,7 +172,7 @@ import os, subprocess, tempfile
 import triton.backends.nvidia as nv
 
 from runner.kernels import depth_row as m
-from runner.kernels.depth_step import ROW_TILES, _chunk, row_gate_up
+from runner.kernels.depth_step import row_tiles
 from tests.support.triton_interpreter import compile_sm90
 
 P = "*bf16"
@@ -183,10 +183,8 @@ sig = dict(table_ptr=P, stride_t="i32", idx_ptr="*i64", idx_offset="i32", x_ptr=
            stride_cos="i32")
 # CSM-1B's depth decoder and Qwen3-TTS 1.7B's code predictor, at the module's tiles
 for layers, inter, hq, hkv, sb, qk_norm in ((4, 8192, 8, 2, 32, False), (5, 3072, 16, 8, 16, True)):
-    bng, kcg = row_gate_up(inter)
     consts = dict(LAYERS=layers, H=1024, I=inter, HQ=hq, HKV=hkv, HEAD_DIM=128, SB=sb, GP=16, QK_NORM=qk_norm,
-                  BNQ=ROW_TILES["qkv_n"], BNO=ROW_TILES["o_n"], BNG=bng, KCG=_chunk(kcg, 1024),
-                  BND=ROW_TILES["down_n"], KCD=_chunk(ROW_TILES["down_k"], inter), BNH=ROW_TILES["head_n"], SYNC=True)
+                  **row_tiles(1024, inter), SYNC=True)
     # as a launch specialises them: 16-byte aligned tensors, strides that are multiples of 16
     aligned = tuple(a for a, t in sig.items() if t.startswith("*")) + ("stride_t", "stride_kvl", "stride_kv", "stride_cos")
     k = compile_sm90(m._depth_row_kernel, sig, consts, divisible=aligned, num_warps=8, num_stages=1)
