@@ -36,6 +36,25 @@ def torch_head(x: torch.Tensor, weight: torch.Tensor, padded: torch.Tensor | Non
     return F.linear(x, weight)
 
 
+HEAD_ROW_MULTIPLE = 64  # heads' rows padded to this on CUDA (padded_rows)
+
+
+def padded_rows(w: torch.Tensor, multiple: int) -> torch.Tensor:
+    """w [..., V, H] as the first V rows of a zero-padded [..., V', H], V' = V rounded up to
+    `multiple` (w itself, made contiguous, where V' == V). Why: a head with an odd vocabulary
+    (Orpheus 156940, CSM 2051) writes logits rows that are not 16-byte aligned, and cuBLAS on
+    Hopper falls back to a much slower sm80 kernel for it (a 2051-row head at 512 rows: 39 us in
+    `cutlass_75_tensorop_s1688gemm`); computing V' columns and dropping the zero ones keeps the
+    fast kernels. Callers keep `padded[..., :V, :]` as the weight (torch_head's `padded`)."""
+    v = w.shape[-2]
+    vp = -(-v // multiple) * multiple
+    if vp == v:
+        return w.contiguous()
+    padded = w.new_zeros(*w.shape[:-2], vp, w.shape[-1])
+    padded[..., :v, :] = w
+    return padded
+
+
 def unfolded_post_attention(ops: OpsBackend, out: torch.Tensor, o_proj: torch.nn.Linear, residual: torch.Tensor,
                             norm_weight: torch.Tensor, eps: float, gate_up: torch.nn.Linear,
                             down: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:

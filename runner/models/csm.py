@@ -71,6 +71,10 @@ class CsmModel(FrameModel):
     def depth_decoder(self) -> CsmDepthDecoder:
         return self.depth
 
+    @property
+    def code0_head(self) -> nn.Linear:
+        return self.lm_head
+
     # ---- input embeddings --------------------------------------------------------------------
 
     def embed_frames(self, frames: torch.Tensor) -> torch.Tensor:
@@ -110,11 +114,6 @@ class CsmModel(FrameModel):
         return torch.where(is_frame[:, None], self.embed_frames(frames), self.embed_text_tokens(ids))
 
     # ---- the frame step ----------------------------------------------------------------------
-
-    def head(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, H] last hidden states -> (the same, codebook-0 logits [B, V] in the model dtype;
-        a CodebookSampler takes them as they are: the fused one reads bf16, the others cast)."""
-        return last, self.backbone.ops.head(last, self.lm_head.weight, None)
 
     def frame_is_eos(self, frames: torch.Tensor) -> torch.Tensor:
         """[B, K] -> [B] bool: the frame ends its audio (transformers: codebooks 0..K-2 all eos)."""

@@ -32,6 +32,7 @@ from torch import nn
 from runner.config import ModelConfig
 from runner.layers.attention import AttentionMetadata
 from runner.layers.base import AttentionBackend, OpsBackend
+from runner.layers.ops import padded_rows
 from runner.models.csm_sampling import CodebookSampler
 from runner.models.llama import DecoderLayer, RMSNorm, RotaryEmbedding, run_decoder
 
@@ -133,27 +134,39 @@ class DepthDecoder(DecoderStack):
                                         if projector_bias is not None else nn.Identity())
         self.projected_codes: torch.Tensor | None = None  # [table_rows, H_depth]: prepare_decode()
         self.heads: torch.Tensor | None = None  # [K - 1, V, H_depth] row-major: prepare_decode()
+        # [K - 1, V', H_depth]: `heads` as the first V rows of each zero-padded head (cuBLAS
+        # alignment, ops.padded_rows), or None: prepare_decode()
+        self.heads_padded: torch.Tensor | None = None
         # sub-steps of <= step_rows rows as one persistent launch each, where the ops have the
         # kernel for this shape (CUDA; the interpreter in tests) and the layers no biases
         self.step_rows = 0 if cfg.attention_bias else ops.depth_step_rows(cfg.hidden_size, cfg.intermediate_size)
         self.step: StepKernel | None = None  # the kernels' weights and scratch: prepare_decode()
 
     def head_weights(self) -> torch.Tensor:
-        """The heads as one contiguous [K - 1, V, H_depth] tensor (head k at [k - 1])."""
+        """The heads as one [K - 1, V, H_depth] tensor (head k at [k - 1]; any strides)."""
         raise NotImplementedError
 
-    def prepare_decode(self) -> None:
+    def adopt_heads(self, heads: torch.Tensor) -> None:
+        """Re-point the heads' parameter at `heads` [K - 1, V, H_depth] (prepare_decode's
+        row-major, maybe padded copy), so that the weights are held once."""
+        raise NotImplementedError
+
+    def prepare_decode(self, head_row_multiple: int = 1) -> None:
         """Layouts of the loaded weights for decoding, computed once (again if the weights change):
         * the codebook table through the input projector, [rows, H_depth]: a sub-step's input is
           a row gather instead of a gather and a GEMM reading the projector (the projector is
           affine, so row c is projector(embed(c)); it differs from the per-step product only in
           the GEMM's summation order);
         * the heads [K - 1, V, H] (head_weights): head k is a row-major [V, H] weight, the
-          layout of every other GEMM."""
+          layout of every other GEMM, and the first V rows of a [V', H] zero-padded one
+          (`heads_padded`; V' = V rounded up to head_row_multiple, ops.padded_rows)."""
         w = self.embed_tokens.weight
         proj = self.inputs_embeds_projector
         self.projected_codes = F.linear(w, proj.weight, proj.bias) if self.projects else w
-        self.heads = self.head_weights()
+        padded = padded_rows(self.head_weights().detach(), head_row_multiple)
+        self.heads = padded[:, : self.codebook_size]
+        self.heads_padded = padded if padded.shape[1] != self.codebook_size else None
+        self.adopt_heads(self.heads)
         # 16-bit weights on CUDA (an fp32 dot there is TF32; the interpreter computes in fp32)
         if self.step_rows and (self.heads.dtype != torch.float32 or self.heads.device.type != "cuda"):
             from runner.kernels.depth_step import fits, row_fits
@@ -208,7 +221,8 @@ class DepthDecoder(DecoderStack):
 
     def codebook_logits(self, h: torch.Tensor, codebook: int) -> torch.Tensor:
         """[B, H] depth hidden at position `codebook` -> [B, V] in the model dtype (as transformers)."""
-        return self.ops.head(h, self.heads[codebook - 1], None)
+        padded = self.heads_padded[codebook - 1] if self.heads_padded is not None else None
+        return self.ops.head(h, self.heads[codebook - 1], padded)
 
     def decode(self, hidden: torch.Tensor, code0: torch.Tensor, sampler: CodebookSampler, kv: DepthKV) -> torch.Tensor:
         """hidden [B, H_backbone] (the backbone's last hidden state of each row), code0 [B] int64
@@ -256,8 +270,9 @@ class CsmDepthDecoder(DepthDecoder):
         self.codebooks_head = nn.Parameter(torch.empty(k - 1, cfg.hidden_size, v))
 
     def head_weights(self) -> torch.Tensor:
+        return self.codebooks_head.detach().transpose(1, 2)
+
+    def adopt_heads(self, heads: torch.Tensor) -> None:
         """The parameter keeps its [K - 1, H, V] shape and values as a transposed view of the
         row-major [K - 1, V, H] copy (a column-major head ran in a slow cuBLAS kernel at 64 rows)."""
-        heads = self.codebooks_head.detach().transpose(1, 2).contiguous()
         self.codebooks_head.data = heads.transpose(1, 2)
-        return heads

@@ -5,8 +5,9 @@ that draws codes 1..K-1 over a DepthKV allocated once. One frame step, for B row
     hidden, logits0 = backbone_step(embeds, positions, kv_caches, meta, last_rows)
     frames = depth_decode(hidden, sampler(logits0, 0), sampler)      # [B, K]
 
-A subclass builds `backbone`, names its depth decoder (`depth_decoder`) and defines the rest:
-`head`, `embed_inputs`, `frame_is_eos`, `tie_embeddings`, `reset_buffers`."""
+A subclass builds `backbone`, names its depth decoder (`depth_decoder`) and code-0 head
+(`code0_head`) and defines the rest: `embed_inputs`, `frame_is_eos`, `tie_embeddings`,
+`reset_buffers`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch import nn
 from runner.layers import make_attention, make_ops
 from runner.layers.attention import AttentionMetadata
 from runner.layers.base import AttentionBackend, OpsBackend
+from runner.layers.ops import HEAD_ROW_MULTIPLE, padded_rows
 from runner.models.csm_parts import DecoderStack, DepthDecoder, DepthKV
 from runner.models.csm_sampling import CodebookSampler
 
@@ -26,14 +28,24 @@ class FrameModel(nn.Module):
     backbone: DecoderStack
     num_codebooks: int
     depth_kv: DepthKV | None = None
+    # [V0', H]: the code-0 head's weight as the first V0 rows of a zero-padded copy (cuBLAS
+    # alignment, ops.padded_rows), or None; set by allocate_depth_kv
+    code0_padded: torch.Tensor | None = None
 
     @property
     def depth_decoder(self) -> DepthDecoder:
         raise NotImplementedError
 
-    def head(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, H] last hidden states -> (the same, code-0 logits [B, V0] in the model dtype)."""
+    @property
+    def code0_head(self) -> nn.Linear:
+        """The backbone's head for code 0 (bias-free)."""
         raise NotImplementedError
+
+    def head(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, H] last hidden states -> (the same, code-0 logits [B, V0] in the model dtype; a
+        column view of a wider product where the head is padded: a CodebookSampler takes any
+        row stride)."""
+        return last, self.backbone.ops.head(last, self.code0_head.weight, self.code0_padded)
 
     def tie_embeddings(self) -> None:
         """Share the tables the checkpoint ties (again after to_empty, which gives each module
@@ -44,12 +56,23 @@ class FrameModel(nn.Module):
         """Non-parameter state on `device` after a meta-device build: RoPE tables, offsets."""
         raise NotImplementedError
 
-    def allocate_depth_kv(self, max_rows: int) -> DepthKV:
-        """The depth decoder's per-frame KV and metadata for up to max_rows rows, and its
-        decode-time weight layouts (DepthDecoder.prepare_decode), once the weights are loaded."""
+    @torch.no_grad()
+    def allocate_depth_kv(self, max_rows: int, head_row_multiple: int | None = None) -> DepthKV:
+        """The depth decoder's per-frame KV and metadata for up to max_rows rows, and the
+        decode-time weight layouts, once the weights are loaded: every head's rows padded to
+        `head_row_multiple` (default: ops.HEAD_ROW_MULTIPLE on CUDA, where cuBLAS wants the
+        alignment; 1, no padding, elsewhere) and DepthDecoder.prepare_decode."""
         w = self.backbone.norm.weight  # the model's device and dtype
+        if head_row_multiple is None:
+            head_row_multiple = HEAD_ROW_MULTIPLE if w.device.type == "cuda" else 1
+        head = self.code0_head
+        v = head.weight.shape[0]
+        padded = padded_rows(head.weight.detach(), head_row_multiple)
+        self.code0_padded = padded if padded.shape[0] != v else None
+        if self.code0_padded is not None:
+            head.weight = nn.Parameter(padded[:v], requires_grad=False)
         self.depth_kv = DepthKV(self.depth_decoder.cfg, self.num_codebooks, max_rows, w.device, w.dtype)
-        self.depth_decoder.prepare_decode()
+        self.depth_decoder.prepare_decode(head_row_multiple)
         return self.depth_kv
 
     def backbone_step(self, embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

@@ -28,7 +28,7 @@ from runner.config import ModelConfig, RopeConfig
 from runner.layers import make_attention, make_ops
 from runner.layers.attention import AttentionMetadata
 from runner.layers.base import AttentionBackend, OpsBackend
-from runner.layers.ops import torch_rmsnorm
+from runner.layers.ops import HEAD_ROW_MULTIPLE, padded_rows, torch_rmsnorm
 
 
 class RMSNorm(nn.Module):
@@ -271,21 +271,16 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.tied else self.lm_head.weight
 
     @torch.no_grad()
-    def pad_lm_head(self, multiple: int = 64) -> None:
+    def pad_lm_head(self, multiple: int = HEAD_ROW_MULTIPLE) -> None:
         """Store the head's weight (the embedding, if tied) as the first V rows of a [V', H]
-        tensor with V' a multiple of `multiple`, before the weights are filled. Why: with an odd
-        vocabulary (Orpheus: 156940) the logits' rows are not 16-byte aligned and cuBLAS on
-        Hopper falls back to a much slower sm80 kernel; computing V' columns and dropping the
-        zero ones keeps the fast kernels."""
-        v, h = self.lm_head_weight.shape
-        vp = -(-v // multiple) * multiple
-        if vp == v:
-            return
+        tensor with V' a multiple of `multiple`, before the weights are filled (ops.padded_rows
+        says why)."""
         w = self.lm_head_weight
-        padded = torch.zeros(vp, h, dtype=w.dtype, device=w.device)
-        padded[:v] = w
+        padded = padded_rows(w, multiple)
+        if padded.shape[0] == w.shape[0]:
+            return
         module = self.embed_tokens if self.tied else self.lm_head
-        module.weight = nn.Parameter(padded[:v], requires_grad=False)
+        module.weight = nn.Parameter(padded[: w.shape[0]], requires_grad=False)
         self.lm_head_padded = padded
 
     def forward(

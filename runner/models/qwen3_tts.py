@@ -64,6 +64,12 @@ class Qwen3TtsCodePredictor(DepthDecoder):
     def head_weights(self) -> torch.Tensor:
         return self.lm_head.view(self.num_codebooks - 1, self.codebook_size, -1)
 
+    def adopt_heads(self, heads: torch.Tensor) -> None:
+        # [(K - 1) * V, H] views only an unpadded copy; a padded one (V not a multiple of the
+        # padding, never 2048) leaves the parameter its own storage
+        if heads.is_contiguous():
+            self.lm_head.data = heads.view(-1, heads.shape[-1])
+
 
 class TextProjection(nn.Module):
     """qwen-tts's Qwen3TTSTalkerResizeMLP (M:808): fc2(silu(fc1(x))), both with bias; text
@@ -112,6 +118,10 @@ class Qwen3TtsModel(FrameModel):
     def depth_decoder(self) -> Qwen3TtsCodePredictor:
         return self.predictor
 
+    @property
+    def code0_head(self) -> nn.Linear:
+        return self.codec_head
+
     # ---- input embeddings --------------------------------------------------------------------
 
     def embed_text(self, text_ids: torch.Tensor) -> torch.Tensor:
@@ -147,10 +157,6 @@ class Qwen3TtsModel(FrameModel):
         return self.embed_parts(rows[:, k], rows[:, :k])
 
     # ---- the frame step ----------------------------------------------------------------------
-
-    def head(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, H] last hidden states -> (the same, code-0 logits [B, codec_vocab_size], model dtype)."""
-        return last, self.backbone.ops.head(last, self.codec_head.weight, None)
 
     def frame_is_eos(self, frames: torch.Tensor) -> torch.Tensor:
         """[B, K] -> [B] bool: code 0 is the codec eos (M:2280); that frame is not audio (its

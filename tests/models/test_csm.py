@@ -61,7 +61,7 @@ def hf_generate(hf, prompt: list[int], max_frames: int) -> torch.Tensor:
 
 
 def drive(model: CsmModel, prompts: list[list[int]], max_frames: int, sampler_for, join_at: dict[int, int] | None = None,
-          audio: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+          audio: dict[int, torch.Tensor] | None = None, head_row_multiple: int = 1) -> dict[int, torch.Tensor]:
     """Run `prompts` through frame_step over the paged cache, batched: each step holds every live
     sequence's last frame (one row each) and the prompts joining now (a prefill chunk each); a
     sequence leaves after its end-of-audio frame or max_frames. join_at: prompt -> the step it
@@ -70,7 +70,7 @@ def drive(model: CsmModel, prompts: list[list[int]], max_frames: int, sampler_fo
     cfg = model.cfg
     seqs = PagedSequences(NUM_BLOCKS, BLOCK_SIZE)
     kv = allocate_kv_cache(cfg.backbone, NUM_BLOCKS, BLOCK_SIZE, "cpu", torch.float32)
-    model.allocate_depth_kv(len(prompts))
+    model.allocate_depth_kv(len(prompts), head_row_multiple)
     frames: dict[int, list[torch.Tensor]] = {}
     live: list[int] = []
     step = 0
@@ -160,13 +160,26 @@ class RecordingGreedy(GreedyCodebooks):
 
 
 @torch.no_grad()
-def test_depth_decoder_codes_and_logits_match_transformers(pair):
+@pytest.mark.parametrize("padded", [False, True], ids=["heads", "padded_heads"])
+def test_depth_decoder_codes_and_logits_match_transformers(pair, padded):
+    """padded: every head's rows in a zero-padded copy (allocate_depth_kv's head_row_multiple,
+    on CUDA for cuBLAS's alignment), the logits a column view of the wider product."""
     cfg, ours, hf = pair
     gen = torch.Generator().manual_seed(5)
     b = 5
     hidden = torch.randn(b, cfg.backbone.hidden_size, generator=gen)
     code0 = torch.randint(0, cfg.codebook_size, (b,), generator=gen)
-    ours.allocate_depth_kv(8)
+    v = cfg.codebook_size
+    ours.allocate_depth_kv(8, v + 5 if padded else 1)  # v + 5 never divides v: always pads
+    depth = ours.depth
+    if padded:
+        assert depth.heads_padded.shape == (cfg.num_codebooks - 1, v + 5, cfg.depth.hidden_size)
+        assert not depth.heads_padded[:, v:].any() and ours.code0_padded.shape[0] == v + 5
+        # the parameters are views of the padded copies: the weights are held once
+        assert depth.codebooks_head.data_ptr() == depth.heads_padded.data_ptr()
+        assert ours.lm_head.weight.data_ptr() == ours.code0_padded.data_ptr()
+    else:
+        assert depth.heads_padded is None and ours.code0_padded is None
     rec = RecordingGreedy()
     frames = ours.depth_decode(hidden, code0, rec)
     ref = hf.depth_decoder.generate(input_ids=torch.stack([torch.zeros_like(code0), code0], 1),
@@ -186,12 +199,15 @@ def test_depth_decoder_codes_and_logits_match_transformers(pair):
 
 
 @torch.no_grad()
-def test_greedy_frames_equal_transformers_generate_batched(pair):
+@pytest.mark.parametrize("head_row_multiple", [1, 64])
+def test_greedy_frames_equal_transformers_generate_batched(pair, head_row_multiple):
     """Three prompts of different lengths, batched, the third joining at step 3 (a prefill
-    chunk in a step of decode rows): each row's frames equal transformers' generate alone."""
+    chunk in a step of decode rows): each row's frames equal transformers' generate alone,
+    with the heads as they are and padded to 64 rows (CUDA's layout)."""
     cfg, ours, hf = pair
     n = 8
-    ours_frames = drive(ours, PROMPTS, n, lambda rows: GreedyCodebooks(), join_at={2: 3})
+    ours_frames = drive(ours, PROMPTS, n, lambda rows: GreedyCodebooks(), join_at={2: 3},
+                        head_row_multiple=head_row_multiple)
     for i, p in enumerate(PROMPTS):
         ref = hf_generate(hf, p, n)
         assert torch.equal(ours_frames[i], ref), (i, ours_frames[i], ref)
