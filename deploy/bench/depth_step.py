@@ -77,7 +77,6 @@ def run(model: str, rows: list[int], row_tiles: list[str]) -> dict:
     bw = bench_bandwidth()
     bound_us = weight_bytes(dec) / bw * 1e6
     out = []
-    default_tiles = dict(ds.ROW_TILES)
     for m in rows:
         frames = torch.randint(0, shape["vocab"], (m, k), device="cuda")
         meta = kv.step_meta(m, p)
@@ -86,44 +85,41 @@ def run(model: str, rows: list[int], row_tiles: list[str]) -> dict:
             x = dec.projected_codes.index_select(0, frames[:, p - 1] + dec.code_offsets[p - 1])
             return dec.codebook_logits(dec(x, kv.positions[p, :m], kv.caches, meta), p)
 
-        def kernel(_i, sync=True):
+        def kernel(_i, tiles, sync=True):
             scratch.counters.zero_()
             return depth_step(weights, scratch, kv.stacked, dec.projected_codes, frames[:, p - 1],
                               dec.code_offsets[p - 1], p, dec.rotary.cos, dec.rotary.sin, cfg.rms_norm_eps,
-                              cfg.num_heads, cfg.qk_norm, programs, sync=sync)
+                              cfg.num_heads, cfg.qk_norm, programs, sync=sync, tiles=tiles)
 
         layers_us = _time_graph(layer_path, copies=1, launches=20)
         want = layer_path(0).float()
         for variant in row_tiles:
-            ds.ROW_TILES.clear()
-            ds.ROW_TILES.update(default_tiles, **{kv.split("=")[0]: int(kv.split("=")[1])
-                                                  for kv in filter(None, variant.split(","))})
-            got = kernel(0).float()
+            tiles = dict(ds.ROW_TILES, **{kv.split("=")[0]: int(kv.split("=")[1])
+                                          for kv in filter(None, variant.split(","))})
+            got = kernel(0, tiles).float()
             err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
             row = {"model": model, "rows": m, "tiles": variant or "default", "bound_us": bound_us, "rel_err": err,
-                   "layers_us": layers_us, "kernel_us": _time_graph(kernel, copies=1, launches=20),
-                   "phased_us": _time_graph(lambda i: kernel(i, sync=False), copies=1, launches=20)}
+                   "layers_us": layers_us, "kernel_us": _time_graph(lambda i: kernel(i, tiles), copies=1, launches=20),
+                   "phased_us": _time_graph(lambda i: kernel(i, tiles, sync=False), copies=1, launches=20)}
             # each phase kind alone: one launch per layer of it (and the head), no barrier
             for j, name in enumerate(PHASES + ("head",)):
                 sel = [cfg.num_layers * PHASES_PER_LAYER] if name == "head" else [
                     layer * PHASES_PER_LAYER + j for layer in range(cfg.num_layers)]
                 row[f"{name}_us"] = _time_graph(lambda i, sel=sel: _phases(depth_step, sel, weights, scratch, kv,
-                                                                        dec, frames, p, programs),
+                                                                        dec, frames, p, programs, tiles),
                                                 copies=1, launches=20)
             out.append(row)
             log(f"{model} rows {m} tiles {row['tiles']}: layers {layers_us:.1f} µs, kernel {row['kernel_us']:.1f}, "
                 f"phased {row['phased_us']:.1f}, bound {bound_us:.1f}; " + ", ".join(
                     f"{n} {row[n + '_us']:.1f}" for n in PHASES + ("head",)) + f"; max rel err {err:.2e}")
-        ds.ROW_TILES.clear()
-        ds.ROW_TILES.update(default_tiles)
     return {"header": run_header(), "bandwidth": bw, "rows": out}
 
 
-def _phases(depth_step, phases: list[int], weights, scratch, kv, dec, frames, p, programs) -> None:
+def _phases(depth_step, phases: list[int], weights, scratch, kv, dec, frames, p, programs, tiles: dict) -> None:
     """The kernel launched once per phase in `phases` (sync off): a phase kind's time alone."""
     depth_step(weights, scratch, kv.stacked, dec.projected_codes, frames[:, p - 1], dec.code_offsets[p - 1], p,
                dec.rotary.cos, dec.rotary.sin, dec.cfg.rms_norm_eps, dec.cfg.num_heads, dec.cfg.qk_norm, programs,
-               sync=False, only=phases)
+               sync=False, only=phases, tiles=tiles)
 
 
 def main() -> None:

@@ -307,20 +307,21 @@ def step_tiles(rows: int, hidden: int, q_width: int, inter: int, head_dim: int, 
 ROW_TILES = dict(qkv_n=16, o_n=8, gate_up_n=None, gate_up_k=None, down_n=8, down_k=2048, head_n=16)
 
 
-def row_gate_up(inter: int) -> tuple[int, int]:
+def row_gate_up(inter: int, tiles: dict = ROW_TILES) -> tuple[int, int]:
     """gate_up's (rows per half, K chunk) at one row: the widest of 64 / 32 / 16 rows that still
     gives ~128 programs a tile, with a 16 KB chunk per half (CSM's I = 8192: 64 x 128; Qwen3-TTS's
     3072: 16 x 512; measured on the H200, docs/performance.md)."""
-    n = ROW_TILES["gate_up_n"] or next((b for b in (64, 32) if inter // b >= 128), 16)
-    return n, ROW_TILES["gate_up_k"] or 8192 // n
+    n = tiles["gate_up_n"] or next((b for b in (64, 32) if inter // b >= 128), 16)
+    return n, tiles["gate_up_k"] or 8192 // n
 
 
-def row_tiles(hidden: int, inter: int) -> dict[str, int]:
-    """depth_row.py's tile constexprs for these widths: ROW_TILES, row_gate_up's rule, and K
-    chunks that divide K (what the launch passes and the offline compile test compiles)."""
-    bng, kcg = row_gate_up(inter)
-    return dict(BNQ=ROW_TILES["qkv_n"], BNO=ROW_TILES["o_n"], BNG=bng, KCG=_chunk(kcg, hidden),
-                BND=ROW_TILES["down_n"], KCD=_chunk(ROW_TILES["down_k"], inter), BNH=ROW_TILES["head_n"])
+def row_tiles(hidden: int, inter: int, tiles: dict = ROW_TILES) -> dict[str, int]:
+    """depth_row.py's tile constexprs for these widths: `tiles` (ROW_TILES' keys; a benchmark
+    passes variants), row_gate_up's rule, and K chunks that divide K (what the launch passes and
+    the offline compile test compiles)."""
+    bng, kcg = row_gate_up(inter, tiles)
+    return dict(BNQ=tiles["qkv_n"], BNO=tiles["o_n"], BNG=bng, KCG=_chunk(kcg, hidden),
+                BND=tiles["down_n"], KCD=_chunk(tiles["down_k"], inter), BNH=tiles["head_n"])
 
 
 def row_fits(hidden: int, inter: int, q_width: int) -> bool:
@@ -404,11 +405,13 @@ def depth_step(
     *,
     sync: bool = True,
     only: list[int] | None = None,
+    tiles: dict = ROW_TILES,
 ) -> torch.Tensor:
     """The depth decoder at `position` for M rows -> codebook `position`'s logits [M, V] (a view
     of the scratch, overwritten by the next sub-step). Reads only shapes on the host
     (capturable). sync=False: one launch per phase (module docstring), of the phases `only`
-    names when given (a benchmark's phase kind alone)."""
+    names when given (a benchmark's phase kind alone). tiles: the one-row kernel's
+    (ROW_TILES' keys; a benchmark's variants)."""
     m = codes.shape[0]
     layers, _, rows, kc, hkv, d = kv.shape
     hidden, inter, vocab = w.qkv.shape[2], w.down.shape[2], w.heads.shape[1]
@@ -434,7 +437,7 @@ def depth_step(
                 flat.stride(0), flat.stride(1), cos.stride(0),
                 LAYERS=layers, H=hidden, I=inter, HQ=num_q_heads, HKV=hkv, HEAD_DIM=d,
                 SB=max(16, triton.next_power_of_2(kc)), GP=max(16, triton.next_power_of_2(group)), QK_NORM=qk_norm,
-                **row_tiles(hidden, inter), SYNC=sync, num_warps=8, num_stages=1, launch_cooperative_grid=sync,
+                **row_tiles(hidden, inter, tiles), SYNC=sync, num_warps=8, num_stages=1, launch_cooperative_grid=sync,
             )  # fmt: skip
             continue
         _depth_step_kernel[(programs,)](

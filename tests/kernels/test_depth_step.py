@@ -70,6 +70,9 @@ class _Uneven(DepthDecoder):
     def head_weights(self) -> torch.Tensor:
         return self.lm_head.view(K - 1, V, -1)
 
+    def adopt_heads(self, heads: torch.Tensor) -> None:
+        self.lm_head.data = heads.reshape(-1, heads.shape[-1])
+
 
 def _decoder(kind: str, dtype: torch.dtype, seed: int = 0) -> DepthDecoder:
     torch.manual_seed(seed)
