@@ -81,6 +81,12 @@ class CsmFamily(ModelFamily):
     def stop_token_ids(self) -> tuple[int, ...]:
         return (self.config.audio_eos_token_id,)
 
+    def warm_up_args(self, prompt_token_ids: list[int]) -> dict:
+        """Codes (all 0) for the audio positions a start-up prompt's ids happen to hold (a small
+        text vocabulary has the audio token among them)."""
+        n_audio = prompt_token_ids.count(self.config.audio_token_id)
+        return {"prompt_frames": np.zeros((n_audio, self.config.num_codebooks), np.int64)} if n_audio else {}
+
     def prompt_frames(self, prompt_token_ids: list[int], frames: np.ndarray | None) -> np.ndarray:
         c, k = self.config, self.config.num_codebooks
         ids = np.asarray(prompt_token_ids, dtype=np.int64)

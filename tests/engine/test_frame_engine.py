@@ -246,6 +246,18 @@ def test_warm_up_with_fewer_codec_streams_than_its_decodes_starts(tmp_path):
     assert st.num_running == st.num_waiting == 0 and st.num_refused_total == 0 and len(codec) == 0
 
 
+def test_warm_up_prompts_holding_the_audio_ids_start(csm_dir):
+    """The eager-prefill warm-up's synthetic prompts reach every id of a small text vocabulary,
+    the audio token (90) and its end (91) among them: the family gives their frames
+    (CsmFamily.warm_up_args) instead of the engine refusing its own start-up request."""
+    cfg = EngineConfig.build(csm_dir, device="cpu", dtype="float32", max_model_len=400, max_num_batched_tokens=512,
+                             max_num_seqs=9, block_size=4, num_blocks=512)
+    eng = Engine(cfg, family=family_for(read_profile(csm_dir), str(csm_dir)), codec=None)
+    eng.warm_up_eager_prefill()
+    st = eng.stats()
+    assert st.num_running == st.num_waiting == 0 and st.num_refused_total == 0 and eng.num_requests_total == 10
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_lone_audio_request_ended_by_its_stop_frame_finishes(csm_dir, async_scheduling):
     """The frame that ends the audio is not pushed to the codec; when it is the step's only row
