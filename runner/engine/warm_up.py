@@ -7,6 +7,7 @@ kept apart so the engine module holds the request and step logic only.
 
 from __future__ import annotations
 
+from runner.engine.cuda_graphs import graph_buckets
 from runner.engine.model_runner import MAX_TOKEN_ROW_QUERY
 from streaming.sampling_params import SamplingParams
 
@@ -17,14 +18,16 @@ class WarmUp:
         graphed decode, the sampler's window variant, the codec's windows of every chunk
         size), so Triton compiles now and not in the first client's time to first audio (seconds
         of it); then, on CUDA, the attention launch of every batch size an eager step can bring
-        (ModelRunner.warm_attention), the eager prefill path (warm_up_eager_prefill), the
-        lm_head at every row count and the sampler at its largest (ModelRunner.warm_sampling).
+        (ModelRunner.warm_attention), prompts at the row buckets no graph was captured at
+        (warm_up_row_buckets), the eager prefill path (warm_up_eager_prefill), the lm_head at
+        every row count and the sampler at its largest (ModelRunner.warm_sampling).
         Counters are reset afterwards; the prefix cache keeps the prompts' blocks, which is
         harmless."""
         if self.codec is not None:
             self._warm_up_audio()
         if self.device.type == "cuda":
             self.runner.warm_attention()
+            self.warm_up_row_buckets()
             self.warm_up_eager_prefill()
             self.runner.warm_sampling()
         self.num_requests_total = self.num_generated_total = self.step_count = 0
@@ -48,6 +51,24 @@ class WarmUp:
     def _add_warm(self, request_id: str, prompt: list[int], sampling: SamplingParams, **kw) -> None:
         """add_request with what the family's requests carry besides their ids (ModelFamily.warm_up_args)."""
         self.add_request(request_id, prompt, sampling, **kw, **self.family.warm_up_args(prompt))
+
+    def warm_up_row_buckets(self) -> None:
+        """One prompt alone per graph row bucket above the largest captured one, up to the
+        longest prompt chunk a step runs as token rows (MAX_TOKEN_ROW_QUERY). Why: a kernel's
+        launch variant (GEMM tile, split count) changes only at bucket sizes
+        (runner/kernels/tuning), and the graph captures compile those up to the largest batch
+        they hold; a server with few sequences (max_num_seqs 8: graphs up to 8 rows) still runs
+        prompt chunks of up to 128 rows eagerly, and each new variant compiled mid-serving (a
+        Triton GEMM tile: ~0.3 s, every stream waiting)."""
+        sched, run = self.cfg.scheduler, self.cfg.runner
+        top = min(MAX_TOKEN_ROW_QUERY, sched.max_num_batched_tokens, sched.max_model_len - 4)
+        graphed = min(run.max_graph_batch_size, sched.max_num_seqs) if run.cuda_graphs else 0
+        vocab = self.cfg.model.vocab_size
+        text = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=1, ignore_eos=True, seed=0)
+        for n in graph_buckets(top):
+            if n > graphed:  # a salt of its own: no prefix shared with another warm-up prompt
+                self._add_warm(f"__warmup_rows{n}__", [(n + 5 * i) % vocab for i in range(n)], text)
+                self._run_to_end()
 
     def warm_up_eager_prefill(self) -> None:
         """Run the eager prefill path once alone (with hidden states) and once joining running

@@ -258,6 +258,23 @@ def test_warm_up_prompts_holding_the_audio_ids_start(csm_dir):
     assert st.num_running == st.num_waiting == 0 and st.num_refused_total == 0 and eng.num_requests_total == 10
 
 
+def test_warm_up_runs_a_prompt_at_every_uncaptured_row_bucket(csm_dir):
+    """warm_up_row_buckets: one prompt step of each graph bucket's row count above the captured
+    ones (none captured here: graphs off), up to MAX_TOKEN_ROW_QUERY, each computed whole (no
+    prefix shared between them)."""
+    from runner.engine.cuda_graphs import graph_buckets
+    from runner.engine.model_runner import MAX_TOKEN_ROW_QUERY
+
+    cfg = EngineConfig.build(csm_dir, device="cpu", dtype="float32", max_model_len=400, max_num_batched_tokens=512,
+                             max_num_seqs=4, block_size=4, num_blocks=512, cuda_graphs=False)
+    eng = Engine(cfg, family=family_for(read_profile(csm_dir), str(csm_dir)), codec=None)
+    eng.warm_up_row_buckets()
+    want = graph_buckets(MAX_TOKEN_ROW_QUERY)
+    st = eng.stats()
+    assert want[-1] == MAX_TOKEN_ROW_QUERY and st.num_requests_total == len(want)
+    assert st.num_prefix_cache_hit_tokens == 0 and st.num_refused_total == 0 and not eng.has_unfinished
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_lone_audio_request_ended_by_its_stop_frame_finishes(csm_dir, async_scheduling):
     """The frame that ends the audio is not pushed to the codec; when it is the step's only row
