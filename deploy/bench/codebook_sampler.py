@@ -27,7 +27,8 @@ CASES = {  # name -> SamplingParams fields, every row alike
     "top-p 0.9": dict(temperature=1.0, top_p=0.9),
     "greedy": dict(temperature=0.0),
 }
-CONFIGS = ((4, 16), (8, 16), (4, 8))  # (pivots per search round, warps); the kernel's default first
+# (pivots per search round, warps; None: the kernel's choice, num_warps / max_registers); its default first
+CONFIGS = ((4, None), (4, 16), (8, None))
 
 
 def graph_batch(b: int, fields: dict, dev: torch.device):

@@ -45,7 +45,7 @@ from torch import Tensor
 from runner.kernels.hashing import hash32, uniform24
 from runner.kernels.sampling import _order_key, _pivots
 
-MAX_VOCAB = 4096  # the row lives in registers: BLOCK = next_power_of_2(V) lanes per program
+MAX_VOCAB = 4096  # the row lives in registers: BLOCK (+ TAIL) lanes per program (row_split)
 _NP = 4  # pivots per search round (a power of 2): more spill the [BLOCK, NP] tile out of registers
 
 _KEY_NEG_INF = tl.constexpr(-0x7F800000)  # _order_key(-inf)
@@ -57,11 +57,13 @@ def _span(lo_a, hi_a, z_a, lo_b, hi_b, z_b):
 
 
 @triton.jit
-def _search(key, e, lo, hi, bound, frac, MASS: tl.constexpr, NP: tl.constexpr, SPAN_REDUCE: tl.constexpr):
+def _search(key, e, tkey, te, lo, hi, bound, frac, MASS: tl.constexpr, NP: tl.constexpr, SPAN_REDUCE: tl.constexpr,
+            HAS_TAIL: tl.constexpr):
     """The largest key lo' with stat(key > lo') >= bound: keep key > lo'.
 
     In: (lo, hi] with stat(lo) >= bound > stat(hi) (hi: the key of the row max, where stat is
-    0); key / e [BLOCK] the row's keys and masses (padding lanes: key(-inf), never above lo).
+    0); key / e [BLOCK] the row's keys and masses (padding lanes: key(-inf), never above lo),
+    tkey / te [TAIL] the tail's (HAS_TAIL: added to every statistic after the block's).
     stat: count (MASS False) or sum of e. MASS: bound = frac * mass(key > lo).
     A round evaluates stat at NP pivots and, in the same pass, the smallest and largest key of
     the tokens in (lo, hi]: stat does not change between lo and that smallest key - 1, nor
@@ -69,10 +71,13 @@ def _search(key, e, lo, hi, bound, frac, MASS: tl.constexpr, NP: tl.constexpr, S
     search ends when they all share one key (e.g. bf16 logits tied at the threshold).
     """
     k2 = key[:, None]
+    tk2 = tkey[:, None]
     if MASS:
         w2 = e[:, None]
+        tw2 = te[:, None]
     else:
         w2 = tl.full([1, 1], 1.0, tl.float32)  # counts in fp32: exact below 2^24
+        tw2 = w2
     go = hi.to(tl.int64) - lo.to(tl.int64) > 1
     while go:
         piv = _pivots(lo, hi, NP)  # [NP]
@@ -85,6 +90,12 @@ def _search(key, e, lo, hi, bound, frac, MASS: tl.constexpr, NP: tl.constexpr, S
             kmin = tl.min(tl.where(inside, key, 0x7FFFFFFF), axis=0)
             kmax = tl.max(tl.where(inside, key, -0x7FFFFFFF), axis=0)
             z = tl.sum(tl.where(inside, e, 0.0), axis=0)
+        if HAS_TAIL:
+            stat += tl.sum(tl.where(tk2 > piv[None, :], tw2, 0.0), axis=0)
+            tin = (tkey > lo) & (tkey <= hi)
+            kmin = tl.minimum(kmin, tl.min(tl.where(tin, tkey, 0x7FFFFFFF), axis=0))
+            kmax = tl.maximum(kmax, tl.max(tl.where(tin, tkey, -0x7FFFFFFF), axis=0))
+            z += tl.sum(tl.where(tin, te, 0.0), axis=0)
         if MASS:
             bound = tl.where(bound < 0, frac * z, bound)  # first round: z = mass(key > lo) (hi is the max)
         # Stats are monotone in the pivot (termwise >=, one reduction tree), so every pivot
@@ -97,6 +108,17 @@ def _search(key, e, lo, hi, bound, frac, MASS: tl.constexpr, NP: tl.constexpr, S
         hi = tl.where(some, tl.minimum(new_hi, kmax), new_hi)
         go = hi.to(tl.int64) - lo.to(tl.int64) > 1
     return lo
+
+
+@triton.jit
+def _load_row(row_ptr, cols, V, flag_ptr, limit, HAS_RANGE: tl.constexpr):
+    """float(logits) of `cols`: -inf past V, for NaN (broken weights: never drawn, ids stay in
+    range) and, on a flagged row (HAS_RANGE), at columns >= limit."""
+    x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    x = tl.where(x == x, x, float("-inf"))
+    if HAS_RANGE:
+        x = tl.where((tl.load(flag_ptr) != 0) & (cols >= limit), float("-inf"), x)
+    return x
 
 
 @triton.jit
@@ -117,37 +139,43 @@ def _codebook_sample_kernel(
     seed_ptr, ctr_ptr, num_codebooks, codebook,  # [B] i64 noise seeds and frame counters
     out_ptr, stride_o,  # ids [B] int64 (any stride)
     V,
-    HAS_RANGE: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr, SPAN_REDUCE: tl.constexpr,
-    SALT0: tl.constexpr, SALT1: tl.constexpr, SALT2: tl.constexpr,
+    HAS_RANGE: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr, HAS_TAIL: tl.constexpr, NP: tl.constexpr,
+    SPAN_REDUCE: tl.constexpr, SALT0: tl.constexpr, SALT1: tl.constexpr, SALT2: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    valid = cols < V
-    x = tl.load(x_ptr + row * stride_x + cols, mask=valid, other=float("-inf")).to(tl.float32)
-    x = tl.where(x == x, x, float("-inf"))  # NaN (broken weights): never drawn, ids stay in range
-    if HAS_RANGE:
-        x = tl.where((tl.load(rows_ptr + row) != 0) & (cols >= limit), float("-inf"), x)
+    tcols = BLOCK + tl.arange(0, TAIL)  # columns past the block (HAS_TAIL), each reduction's second part
+    x = _load_row(x_ptr + row * stride_x, cols, V, rows_ptr + row, limit, HAS_RANGE)
+    tx = _load_row(x_ptr + row * stride_x, tcols, V, rows_ptr + row, limit, HAS_RANGE)
     mx, ids = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)  # torch.argmax
+    if HAS_TAIL:  # a tail column wins only above the block's max (ties: the first index)
+        tmx, tids = tl.max(tx, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        ids = tl.where(tmx > mx, BLOCK + tids, ids)
+        mx = tl.maximum(mx, tmx)
     t = tl.load(temp_ptr + row)
     if t != 0.0:
         r = tl.div_rn(1.0, t)
-        y = tl.where(x > float("-inf"), _div(x, t, r), float("-inf"))
         m = _div(mx, t, r)  # = max y: correctly rounded division is monotone
+        y = tl.where(x > float("-inf"), _div(x, t, r), float("-inf"))
         e = tl.exp(y - m)  # padding and -inf: 0
         key = _order_key(y)
+        ty = tl.where(tx > float("-inf"), _div(tx, t, r), float("-inf"))
+        te = tl.exp(ty - m)
+        tkey = _order_key(ty)
         lo = tl.full([], _KEY_NEG_INF, tl.int32)  # every finite token lies above lo
         hi = _order_key(m)
         k = tl.load(topk_ptr + row)
         if (k > 0) & (k < V):
             # (k >= #finite tokens: no pivot reaches k, the search keeps every finite token)
-            lo = _search(key, e, lo, hi, k.to(tl.float32), 0.0, False, NP, SPAN_REDUCE)
+            lo = _search(key, e, tkey, te, lo, hi, k.to(tl.float32), 0.0, False, NP, SPAN_REDUCE, HAS_TAIL)
         p = tl.load(topp_ptr + row)
         if p < 1.0:
             # Tokens more than 120 below the max have e == 0 in fp32: massless, they never
             # cross the bound; starting above them narrows the value range of the pivots.
             lo = tl.maximum(lo, _order_key(m - 120.0) - 1)
-            lo = _search(key, e, lo, hi, tl.full([], -1.0, tl.float32), p, True, NP, SPAN_REDUCE)
-        keep = (key > lo) & (e >= tl.load(minp_ptr + row))
+            lo = _search(key, e, tkey, te, lo, hi, tl.full([], -1.0, tl.float32), p, True, NP, SPAN_REDUCE, HAS_TAIL)
+        minp = tl.load(minp_ptr + row)
+        keep = (key > lo) & (e >= minp)
         # the race noise of runner/layers/noise.race_noise, column by column
         seed = tl.load(seed_ptr + row)
         ctr = tl.load(ctr_ptr + row) * num_codebooks + codebook
@@ -159,7 +187,12 @@ def _codebook_sample_kernel(
         hkey2 = hash32(hkey ^ s2)
         q = -tl.log(uniform24(hash32(hash32(cols.to(tl.uint32) ^ hkey) ^ hkey2)))  # > 0
         score = tl.where(keep, e / q, -1.0)  # the top token is always kept, with a score > 0
-        ids = tl.argmax(score, axis=0, tie_break_left=True)
+        best, ids = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        if HAS_TAIL:
+            tq = -tl.log(uniform24(hash32(hash32(tcols.to(tl.uint32) ^ hkey) ^ hkey2)))
+            tscore = tl.where((tkey > lo) & (te >= minp), te / tq, -1.0)
+            tbest, tids = tl.max(tscore, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            ids = tl.where(tbest > best, BLOCK + tids, ids)
     tl.store(out_ptr + row * stride_o, tl.where(ids < V, ids, 0).to(tl.int64))
 
 
@@ -169,10 +202,32 @@ def _codebook_sample_kernel(
 _SPAN_REDUCE = type(_codebook_sample_kernel).__name__ != "InterpretedFunction"
 
 
+MAX_TAIL = 16  # columns past a power of two held as a second small tensor (CSM's 2051 = 2048 + 3)
+
+
+def row_split(v: int) -> tuple[int, int]:
+    """(BLOCK, TAIL) lanes for a row of v columns: the power of two below v plus a tail of up to
+    MAX_TAIL columns (TAIL 0: none) where that covers it, else the power of two above. Why: a
+    whole power of two above 2051 is 4096 lanes, twice the registers and the work; at 4096 lanes
+    and 16 warps one program took an SM's whole register file (127 a thread), so 512 rows ran
+    in four waves."""
+    block = triton.next_power_of_2(v)
+    if block // 2 < v <= block // 2 + MAX_TAIL:
+        return block // 2, triton.next_power_of_2(v - block // 2)
+    return block, 0
+
+
 def num_warps(block: int) -> int:
     """Warps of a program holding `block` lanes: 8 to 16 values per thread keeps a search
     round's [BLOCK, NP] tile in registers (no spills: the offline compile test checks)."""
     return max(4, min(16, block // 256))
+
+
+def max_registers(warps: int) -> int | None:
+    """The launch's register cap (maxnreg): at 8 warps, 128 a thread, so that two programs fit
+    an SM's 64K registers (unbounded, ptxas took 156 and an SM ran one program: rows wait in
+    waves at large batch); no spills (the offline compile test checks). None: no cap."""
+    return 128 if warps == 8 else None
 
 
 def codebook_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, seeds: Tensor,
@@ -190,7 +245,8 @@ def codebook_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
     if v > MAX_VOCAB or logits.stride(1) != 1:
         raise ValueError(f"logits {tuple(logits.shape)} with column stride {logits.stride(1)}: "
                          f"need V <= {MAX_VOCAB} and unit column stride")
-    block = triton.next_power_of_2(v)
+    block, tail = row_split(v)
+    w = warps or num_warps(block)
     if out is None:
         out = torch.empty(b, dtype=torch.int64, device=logits.device)
     if b:
@@ -198,9 +254,9 @@ def codebook_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
             logits, logits.stride(0), rows if rows is not None else temperature, limit,
             temperature, top_k, top_p, min_p, seeds, counters, num_codebooks, codebook,
             out, out.stride(0), v,
-            HAS_RANGE=rows is not None, BLOCK=block, NP=np_pivots,
+            HAS_RANGE=rows is not None, BLOCK=block, TAIL=max(tail, 1), HAS_TAIL=tail > 0, NP=np_pivots,
             SPAN_REDUCE=_SPAN_REDUCE if span_reduce is None else span_reduce,
-            SALT0=salts[0], SALT1=salts[1], SALT2=salts[2], num_warps=warps or num_warps(block),
+            SALT0=salts[0], SALT1=salts[1], SALT2=salts[2], num_warps=w, maxnreg=max_registers(w),
         )
     return out
 

@@ -195,6 +195,30 @@ def test_padded_rows_and_degenerate_rows():
     assert ((got >= 0) & (got < v)).all(), got
 
 
+def test_the_tail_columns_past_the_block():
+    """V = 2051 runs as 2048 lanes and a tail of 4 (row_split): the strongest codes in the tail,
+    a tail code tied with the block's max (the first index wins, as torch.argmax), and a top-k
+    whose threshold falls among tail codes all draw what the torch sampler draws."""
+    from runner.kernels.codebook_sampling import row_split
+
+    v = 2051
+    assert row_split(v) == (2048, 4) and row_split(2048) == (2048, 0) and row_split(2100) == (4096, 0)
+    x = _logits(8, v, torch.float32, seed=8)
+    x[0, 2050] = x[1, 2049] = 40.0  # the max in the tail
+    x[2, 2048] = x[2, 17] = 40.0  # tied: column 17
+    x[3, 2048:] = 30.0  # top-k 3 keeps exactly the tail
+    x[4, 2048:] = 30.0
+    x[4, 5] = 30.0  # top-k 3 among 4 tied: every tie survives (the kernel's rule and torch's)
+    x[5:, 2048:] = float("nan")  # a broken tail is never drawn
+    params = [SP(temperature=0.0), SP(top_k=1), SP(temperature=0.0), SP(top_k=3), SP(temperature=0.9, top_k=3),
+              SP(temperature=0.0), SP(top_p=0.9), SP(min_p=0.1)]
+    batch = _batch(params, seed0=8, counter0=2, device=DEVICE)
+    got = _fused(x.to(DEVICE), batch, 3).cpu()
+    assert got[:3].tolist() == [2050, 2049, 17] and 2048 <= got[3] < v
+    assert (got[5:] < 2048).all()
+    assert got.tolist() == _reference(torch.where(x.isnan(), float("-inf"), x), batch, 3, None, None).tolist()
+
+
 def test_one_pass_span_reduction():
     """The compiled kernels' one-pass (min, max, mass) reduction of a search round; the
     interpreter otherwise runs three built-in ones (module note at _SPAN_REDUCE)."""
@@ -273,13 +297,15 @@ _COMPILE_SCRIPT = textwrap.dedent(
     sig = dict(x_ptr="*bf16", stride_x="i32", rows_ptr="*i1", limit="i32", temp_ptr="*fp32", topk_ptr="*i64",
                topp_ptr="*fp32", minp_ptr="*fp32", seed_ptr="*i64", ctr_ptr="*i64", num_codebooks="i32",
                codebook="i32", out_ptr="*i64", stride_o="i32", V="i32")
-    for x_type, block, rng in (("*bf16", m.MAX_VOCAB, True), ("*fp32", m.MAX_VOCAB, False), ("*fp16", 2048, True),
-                               ("*bf16", 1024, False)):
+    # CSM's 2051 (2048 + a tail of 4), Qwen3-TTS's 2048, the largest, a small one
+    for x_type, v, rng in (("*bf16", 2051, True), ("*fp32", 2051, False), ("*fp16", 2048, True),
+                           ("*bf16", m.MAX_VOCAB, True), ("*bf16", 1000, False)):
+        block, tail = m.row_split(v)
         k = compile_sm90(m._codebook_sample_kernel, dict(sig, x_ptr=x_type),
-                         dict(HAS_RANGE=rng, BLOCK=block, NP=m._NP, SPAN_REDUCE=True, SALT0=NOISE_SALTS[0],
-                              SALT1=NOISE_SALTS[1], SALT2=NOISE_SALTS[2]),
-                         num_warps=m.num_warps(block))
-        assert local_memory_ops(k.asm["cubin"]) == 0, (x_type, block, rng)
+                         dict(HAS_RANGE=rng, BLOCK=block, TAIL=max(tail, 1), HAS_TAIL=tail > 0, NP=m._NP,
+                              SPAN_REDUCE=True, SALT0=NOISE_SALTS[0], SALT1=NOISE_SALTS[1], SALT2=NOISE_SALTS[2]),
+                         num_warps=m.num_warps(block), maxnreg=m.max_registers(m.num_warps(block)))
+        assert local_memory_ops(k.asm["cubin"]) == 0, (x_type, v, rng)
     print("compiled")
     """
 )
