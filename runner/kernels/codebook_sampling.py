@@ -212,7 +212,7 @@ def row_split(v: int) -> tuple[int, int]:
     and 16 warps one program took an SM's whole register file (127 a thread), so 512 rows ran
     in four waves."""
     block = triton.next_power_of_2(v)
-    if block // 2 < v <= block // 2 + MAX_TAIL:
+    if block // 2 >= 4 * MAX_TAIL and v <= block // 2 + MAX_TAIL:  # (v > block / 2 always)
         return block // 2, triton.next_power_of_2(v - block // 2)
     return block, 0
 

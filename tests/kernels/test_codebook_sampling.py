@@ -203,6 +203,7 @@ def test_the_tail_columns_past_the_block():
 
     v = 2051
     assert row_split(v) == (2048, 4) and row_split(2048) == (2048, 0) and row_split(2100) == (4096, 0)
+    assert [row_split(n) for n in (1, 2, 17, 65, 70)] == [(1, 0), (2, 0), (32, 0), (64, 1), (64, 8)]
     x = _logits(8, v, torch.float32, seed=8)
     x[0, 2050] = x[1, 2049] = 40.0  # the max in the tail
     x[2, 2048] = x[2, 17] = 40.0  # tied: column 17
