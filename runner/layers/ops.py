@@ -39,20 +39,27 @@ def torch_head(x: torch.Tensor, weight: torch.Tensor, padded: torch.Tensor | Non
 HEAD_ROW_MULTIPLE = 64  # heads' rows padded to this on CUDA (padded_rows)
 
 
-def padded_rows(w: torch.Tensor, multiple: int) -> torch.Tensor:
-    """w [..., V, H] as the first V rows of a zero-padded [..., V', H], V' = V rounded up to
-    `multiple` (w itself, made contiguous, where V' == V). Why: a head with an odd vocabulary
-    (Orpheus 156940, CSM 2051) writes logits rows that are not 16-byte aligned, and cuBLAS on
-    Hopper falls back to a much slower sm80 kernel for it (a 2051-row head at 512 rows: 39 us in
-    `cutlass_75_tensorop_s1688gemm`); computing V' columns and dropping the zero ones keeps the
-    fast kernels. Callers keep `padded[..., :V, :]` as the weight (torch_head's `padded`)."""
+def row_multiple_for(device: torch.device) -> int:
+    """The row multiple heads are padded to on `device` (chosen once, at load): HEAD_ROW_MULTIPLE
+    on CUDA, where cuBLAS wants the alignment; 1 (no padding) elsewhere."""
+    return HEAD_ROW_MULTIPLE if device.type == "cuda" else 1
+
+
+def padded_rows(w: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rows, padded): w [..., V, H] copied into the first V rows of a zero-padded `padded`
+    [..., V', H], V' = V rounded up to `multiple`, and `rows` = padded[..., :V, :], the view a
+    caller keeps as the weight (torch_head's `padded` is the other); where V' == V: (w made
+    contiguous, None). Why: a head with an odd vocabulary (Orpheus 156940, CSM 2051) writes
+    logits rows that are not 16-byte aligned, and cuBLAS on Hopper falls back to a much slower
+    sm80 kernel for it (a 2051-row head at 512 rows: 39 us in `cutlass_75_tensorop_s1688gemm`);
+    computing V' columns and dropping the zero ones keeps the fast kernels."""
     v = w.shape[-2]
     vp = -(-v // multiple) * multiple
     if vp == v:
-        return w.contiguous()
+        return w.contiguous(), None
     padded = w.new_zeros(*w.shape[:-2], vp, w.shape[-1])
     padded[..., :v, :] = w
-    return padded
+    return padded[..., :v, :], padded
 
 
 def unfolded_post_attention(ops: OpsBackend, out: torch.Tensor, o_proj: torch.nn.Linear, residual: torch.Tensor,

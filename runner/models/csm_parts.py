@@ -163,9 +163,7 @@ class DepthDecoder(DecoderStack):
         w = self.embed_tokens.weight
         proj = self.inputs_embeds_projector
         self.projected_codes = F.linear(w, proj.weight, proj.bias) if self.projects else w
-        padded = padded_rows(self.head_weights().detach(), head_row_multiple)
-        self.heads = padded[:, : self.codebook_size]
-        self.heads_padded = padded if padded.shape[1] != self.codebook_size else None
+        self.heads, self.heads_padded = padded_rows(self.head_weights().detach(), head_row_multiple)
         self.adopt_heads(self.heads)
         # 16-bit weights on CUDA (an fp32 dot there is TF32; the interpreter computes in fp32)
         if self.step_rows and (self.heads.dtype != torch.float32 or self.heads.device.type != "cuda"):

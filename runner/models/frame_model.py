@@ -19,7 +19,7 @@ from torch import nn
 from runner.layers import make_attention, make_ops
 from runner.layers.attention import AttentionMetadata
 from runner.layers.base import AttentionBackend, OpsBackend
-from runner.layers.ops import HEAD_ROW_MULTIPLE, padded_rows
+from runner.layers.ops import padded_rows, row_multiple_for
 from runner.models.csm_parts import DecoderStack, DepthDecoder, DepthKV
 from runner.models.csm_sampling import CodebookSampler
 
@@ -60,17 +60,14 @@ class FrameModel(nn.Module):
     def allocate_depth_kv(self, max_rows: int, head_row_multiple: int | None = None) -> DepthKV:
         """The depth decoder's per-frame KV and metadata for up to max_rows rows, and the
         decode-time weight layouts, once the weights are loaded: every head's rows padded to
-        `head_row_multiple` (default: ops.HEAD_ROW_MULTIPLE on CUDA, where cuBLAS wants the
-        alignment; 1, no padding, elsewhere) and DepthDecoder.prepare_decode."""
+        `head_row_multiple` (default: ops.row_multiple_for the model's device) and
+        DepthDecoder.prepare_decode."""
         w = self.backbone.norm.weight  # the model's device and dtype
         if head_row_multiple is None:
-            head_row_multiple = HEAD_ROW_MULTIPLE if w.device.type == "cuda" else 1
-        head = self.code0_head
-        v = head.weight.shape[0]
-        padded = padded_rows(head.weight.detach(), head_row_multiple)
-        self.code0_padded = padded if padded.shape[0] != v else None
+            head_row_multiple = row_multiple_for(w.device)
+        rows, self.code0_padded = padded_rows(self.code0_head.weight.detach(), head_row_multiple)
         if self.code0_padded is not None:
-            head.weight = nn.Parameter(padded[:v], requires_grad=False)
+            self.code0_head.weight = nn.Parameter(rows, requires_grad=False)
         self.depth_kv = DepthKV(self.depth_decoder.cfg, self.num_codebooks, max_rows, w.device, w.dtype)
         self.depth_decoder.prepare_decode(head_row_multiple)
         return self.depth_kv

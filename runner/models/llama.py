@@ -28,7 +28,7 @@ from runner.config import ModelConfig, RopeConfig
 from runner.layers import make_attention, make_ops
 from runner.layers.attention import AttentionMetadata
 from runner.layers.base import AttentionBackend, OpsBackend
-from runner.layers.ops import HEAD_ROW_MULTIPLE, padded_rows, torch_rmsnorm
+from runner.layers.ops import HEAD_ROW_MULTIPLE, padded_rows, row_multiple_for, torch_rmsnorm
 
 
 class RMSNorm(nn.Module):
@@ -262,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.tied:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-        # [V', H] with V' = V rounded up to LM_HEAD_ROW_MULTIPLE, rows >= V zero, whose first V
+        # [V', H] with V' = V rounded up to HEAD_ROW_MULTIPLE, rows >= V zero, whose first V
         # rows are the head's weight (see pad_lm_head); None: the head is used as it is
         self.lm_head_padded: torch.Tensor | None = None
 
@@ -275,12 +275,11 @@ class LlamaForCausalLM(nn.Module):
         """Store the head's weight (the embedding, if tied) as the first V rows of a [V', H]
         tensor with V' a multiple of `multiple`, before the weights are filled (ops.padded_rows
         says why)."""
-        w = self.lm_head_weight
-        padded = padded_rows(w, multiple)
-        if padded.shape[0] == w.shape[0]:
+        rows, padded = padded_rows(self.lm_head_weight, multiple)
+        if padded is None:
             return
         module = self.embed_tokens if self.tied else self.lm_head
-        module.weight = nn.Parameter(padded[: w.shape[0]], requires_grad=False)
+        module.weight = nn.Parameter(rows, requires_grad=False)
         self.lm_head_padded = padded
 
     def forward(
@@ -344,8 +343,7 @@ def build_empty_model(
         model = model_cls(cfg, attn, ops)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_buffers(device)
-    if device.type == "cuda":  # chosen once: the alignment matters to cuBLAS only
-        model.pad_lm_head()
+    model.pad_lm_head(row_multiple_for(device))  # chosen once: the alignment matters to cuBLAS only
     return model.eval().requires_grad_(False)
 
 
